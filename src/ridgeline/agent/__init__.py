@@ -1,0 +1,42 @@
+"""The coding agent: a plan, act, observe, reflect loop over a sandbox.
+
+Public API::
+
+    from ridgeline.agent import run_agent, AgentConfig
+    result = run_agent(task, sandbox, model, AgentConfig(step_limit=30),
+                       trajectory_path="runs/task-1.jsonl")
+    result.status            # ExitStatus: finished, step_limit, token_limit, time_limit,
+                             #             context_limit, error
+    result.steps, result.total_tokens, result.wall_s, result.n_format_errors
+    result.trajectory        # Trajectory: header, steps (with token ids and logprobs), result
+    result.attach_verdict(verdict)   # stores the grader's verdict, appends it to the JSONL
+    Trajectory.load("runs/task-1.jsonl").turns()   # RL: exact prompt/completion token ids
+
+- `task` is a `ridgeline.tasks.Task` (anything with `id` and `instruction`; `workdir` and
+  an agent timeout are used when present) or a plain instruction string.
+- `model` is a `ChatModel` (wrapped in `Agent(model, config)`), the name of a scripted
+  agent (`"oracle"` runs the task's solution, `"null"` does nothing), or an agent object.
+- Tools: `bash` (persistent shell), `read_file`, `write_file`, `edit` (exact, unique
+  string replace), `finish`. Action format: native tool calls when the model supports
+  them, else text (a fenced bash block or `<bash>`, `<write_file path=..>`, `<read_file
+  path=../>`, `<edit path=..><old>..</old><new>..</new></edit>`, `<finish/>`);
+  `AgentConfig.action_format` forces one.
+- Malformed actions get a format hint and count in `n_format_errors`; long outputs keep
+  head and tail; near the context window old steps are condensed into a summary.
+"""
+
+from ridgeline.agent.config import AgentConfig, load_agent_config
+from ridgeline.agent.loop import Agent, TaskLike
+from ridgeline.agent.run import EpisodeRunner, make_agent, run_agent
+from ridgeline.agent.scripted import NullAgent, OracleAgent
+from ridgeline.agent.tools import TOOLS
+from ridgeline.agent.trajectory import (
+    AgentResult, ExitStatus, StepRecord, Trajectory, TrajectoryHeader, TrajectoryResult, Turn,
+    attach_verdict,
+)
+
+__all__ = [
+    "TOOLS", "Agent", "AgentConfig", "AgentResult", "EpisodeRunner", "ExitStatus", "NullAgent",
+    "OracleAgent", "StepRecord", "TaskLike", "Trajectory", "TrajectoryHeader",
+    "TrajectoryResult", "Turn", "attach_verdict", "load_agent_config", "make_agent", "run_agent",
+]

@@ -1,0 +1,289 @@
+"""The agent loop: plan, act, observe, reflect.
+
+    run -> step -> query -> parse_action -> execute_action -> observe
+
+Each step is one model reply and at most one action. Problems the model can fix (a
+malformed action, a failing command, a missing file) go back to it as an observation
+and the loop goes on; limits (steps, tokens, wall time, context) and broken
+infrastructure end the episode with an `ExitStatus`. The trajectory is appended to its
+JSONL file after every step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ridgeline.agent.action_parser import parse_actions
+from ridgeline.agent.config import AgentConfig, fill
+from ridgeline.agent.history import History, HistoryStep, condense
+from ridgeline.agent.tools import TOOLS, Action, ActionError, Observation, Workbench, one_line
+from ridgeline.agent.trajectory import (
+    ActionRecord, AgentResult, CondenseRecord, ExitStatus, ObservationRecord, StepRecord,
+    StepTimings, TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
+)
+from ridgeline.errors import RidgelineError, SandboxError
+from ridgeline.llm.base import ChatModel, Completion, ContextLengthError, Message
+from ridgeline.sandbox.base import Sandbox
+
+# Below this many tokens of room for the reply, a prompt counts as not fitting.
+MIN_REPLY_TOKENS = 32
+
+
+class TaskLike(Protocol):
+    """What the agent needs of a task (`ridgeline.tasks.Task` has it)."""
+
+    id: str
+    instruction: str
+
+
+@dataclass
+class TaskInfo:
+    id: str
+    instruction: str
+    workdir: str | None
+    timeout_s: float | None
+
+    @classmethod
+    def of(cls, task: TaskLike | str, sandbox: Sandbox | None = None) -> "TaskInfo":
+        if isinstance(task, str):
+            return cls("adhoc", task, _sandbox_cwd(sandbox), None)
+        timeout = None
+        for attr in ("agent_timeout_s", "agent_timeout_sec", "max_agent_timeout_sec",
+                     "agent_timeout"):
+            value = getattr(task, attr, None)
+            if isinstance(value, (int, float)) and value > 0:
+                timeout = float(value)
+                break
+        workdir = getattr(task, "workdir", None)
+        return cls(str(getattr(task, "id", None) or getattr(task, "name", "task")),
+                   task.instruction, str(workdir) if workdir else _sandbox_cwd(sandbox), timeout)
+
+
+def _sandbox_cwd(sandbox: Sandbox | None) -> str | None:
+    spec = getattr(sandbox, "spec", None)
+    return getattr(spec, "cwd", None)
+
+
+class _EndEpisode(Exception):
+    def __init__(self, status: ExitStatus, detail: str | None = None) -> None:
+        super().__init__(status.value)
+        self.status = status
+        self.detail = detail
+
+
+class Agent:
+    """An LLM agent: a model and a config. `run` may be called for many episodes, also
+    from several threads at once (each run has its own `Episode`)."""
+
+    name = "llm"
+
+    def __init__(self, model: ChatModel, config: AgentConfig | None = None) -> None:
+        self.model = model
+        self.config = config or AgentConfig()
+
+    def action_format(self) -> str:
+        if self.config.action_format != "auto":
+            return self.config.action_format
+        return "tool_calls" if getattr(self.model, "supports_tools", False) else "text"
+
+    def run(self, task: TaskLike | str, sandbox: Sandbox,
+            trajectory_path: str | Path | None = None) -> AgentResult:
+        return Episode(self, TaskInfo.of(task, sandbox), sandbox, trajectory_path).run()
+
+
+class Episode:
+    def __init__(self, agent: Agent, task: TaskInfo, sandbox: Sandbox,
+                 trajectory_path: str | Path | None) -> None:
+        self.model = agent.model
+        self.config = cfg = agent.config
+        self.task = task
+        self.native = agent.action_format() == "tool_calls"
+        self.tools = TOOLS if self.native else None
+        self.format_help = cfg.tool_format_help if self.native else cfg.text_format_help
+        self.workbench = Workbench(sandbox, cfg.observation_max_bytes)
+        self.time_limit_s = min(cfg.time_limit_s, task.timeout_s or cfg.time_limit_s)
+        head = [Message(role="system", content=fill(cfg.system_template,
+                                                    format_help=self.format_help)),
+                Message(role="user", content=fill(cfg.instance_template,
+                                                  instruction=task.instruction,
+                                                  workdir=task.workdir or "the working directory"))]
+        self.history = History(head=head, summary_template=cfg.summary_template)
+        self.path = Path(trajectory_path) if trajectory_path is not None else None
+        self.writer = TrajectoryWriter(self.path, TrajectoryHeader(
+            task_id=task.id, instruction=task.instruction, agent=agent.name,
+            model=getattr(self.model, "name", None),
+            action_format="tool_calls" if self.native else "text",
+            config=cfg.model_dump(mode="json"), tools=list(self.tools or []), messages=head))
+        self.n_steps = self.n_format_errors = self.n_condensations = 0
+        self.prompt_tokens = self.completion_tokens = 0
+        self._last_prompt_tokens = 0
+        self.started = time.perf_counter()
+        self.summary: str | None = None
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> AgentResult:
+        status, error = ExitStatus.ERROR, None
+        try:
+            while True:
+                self.step()
+        except _EndEpisode as end:
+            status, error = end.status, end.detail
+        except RidgelineError as e:  # the endpoint is down, the sandbox is gone...
+            status, error = ExitStatus.ERROR, f"{type(e).__name__}: {e}"
+        finally:
+            self.workbench.close()
+        trajectory = self.writer.finish(TrajectoryResult(
+            status=status, steps=self.n_steps, n_format_errors=self.n_format_errors,
+            n_condensations=self.n_condensations, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens, wall_s=self.elapsed(),
+            summary=self.summary, error=error, messages=self.history.messages()))
+        return AgentResult.from_trajectory(trajectory, self.path)
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.check_limits()
+        condensed, condense_s = self.fit_context()
+        started_at = time.time()
+        completion, prompt_tokens, model_s = self.query()
+        self.n_steps += 1
+        assistant = Message(role="assistant", content=completion.text,
+                            tool_calls=list(completion.tool_calls))
+        record = StepRecord(index=self.n_steps, started_at=started_at, response=assistant,
+                            finish_reason=completion.finish_reason, condensed=condensed,
+                            usage=completion.usage,
+                            prompt_token_ids=completion.prompt_token_ids,
+                            completion_token_ids=completion.token_ids,
+                            logprobs=completion.logprobs)
+        self.count_tokens(completion, prompt_tokens, record)
+        observations: list[Message]
+        exec_s = 0.0
+        finished = False
+        try:
+            actions = self.parse_action(completion)
+        except ActionError as e:
+            self.n_format_errors += 1
+            record.format_error = str(e)
+            observations = [Message(role="user", content=fill(
+                self.config.format_error_template, error=str(e), format_help=self.format_help))]
+            digest = f"step {self.n_steps}: format error ({one_line(str(e), 80)})"
+        else:
+            action = actions[0]
+            record.action = ActionRecord(tool=action.tool, args=action.args, call_id=action.call_id)
+            if action.tool == "finish":
+                finished = True
+                self.summary = action.args.get("summary") or None
+                obs = Observation("finished", ok=True)
+            else:
+                obs = self.execute_action(action)
+                exec_s = obs.duration_s
+            record.observation = ObservationRecord(**vars(obs))
+            observations = self.observe(action, obs, actions[1:])
+            digest = f"step {self.n_steps}: {action.describe()} -> " + (
+                "ok" if obs.ok else f"failed (exit {obs.exit_code})"
+                if obs.exit_code is not None else "failed")
+            if not obs.ok or action.tool == "read_file":
+                digest += f": {one_line(obs.text, 100)}"
+        self.history.steps.append(HistoryStep([assistant, *observations], digest))
+        record.messages = [assistant, *observations]
+        total = time.perf_counter() - t0
+        record.timings = StepTimings(model_s=model_s, exec_s=exec_s, condense_s=condense_s,
+                                     total_s=total,
+                                     overhead_s=max(0.0, total - model_s - exec_s - condense_s))
+        self.writer.step(record)
+        if finished:
+            raise _EndEpisode(ExitStatus.FINISHED)
+
+    def query(self) -> tuple[Completion, int, float]:
+        """One model call. The prompt was made to fit; if the model still finds it too
+        long (its own count differs), condense once more and retry."""
+        for attempt in range(2):
+            messages = self.history.messages()
+            t0 = time.perf_counter()
+            try:
+                completion = self.model.chat(messages, tools=self.tools,
+                                             sampling=self.config.sampling)
+                return completion, self._last_prompt_tokens, time.perf_counter() - t0
+            except ContextLengthError as e:
+                if attempt or self._condense(int(self.model.context_window * 0.5)) is None:
+                    raise _EndEpisode(ExitStatus.CONTEXT_LIMIT, str(e)) from None
+        raise AssertionError("unreachable")
+
+    def parse_action(self, completion: Completion) -> list[Action]:
+        return parse_actions(completion)
+
+    def execute_action(self, action: Action) -> Observation:
+        remaining = self.time_limit_s - self.elapsed()
+        timeout = max(1.0, min(self.config.command_timeout_s, remaining))
+        try:
+            return self.workbench.execute(action, timeout)
+        except SandboxError as e:  # no shell could be started: nothing more can be done
+            raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}") from None
+
+    def observe(self, action: Action, obs: Observation, dropped: list[Action]) -> list[Message]:
+        """The messages that tell the model what its action did."""
+        text = obs.text
+        if not obs.ok:
+            text = f"{text}\n\n{self.config.failure_nudge}"
+        if dropped and not self.native:
+            text += (f"\n\n(Only your first action was run; {len(dropped)} more were ignored. "
+                     "Use one action per reply.)")
+        if action.call_id is None:
+            return [Message(role="user", content=f"Observation:\n{text}")]
+        out = [Message(role="tool", content=text, tool_call_id=action.call_id, name=action.tool)]
+        # Every native call needs an answer; the extra ones were not run.
+        out += [Message(role="tool", tool_call_id=extra.call_id, name=extra.tool,
+                        content="not run: one action per reply; call it again if still needed")
+                for extra in dropped if extra.call_id is not None]
+        return out
+
+    # -- limits and context ---------------------------------------------------------------
+    def check_limits(self) -> None:
+        cfg = self.config
+        if self.n_steps >= cfg.step_limit:
+            raise _EndEpisode(ExitStatus.STEP_LIMIT, f"{cfg.step_limit} steps")
+        if self.prompt_tokens + self.completion_tokens >= cfg.token_limit:
+            raise _EndEpisode(ExitStatus.TOKEN_LIMIT, f"{cfg.token_limit} tokens")
+        if self.elapsed() >= self.time_limit_s:
+            raise _EndEpisode(ExitStatus.TIME_LIMIT, f"{self.time_limit_s:.0f} s")
+
+    def fit_context(self) -> tuple[CondenseRecord | None, float]:
+        """Condense when prompt + reply room passes `condense_at_fraction` of the window."""
+        window = self.model.context_window
+        reserve = min(self.config.sampling.max_tokens, window // 4)
+        threshold = int(self.config.condense_at_fraction * window)
+        self._last_prompt_tokens = self.model.count_tokens(self.history.messages())
+        if self._last_prompt_tokens + reserve <= threshold:
+            return None, 0.0
+        t0 = time.perf_counter()
+        record = self._condense(threshold - reserve)
+        if self._last_prompt_tokens + MIN_REPLY_TOKENS > window:
+            raise _EndEpisode(ExitStatus.CONTEXT_LIMIT,
+                              f"{self._last_prompt_tokens} prompt tokens left after condensing "
+                              f"do not fit the window of {window}")
+        return record, time.perf_counter() - t0
+
+    def _condense(self, target_tokens: int) -> CondenseRecord | None:
+        record = condense(self.history, self.model, self.config, target_tokens)
+        if record is not None:
+            self.n_condensations += 1
+            self.prompt_tokens += record.usage.prompt_tokens
+            self.completion_tokens += record.usage.completion_tokens
+            self._last_prompt_tokens = record.tokens_after
+        return record
+
+    def count_tokens(self, completion: Completion, prompt_estimate: int, record: StepRecord) -> None:
+        """Usage as the model reports it, else from token ids, else estimated."""
+        prompt = completion.usage.prompt_tokens or len(completion.prompt_token_ids or []) \
+            or prompt_estimate
+        done = completion.usage.completion_tokens or len(completion.token_ids or []) \
+            or self.model.count_tokens([Message(role="assistant", content=completion.text)])
+        self.prompt_tokens += prompt
+        self.completion_tokens += done
+        record.usage = record.usage.model_copy(update={"prompt_tokens": prompt,
+                                                       "completion_tokens": done})
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started

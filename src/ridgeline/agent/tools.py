@@ -1,0 +1,186 @@
+"""The agent's tools and their execution against a sandbox.
+
+`TOOLS` are offered to models with native tool calling; the text format maps onto the
+same names and arguments. `Workbench` runs one validated action and returns an
+`Observation`; anything the model can fix (a missing file, a non-unique edit, a failing
+command) comes back as an observation, never as an exception.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ridgeline.agent.observation import truncate_middle
+from ridgeline.errors import RidgelineError
+from ridgeline.llm.base import ToolSpec
+from ridgeline.sandbox.base import Sandbox, ShellSession
+
+TOOLS: list[ToolSpec] = [
+    ToolSpec(name="bash", description="Run a command in a persistent bash shell "
+             "(directory and variables persist between calls). Returns exit code and output.",
+             parameters={"type": "object", "required": ["command"],
+                         "properties": {"command": {"type": "string"}}}),
+    ToolSpec(name="read_file", description="Read a text file.",
+             parameters={"type": "object", "required": ["path"],
+                         "properties": {"path": {"type": "string"}}}),
+    ToolSpec(name="write_file", description="Create or overwrite a file with the given content.",
+             parameters={"type": "object", "required": ["path", "content"],
+                         "properties": {"path": {"type": "string"},
+                                        "content": {"type": "string"}}}),
+    ToolSpec(name="edit", description="Replace the exact text `old` by `new` in a file; "
+             "`old` must occur exactly once.",
+             parameters={"type": "object", "required": ["path", "old", "new"],
+                         "properties": {"path": {"type": "string"}, "old": {"type": "string"},
+                                        "new": {"type": "string"}}}),
+    ToolSpec(name="finish", description="End the episode when the task is done.",
+             parameters={"type": "object",
+                         "properties": {"summary": {"type": "string",
+                                                    "description": "what was done"}}}),
+]
+TOOL_NAMES = {t.name for t in TOOLS}
+
+# Names small models (and other agent frameworks) use for the same arguments.
+_ALIASES = {"cmd": "command", "file": "path", "filename": "path", "file_path": "path",
+            "text": "content", "old_str": "old", "new_str": "new", "old_text": "old",
+            "new_text": "new", "message": "summary"}
+
+
+class ActionError(Exception):
+    """An action the model got wrong (bad tool, missing argument); its message goes back
+    to the model as a format hint."""
+
+
+@dataclass
+class Action:
+    tool: str
+    args: dict[str, Any]
+    call_id: str | None = None  # the native tool call this answers
+
+    def describe(self) -> str:
+        """One line for digests and logs."""
+        if self.tool == "bash":
+            return f"bash: {one_line(self.args['command'], 120)}"
+        if self.tool == "finish":
+            return "finish"
+        return f"{self.tool} {self.args.get('path', '')}"
+
+
+@dataclass
+class Observation:
+    text: str
+    ok: bool
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+
+
+def validate_action(tool: str, args: dict[str, Any], call_id: str | None = None) -> Action:
+    if tool not in TOOL_NAMES:
+        raise ActionError(f"unknown tool {tool!r}; use one of {', '.join(sorted(TOOL_NAMES))}")
+    args = {_ALIASES.get(k, k): v for k, v in args.items()}
+    spec = next(t for t in TOOLS if t.name == tool)
+    for name in spec.parameters.get("required", []):
+        if name not in args:
+            raise ActionError(f"{tool} needs the argument {name!r}")
+        if not isinstance(args[name], str):
+            raise ActionError(f"{tool}: {name!r} must be a string")
+    if tool == "bash" and not args["command"].strip():
+        raise ActionError("bash got an empty command")
+    if tool in ("read_file", "write_file", "edit") and not args["path"].strip():
+        raise ActionError(f"{tool} got an empty path")
+    known = set(spec.parameters.get("properties", {}))
+    return Action(tool, {k: v for k, v in args.items() if k in known}, call_id)
+
+
+class Workbench:
+    """Executes actions in one sandbox; owns the persistent shell session."""
+
+    def __init__(self, sandbox: Sandbox, max_bytes: int) -> None:
+        self.sandbox = sandbox
+        self.max_bytes = max_bytes
+        self._shell: ShellSession | None = None
+
+    def execute(self, action: Action, timeout: float) -> Observation:
+        t0 = time.perf_counter()
+        handler = getattr(self, f"_{action.tool}")
+        try:
+            obs = handler(timeout=timeout, **action.args)
+        except RidgelineError as e:  # e.g. a path outside the workspace, a missing file
+            obs = Observation(f"error: {e}", ok=False)
+        except (OSError, UnicodeError) as e:
+            obs = Observation(f"error: {type(e).__name__}: {e}", ok=False)
+        obs.duration_s = time.perf_counter() - t0
+        return obs
+
+    def close(self) -> None:
+        if self._shell is not None:
+            try:
+                self._shell.close()
+            except (RidgelineError, OSError):
+                pass  # the sandbox may already be gone; nothing left to release
+            self._shell = None
+
+    # -- tools --------------------------------------------------------------------------
+    def _bash(self, command: str, timeout: float) -> Observation:
+        restarted = ""
+        if self._shell is None:
+            self._shell = self.sandbox.shell()
+        try:
+            res = self._shell.send(command, timeout=timeout)
+        except RidgelineError as e:
+            # The session died (killed by a limit, exited): a fresh one keeps the agent going.
+            self.close()
+            return Observation(f"error: the shell failed ({e}); a new shell will be started "
+                               "(directory and variables were reset)", ok=False)
+        output = res.stdout
+        if res.stderr:
+            output = f"{output}\n{res.stderr}" if output else res.stderr
+        text, truncated = truncate_middle(output, self.max_bytes)
+        header = f"exit code: {res.exit_code}"
+        if res.timed_out:
+            header = f"timed out after {timeout:.0f} s and was stopped"
+            self.close()  # the shell may be wedged in the killed command: start clean
+            restarted = "\n(the shell was restarted: directory and variables were reset)"
+        elif res.killed_by:
+            header += f" (killed: {res.killed_by})"
+        body = text if text.strip() else "(no output)"
+        return Observation(f"{header}\n{body}{restarted}", ok=res.ok, exit_code=res.exit_code,
+                           timed_out=res.timed_out, truncated=truncated or res.truncated)
+
+    def _read_file(self, path: str, timeout: float) -> Observation:
+        data = self.sandbox.read_file(path, max_bytes=self.max_bytes * 4)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return Observation(f"error: {path} is not a UTF-8 text file ({len(data)} bytes)", ok=False)
+        shown, truncated = truncate_middle(text, self.max_bytes)
+        return Observation(shown if shown else f"({path} is empty)", ok=True, truncated=truncated)
+
+    def _write_file(self, path: str, content: str, timeout: float) -> Observation:
+        self.sandbox.write_file(path, content)
+        return Observation(f"wrote {len(content.encode())} bytes to {path}", ok=True)
+
+    def _edit(self, path: str, old: str, new: str, timeout: float) -> Observation:
+        if not old:
+            return Observation("error: edit needs a non-empty `old` text", ok=False)
+        text = self.sandbox.read_file(path).decode("utf-8")
+        count = text.count(old)
+        if count == 0:
+            return Observation(f"error: the `old` text was not found in {path}; read the file "
+                               "and copy the text exactly (whitespace included)", ok=False)
+        if count > 1:
+            return Observation(f"error: the `old` text occurs {count} times in {path}; include "
+                               "more surrounding lines so it is unique", ok=False)
+        self.sandbox.write_file(path, text.replace(old, new, 1))
+        return Observation(f"edited {path}: replaced 1 occurrence", ok=True)
+
+    def _finish(self, timeout: float, summary: str = "") -> Observation:
+        return Observation("finished", ok=True)
+
+
+def one_line(text: str, limit: int) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

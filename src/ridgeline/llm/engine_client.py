@@ -55,7 +55,7 @@ class EngineClient:
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=min(sampling.max_tokens, room),
                                 stop=list(sampling.stop) or None, seed=sampling.seed,
-                                logprobs=1 if sampling.logprobs else None)
+                                logprobs=0 if sampling.logprobs else None)
         with self._lock:
             request_output = self.llm.generate([prompt_ids], params)[0]
         out = request_output.outputs[0]

@@ -1,0 +1,93 @@
+"""`ridgeline tasks list|check`: see what a task directory holds and quality-check it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ridgeline.tasks.checks import TaskCheck, check_tasks
+from ridgeline.tasks.loader import load_tasks
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Terminal tasks (Terminal-Bench v1 and Harbor layouts).")
+console = Console()
+
+
+@app.command("list")
+def list_tasks(
+    directory: str = typer.Argument("builtin", help="a task, a directory of tasks, or "
+                                    "'builtin'"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """List tasks: id, domain, difficulty."""
+    tasks = load_tasks(directory)
+    if as_json:
+        print(json.dumps([{"id": t.id, "domain": t.domain, "difficulty": t.difficulty,
+                           "layout": t.layout.value, "tags": list(t.tags),
+                           "path": str(t.path)} for t in tasks], indent=1))
+        return
+    table = Table(title=f"{len(tasks)} tasks")
+    for col in ("id", "domain", "difficulty", "layout"):
+        table.add_column(col)
+    for t in tasks:
+        table.add_row(t.id, t.domain, t.difficulty, t.layout.value)
+    console.print(table)
+
+
+def _summary(c: TaskCheck, runs: int) -> dict:
+    return {"id": c.task_id, "ok": c.ok, "unsupported": c.unsupported,
+            "reasons": c.reasons, "oracle_passes": c.oracle_passes, "runs": runs,
+            "null_status": c.null.status.value if c.null else None,
+            "timings": c.timings, "path": c.path}
+
+
+@app.command("check")
+def check(
+    directory: str = typer.Argument(..., help="a task directory or a suite of tasks "
+                                    "('builtin' for the built-in suite)"),
+    runs: int = typer.Option(3, "--runs", min=1, help="oracle runs that must all pass"),
+    concurrency: int = typer.Option(4, "--concurrency", "-j", min=1,
+                                    help="tasks checked at once"),
+    backend: str = typer.Option("bwrap", "--backend", help="sandbox backend"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Quality-check tasks: the oracle passes RUNS/RUNS, the untouched environment fails.
+    Failing tasks are flagged with the reason (exit code 1 if any)."""
+    tasks = load_tasks(directory)
+    progress = Progress(TextColumn("[bold]checking"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.description}"),
+                        console=Console(stderr=True), disable=as_json or not sys.stderr.isatty())
+    with progress:
+        bar = progress.add_task("", total=len(tasks))
+
+        def done(c: TaskCheck) -> None:
+            progress.update(bar, advance=1, description=c.task_id)
+
+        checks = check_tasks(tasks, runs=runs, backend=backend, concurrency=concurrency,
+                             on_done=done)
+    n_ok = sum(c.ok for c in checks)
+    if as_json:
+        print(json.dumps({"n_tasks": len(checks), "n_valid": n_ok,
+                          "n_invalid": len(checks) - n_ok,
+                          "n_unsupported": sum(c.unsupported for c in checks),
+                          "tasks": [_summary(c, runs) for c in checks]}, indent=1))
+    else:
+        table = Table(title=f"{n_ok}/{len(checks)} tasks pass the quality checks")
+        for col in ("id", "ok", "oracle", "null", "setup s", "oracle s", "verify s",
+                    "reason"):
+            table.add_column(col, overflow="fold")
+        for c in checks:
+            t = c.timings
+            table.add_row(
+                c.task_id, "[green]yes[/]" if c.ok else "[red]NO[/]",
+                f"{c.oracle_passes}/{runs}", c.null.status.value if c.null else "-",
+                f"{t.get('setup_s', 0):.2f}", f"{t.get('oracle_s', 0):.2f}",
+                f"{t.get('verify_s', 0):.2f}", "; ".join(c.reasons))
+        console.print(table)
+    if n_ok < len(checks):
+        raise typer.Exit(1)

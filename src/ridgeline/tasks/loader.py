@@ -1,0 +1,434 @@
+"""Loading tasks from disk, in either Terminal-Bench layout.
+
+Version 1 (also Ridgeline's own built-in layout)::
+
+    task.yaml  run-tests.sh  tests/  solution.sh | solution.yaml
+    [Dockerfile | docker-compose.yaml]  [setup.sh]  [files/]
+
+Version 2 (Harbor)::
+
+    instruction.md  task.toml  environment/Dockerfile  solution/solve.sh  tests/test.sh
+
+Errors name the file and, for YAML/TOML, the line and the field.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ridgeline.errors import NotFoundError, TaskError
+from ridgeline.tasks.dockerfile import plan_build
+from ridgeline.tasks.model import Resources, SolutionStep, Task, TaskLayout
+
+# Values Terminal-Bench's compose files interpolate; everything else becomes "".
+COMPOSE_VARS = {"T_BENCH_TEST_DIR": "/tests", "T_BENCH_CONTAINER_LOGS_PATH": "/logs",
+                "T_BENCH_CONTAINER_AGENT_LOGS_PATH": "/agent-logs", "TEST_DIR": "/tests"}
+
+
+# --- task.yaml (Terminal-Bench v1) ----------------------------------------------------
+
+class _Description(BaseModel):
+    key: str = "base"
+    description: str
+
+
+class _ResourcesYaml(BaseModel):
+    """Ridgeline extension of task.yaml (v1 has no resource section)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cpus: float = Field(1.0, gt=0)
+    memory_mb: int = Field(2048, gt=0)
+    storage_mb: int = Field(10240, gt=0)
+    allow_internet: bool = False
+
+
+class _TaskYaml(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    instruction: str | None = None
+    descriptions: list[_Description] | None = None
+    author_email: str | None = None
+    author_name: str | None = None
+    difficulty: str = "unknown"
+    category: str = "software-engineering"
+    tags: list[str] = Field(default_factory=list)
+    parser_name: str = "pytest"
+    max_agent_timeout_sec: float = Field(360.0, gt=0)
+    max_test_timeout_sec: float = Field(60.0, gt=0)
+    run_tests_in_same_shell: bool = False
+    resources: _ResourcesYaml = Field(default_factory=_ResourcesYaml)
+
+    @model_validator(mode="after")
+    def _has_instruction(self) -> "_TaskYaml":
+        if not (self.instruction or "").strip() and not self.descriptions:
+            raise ValueError("missing 'instruction' (the text the agent is given)")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.instruction and self.instruction.strip():
+            return self.instruction
+        assert self.descriptions
+        by_key = {d.key: d.description for d in self.descriptions}
+        return by_key.get("base", self.descriptions[0].description)
+
+
+class _SolutionStepYaml(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    command: str
+    min_timeout_sec: float = Field(0.0, ge=0)
+    block: bool = True
+    append_enter: bool = True
+
+
+# --- task.toml (Harbor) ---------------------------------------------------------------
+
+class _HarborVerifier(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    timeout_sec: float = Field(600.0, gt=0)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class _HarborAgent(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    timeout_sec: float = Field(600.0, gt=0)
+
+
+class _HarborEnvironment(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    build_timeout_sec: float = Field(600.0, gt=0)
+    cpus: float = Field(1.0, gt=0)
+    memory_mb: int | None = Field(None, gt=0)
+    storage_mb: int | None = Field(None, gt=0)
+    memory: str | None = None        # older spelling: "4G"
+    storage: str | None = None
+    allow_internet: bool = True      # Harbor's default
+    gpus: int = Field(0, ge=0)
+    docker_image: str | None = None
+
+
+class _HarborSolution(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class _TaskToml(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    version: str = "1.0"
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    task: dict[str, Any] = Field(default_factory=dict)
+    verifier: _HarborVerifier = Field(default_factory=_HarborVerifier)
+    agent: _HarborAgent = Field(default_factory=_HarborAgent)
+    environment: _HarborEnvironment = Field(default_factory=_HarborEnvironment)
+    solution: _HarborSolution = Field(default_factory=_HarborSolution)
+
+
+# --- error locations ------------------------------------------------------------------
+
+def _yaml_line(text: str, loc: tuple) -> int | None:
+    """The line of the deepest key of `loc` that exists in the YAML document."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if str(key.value) == str(part):
+                    line, node = key.start_mark.line + 1, value
+                    break
+            else:
+                break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) \
+                and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def _toml_line(text: str, loc: tuple) -> int | None:
+    """The line where `loc` (table path + key) is assigned in a TOML document, or the
+    line of its table header when the key itself is absent."""
+    keys = [str(p) for p in loc]
+    table: list[str] = []
+    header_line = None
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if m := re.match(r"^\[+\s*([^\]]+?)\s*\]+$", line):
+            table = [k.strip().strip("\"'") for k in m.group(1).split(".")]
+            if table == keys[: len(table)] and header_line is None:
+                header_line = n
+            continue
+        if m := re.match(r"^([A-Za-z0-9_.\-\"' ]+?)\s*=", line):
+            full = table + [k.strip().strip("\"'") for k in m.group(1).split(".")]
+            if full == keys[: len(full)]:
+                return n
+    return header_line
+
+
+def _validation_error(path: Path, err: ValidationError, text: str, toml: bool) -> TaskError:
+    parts = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p != "__root__")
+        field = ".".join(str(p) for p in loc) or "<root>"
+        line = (_toml_line if toml else _yaml_line)(text, loc) if loc else None
+        where = f"line {line}: " if line else ""
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{path}: {where}field '{field}': {msg}" if loc else f"{path}: {msg}")
+    return TaskError("; ".join(parts), hint="fix the task file")
+
+
+def _read_yaml(path: Path) -> tuple[Any, str]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        return yaml.safe_load(text), text
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        ctx = getattr(e, "context", None)
+        raise TaskError(f"{path}: {where}invalid YAML: {problem}"
+                        + (f" ({ctx})" if ctx else ""), hint="fix the YAML syntax") from None
+
+
+def _read_toml(path: Path) -> tuple[dict, str]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        return tomllib.loads(text), text
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        where = f"line {m.group(1)}, column {m.group(2)}: " if m else ""
+        msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", msg)
+        raise TaskError(f"{path}: {where}invalid TOML: {msg}",
+                        hint="fix the TOML syntax") from None
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise TaskError(f"task {path.parent.name!r} is missing {path.name} ({what}): "
+                        f"expected {path}", hint="add the file or fix the task directory")
+    return path
+
+
+def _size_mb(text: str, source: Path, field: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise TaskError(f"{source}: field '{field}': cannot read size {text!r}",
+                        hint="use a number with a unit, like '4G' or '512M'")
+    factor = {"": 1 / 1024 / 1024, "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}
+    return max(1, int(float(m.group(1)) * factor[m.group(2).upper()]))
+
+
+# --- the two layouts ------------------------------------------------------------------
+
+def _compose_build(compose: Path) -> tuple[Path | None, Path, str | None, dict[str, str],
+                                             list[str]]:
+    """(Dockerfile, context, image, environment, problems) of a single-service compose."""
+    data, text = _read_yaml(compose)
+    services = data.get("services") if isinstance(data, dict) else None
+    if not isinstance(services, dict) or not services:
+        raise TaskError(f"{compose}: line {_yaml_line(text, ('services',)) or 1}: field "
+                        f"'services': expected a mapping of services")
+    problems = []
+    if len(services) > 1:
+        problems.append(f"{compose.name} defines {len(services)} services "
+                        f"({', '.join(services)}); multi-container tasks are not supported")
+    name = next((n for n in ("client", "main") if n in services), next(iter(services)))
+    svc = services[name] or {}
+
+    def interp(value: str) -> str:
+        return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}?",
+                      lambda m: COMPOSE_VARS.get(m.group(1), m.group(2) or ""), value)
+
+    env: dict[str, str] = {}
+    raw_env = svc.get("environment") or {}
+    items = raw_env.items() if isinstance(raw_env, dict) else (
+        (e.partition("=")[0], e.partition("=")[2]) for e in raw_env)
+    for k, v in items:
+        env[str(k)] = interp(str(v if v is not None else ""))
+    build = svc.get("build")
+    image = svc.get("image")
+    if build is None:
+        if not image:
+            raise TaskError(f"{compose}: service {name!r} has neither 'build' nor 'image'")
+        return None, compose.parent, interp(str(image)), env, problems
+    if isinstance(build, str):
+        context, dockerfile = compose.parent / interp(build), "Dockerfile"
+    else:
+        context = compose.parent / interp(str(build.get("context", ".")))
+        dockerfile = interp(str(build.get("dockerfile", "Dockerfile")))
+    return _require(context / dockerfile, "the image the compose file builds"), context, \
+        None, env, problems
+
+
+def _load_v1(d: Path) -> Task:
+    spec_path = _require(d / "task.yaml", "the task definition")
+    data, text = _read_yaml(spec_path)
+    if not isinstance(data, dict):
+        raise TaskError(f"{spec_path}: line 1: expected a mapping of fields, got "
+                        f"{type(data).__name__}")
+    try:
+        spec = _TaskYaml.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(spec_path, e, text, toml=False) from None
+    test_script = _require(d / "run-tests.sh", "the script that runs the tests")
+    tests_dir = d / "tests"
+    if not tests_dir.is_dir():
+        _require(tests_dir, "the tests copied to /tests before verification")
+    solution_script = d / "solution.sh" if (d / "solution.sh").is_file() else None
+    steps = None
+    if solution_script is None and (d / "solution.yaml").is_file():
+        raw, stext = _read_yaml(d / "solution.yaml")
+        if not isinstance(raw, list):
+            raise TaskError(f"{d / 'solution.yaml'}: line 1: expected a list of commands")
+        parsed = []
+        for i, item in enumerate(raw):
+            try:
+                parsed.append(SolutionStep(**_SolutionStepYaml.model_validate(item)
+                                           .model_dump(include={"command", "min_timeout_sec",
+                                                                "block", "append_enter"})))
+            except ValidationError as e:
+                err = _validation_error(d / "solution.yaml", e, stext, toml=False)
+                raise TaskError(err.message.replace("field '", f"field '{i}.", 1)) from None
+        steps = tuple(parsed)
+    env: dict[str, str] = {}
+    problems: list[str] = []
+    dockerfile, context, image = None, d, None
+    if (d / "Dockerfile").is_file():
+        dockerfile = d / "Dockerfile"
+    elif (d / "docker-compose.yaml").is_file() or (d / "docker-compose.yml").is_file():
+        compose = d / "docker-compose.yaml"
+        compose = compose if compose.is_file() else d / "docker-compose.yml"
+        dockerfile, context, image, env, problems = _compose_build(compose)
+    build = plan_build(dockerfile, context, base_image=image)
+    if problems:
+        build = _with_problems(build, problems)
+    res = spec.resources
+    return Task(
+        id=d.name, path=d, layout=TaskLayout.TB_V1, instruction=spec.text.strip(),
+        difficulty=spec.difficulty.lower(), category=spec.category,
+        tags=tuple(spec.tags), agent_timeout_s=spec.max_agent_timeout_sec,
+        test_timeout_s=spec.max_test_timeout_sec,
+        resources=Resources(res.cpus, res.memory_mb, res.storage_mb, res.allow_internet),
+        build=build, test_script=test_script, tests_dir=tests_dir,
+        solution_script=solution_script, solution_steps=steps,
+        setup_script=d / "setup.sh" if (d / "setup.sh").is_file() else None,
+        files_dir=d / "files" if dockerfile is None and (d / "files").is_dir() else None,
+        parser_name=spec.parser_name, verifier_env={k: v for k, v in env.items()
+                                                    if k != "TEST_DIR"},
+        metadata={k: v for k, v in data.items() if k not in ("instruction", "descriptions")},
+    )
+
+
+def _with_problems(build, problems: list[str]):
+    from dataclasses import replace
+    return replace(build, problems=tuple(build.problems) + tuple(problems))
+
+
+def _load_v2(d: Path) -> Task:
+    spec_path = _require(d / "task.toml", "the task configuration")
+    instruction_path = _require(d / "instruction.md", "the instruction given to the agent")
+    data, text = _read_toml(spec_path)
+    try:
+        spec = _TaskToml.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(spec_path, e, text, toml=True) from None
+    instruction = instruction_path.read_text(encoding="utf-8").strip()
+    if not instruction:
+        raise TaskError(f"{instruction_path}: is empty", hint="write the task's instruction")
+    test_script = _require(d / "tests" / "test.sh", "the verifier script")
+    env_dir = d / "environment"
+    envv = spec.environment
+    memory = envv.memory_mb or (_size_mb(envv.memory, spec_path, "environment.memory")
+                                if envv.memory else 2048)
+    storage = envv.storage_mb or (_size_mb(envv.storage, spec_path, "environment.storage")
+                                  if envv.storage else 10240)
+    dockerfile, context, image, cenv, problems = None, env_dir, envv.docker_image, {}, []
+    if (env_dir / "Dockerfile").is_file() and not envv.docker_image:
+        dockerfile = env_dir / "Dockerfile"
+    elif (env_dir / "docker-compose.yaml").is_file() and not envv.docker_image:
+        dockerfile, context, image, cenv, problems = _compose_build(
+            env_dir / "docker-compose.yaml")
+    build = plan_build(dockerfile, context if context.exists() else d, base_image=image)
+    if problems:
+        build = _with_problems(build, problems)
+    meta = dict(spec.metadata)
+    tags = meta.get("tags") or spec.task.get("keywords") or []
+    solve = d / "solution" / "solve.sh"
+    setup = next((p for p in (env_dir / "setup.sh", d / "setup.sh") if p.is_file()), None)
+    return Task(
+        id=d.name, path=d, layout=TaskLayout.HARBOR, instruction=instruction,
+        difficulty=str(meta.get("difficulty", "unknown")).lower(),
+        category=str(meta.get("category", "software-engineering")),
+        tags=tuple(str(t) for t in tags), agent_timeout_s=spec.agent.timeout_sec,
+        test_timeout_s=spec.verifier.timeout_sec,
+        resources=Resources(envv.cpus, memory, storage, envv.allow_internet, envv.gpus),
+        build=build, test_script=test_script, tests_dir=d / "tests",
+        solution_script=solve if solve.is_file() else None,
+        solution_dir=d / "solution" if solve.is_file() else None,
+        setup_script=setup, verifier_env={**cenv, **spec.verifier.env},
+        solution_env=dict(spec.solution.env), metadata={**meta, **spec.task},
+    )
+
+
+def is_task_dir(d: Path) -> bool:
+    return (d / "task.yaml").is_file() or (d / "task.toml").is_file()
+
+
+def load_task(path: str | Path) -> Task:
+    """Load one task directory (either layout)."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise NotFoundError(f"task directory not found: {d}", hint="check the path")
+    d = d.resolve()
+    if (d / "task.toml").is_file() or (d / "instruction.md").is_file():
+        return _load_v2(d)
+    if (d / "task.yaml").is_file():
+        return _load_v1(d)
+    raise TaskError(f"{d} is not a task: it has neither task.yaml (Terminal-Bench v1) nor "
+                    f"task.toml + instruction.md (Harbor)",
+                    hint="point at a task directory or a directory of tasks")
+
+
+def builtin_suite_dir() -> Path:
+    """The directory of Ridgeline's built-in task suite."""
+    return Path(__file__).resolve().parent / "builtin"
+
+
+def load_tasks(source: str | Path | None = None, *, only_valid: bool = False,
+               backend: str = "bwrap", concurrency: int = 4) -> list[Task]:
+    """Load a task directory, a directory of tasks, or the built-in suite (`None` or
+    "builtin"), sorted by id.
+
+    With `only_valid=True` tasks that fail the quality checks are left out: each task's
+    check result is cached by the hash of its files (see `ridgeline.tasks.checks`), and
+    tasks that were never checked are checked now, which runs their oracle and a null
+    agent in sandboxes (seconds per task)."""
+    if source is None or str(source) == "builtin":
+        root = builtin_suite_dir()
+    else:
+        root = Path(source).expanduser()
+    if not root.is_dir():
+        raise NotFoundError(f"task directory not found: {root}", hint="check the path")
+    if is_task_dir(root) or (root / "instruction.md").is_file():
+        tasks = [load_task(root)]
+    else:
+        dirs = sorted(p for p in root.iterdir()
+                      if p.is_dir() and not p.name.startswith((".", "_")) and is_task_dir(p))
+        if not dirs:
+            raise NotFoundError(f"no tasks under {root}", hint="a task directory has "
+                                "task.yaml (Terminal-Bench v1) or task.toml (Harbor)")
+        tasks = [load_task(p) for p in dirs]
+    if only_valid:
+        from ridgeline.tasks.checks import valid_tasks
+        tasks = valid_tasks(tasks, backend=backend, concurrency=concurrency)
+    return tasks

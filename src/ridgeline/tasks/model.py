@@ -1,0 +1,84 @@
+"""What a terminal task is, independent of the on-disk layout it was loaded from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from ridgeline.tasks.dockerfile import BuildPlan
+
+
+class TaskLayout(str, Enum):
+    TB_V1 = "terminal-bench-v1"  # task.yaml, run-tests.sh, tests/, solution.sh|yaml, Dockerfile
+    HARBOR = "harbor"            # Terminal-Bench 2: instruction.md, task.toml, environment/...
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the task asks of its machine; mapped onto sandbox limits where we can."""
+
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    storage_mb: int = 10240
+    allow_internet: bool = False
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
+class SolutionStep:
+    """One entry of a Terminal-Bench v1 `solution.yaml` (commands typed into a terminal)."""
+
+    command: str
+    min_timeout_sec: float = 0.0
+    block: bool = True
+    append_enter: bool = True
+
+
+@dataclass(frozen=True)
+class Task:
+    id: str
+    path: Path
+    layout: TaskLayout
+    instruction: str
+    difficulty: str
+    category: str
+    tags: tuple[str, ...]
+    agent_timeout_s: float
+    test_timeout_s: float
+    resources: Resources
+    build: BuildPlan
+    test_script: Path                  # run-tests.sh (v1) or tests/test.sh (Harbor)
+    tests_dir: Path                    # copied to /tests before the verifier runs
+    solution_script: Path | None = None   # solution.sh (v1) or solution/solve.sh (Harbor)
+    solution_steps: tuple[SolutionStep, ...] | None = None  # solution.yaml (v1)
+    solution_dir: Path | None = None   # Harbor: the whole solution/ folder, at /solution
+    setup_script: Path | None = None   # ours: run in the sandbox after the Dockerfile
+    files_dir: Path | None = None      # ours, when there is no Dockerfile: seeds the workspace
+    parser_name: str = "pytest"
+    verifier_env: dict[str, str] = field(default_factory=dict)
+    solution_env: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def domain(self) -> str:
+        return self.category
+
+    @property
+    def workdir(self) -> str:
+        """The Dockerfile's final WORKDIR (/app by default): where commands start."""
+        return self.build.workdir
+
+    @property
+    def has_solution(self) -> bool:
+        return self.solution_script is not None or self.solution_steps is not None
+
+    @property
+    def unsupported_reason(self) -> str | None:
+        """Why this task cannot run here at all (known before any sandbox starts)."""
+        reasons = list(self.build.problems)
+        if self.parser_name != "pytest":
+            reasons.append(f"parser {self.parser_name!r} is not supported (only 'pytest')")
+        if self.resources.gpus > 0:
+            reasons.append(f"needs {self.resources.gpus} GPU(s); none here")
+        return "; ".join(reasons) or None

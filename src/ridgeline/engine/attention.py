@@ -1,0 +1,187 @@
+"""The one attention path of every model: write this step's keys/values into the paged
+cache, then attend each sequence's new queries to its whole context.
+
+The tokens of a step are flat ([T, heads, head_dim]) and belong to three kinds of
+sequences, each with the cheapest kernel we found on CPU:
+
+- fresh: no KV before this step (a prompt, or its first chunk). Causal attention over the
+  fresh keys/values themselves; the cache is only written.
+- short queries over cached context (decode: 1 token; speculative verification: a few).
+  Batched: sequences of similar length are grouped, their blocks gathered into a padded
+  [n, L] layout (padding reads the null block) and masked. Grouped-query heads are folded
+  into the query axis, so keys/values are never repeated per head.
+- long queries over cached context (later prefill chunks, prefix-cache hits): one masked
+  attention per sequence over its gathered blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ridgeline.engine.kv_cache import KVCache
+
+#: Sequences with at most this many new tokens (and some cached context) are batched.
+MAX_BATCHED_QUERY = 8
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor  # [n * q] rows of the flat batch (padding repeats a row)
+    block_ids: torch.Tensor  # [n * num_blocks] padded with the null block
+    mask: torch.Tensor  # additive [n, 1, q_rows, L]
+    num_seqs: int
+    q_len: int  # padded query length of the group
+    valid: torch.Tensor | None  # [n * q] which entries of token_index are real (q > 1)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of every new token
+    fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, length)
+    # (start, length, context length, block ids covering the context)
+    chunks: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    groups: list[DecodeGroup] = field(default_factory=list)
+
+
+def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size: int,
+                             num_heads: int, num_kv_heads: int,
+                             device: torch.device) -> AttentionMetadata:
+    """`batch`: per sequence (block table, tokens already computed, new tokens), in the
+    order their tokens appear in the flat batch."""
+    bs = block_size
+    slots: list[int] = []
+    fresh: list[tuple[int, int]] = []
+    chunks: list[tuple[int, int, int, torch.Tensor]] = []
+    short: list[tuple[int, int, int, list[int]]] = []  # (start, q_len, ctx_len, table)
+    start = 0
+    for table, num_computed, num_new in batch:
+        end = num_computed + num_new
+        if num_new == 1:
+            slots.append(table[num_computed // bs] * bs + num_computed % bs)
+        else:
+            slots.extend(table[p // bs] * bs + p % bs for p in range(num_computed, end))
+        if num_computed == 0:
+            fresh.append((start, num_new))
+        elif num_new <= MAX_BATCHED_QUERY:
+            short.append((start, num_new, end, table))
+        else:
+            nb = -(-end // bs)
+            chunks.append((start, num_new, end,
+                           torch.tensor(table[:nb], dtype=torch.long, device=device)))
+        start += num_new
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        fresh=fresh, chunks=chunks)
+    group_size = num_heads // num_kv_heads
+    for members in _bucket_by_length(short, bs):
+        meta.groups.append(_decode_group(members, bs, group_size, device))
+    return meta
+
+
+def _bucket_by_length(short: list[tuple[int, int, int, list[int]]],
+                      bs: int) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Group sequences of similar context length so padding to the longest wastes little;
+    a few groups are cheaper than one padded to the longest or one call per sequence."""
+    order = sorted(short, key=lambda s: -s[2])
+    groups: list[list[tuple[int, int, int, list[int]]]] = []
+    cur: list[tuple[int, int, int, list[int]]] = []
+    cur_blocks = 0
+    for s in order:
+        nb = -(-s[2] // bs)
+        if cur:
+            longest = -(-cur[0][2] // bs)
+            if len(cur) >= 8 and longest * (len(cur) + 1) > 1.3 * (cur_blocks + nb):
+                groups.append(cur)
+                cur, cur_blocks = [], 0
+        cur.append(s)
+        cur_blocks += nb
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group_size: int,
+                  device: torch.device) -> DecodeGroup:
+    n = len(members)
+    q = max(m[1] for m in members)
+    nb = max(-(-m[2] // bs) for m in members)
+    length = nb * bs
+    block_ids = torch.zeros(n, nb, dtype=torch.long)
+    ctx = torch.empty(n, dtype=torch.long)
+    qlens = torch.empty(n, dtype=torch.long)
+    token_index = torch.empty(n, q, dtype=torch.long)
+    for i, (start, q_len, ctx_len, table) in enumerate(members):
+        used = -(-ctx_len // bs)
+        block_ids[i, :used] = torch.tensor(table[:used], dtype=torch.long)
+        ctx[i] = ctx_len
+        qlens[i] = q_len
+        rows = torch.arange(start, start + q)
+        rows[q_len:] = start + q_len - 1  # padding rows repeat the last real query
+        token_index[i] = rows
+    cols = torch.arange(length)
+    qi = torch.arange(q)
+    # query i of a sequence sees positions < ctx - (q_len - 1 - i)
+    limit = (ctx[:, None] - (qlens[:, None] - 1 - qi[None, :])).clamp(min=1)  # [n, q]
+    allowed = cols[None, None, :] < limit[:, :, None]  # [n, q, L]
+    if q > 1:
+        # rows are ordered (head in group, query) to match the folded query layout
+        allowed = allowed[:, None].expand(n, group_size, q, length).reshape(n, group_size * q,
+                                                                            length)
+    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+    valid = (qi[None, :] < qlens[:, None]).reshape(-1) if q > 1 else None
+    return DecodeGroup(
+        token_index=token_index.reshape(-1).to(device), block_ids=block_ids.reshape(-1).to(device),
+        mask=mask[:, None].to(device), num_seqs=n, q_len=q,
+        valid=None if valid is None else valid.to(device))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    layer: int, meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    g = num_heads // num_kv_heads
+    cache.write(layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+
+    for start, n in meta.fresh:
+        qs = q[start:start + n].transpose(0, 1)
+        ks = k[start:start + n].transpose(0, 1)
+        vs = v[start:start + n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=g > 1)
+        out[start:start + n] = o.transpose(0, 1)
+
+    for start, n, ctx, block_ids in meta.chunks:
+        kc, vc = cache.gather(layer, block_ids)
+        kc = kc[:ctx].transpose(0, 1)
+        vc = vc[:ctx].transpose(0, 1)
+        rows = torch.arange(n, device=q.device)[:, None]
+        cols = torch.arange(ctx, device=q.device)[None, :]
+        mask = cols <= rows + (ctx - n)
+        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), kc, vc,
+                                           attn_mask=mask, enable_gqa=g > 1)
+        out[start:start + n] = o.transpose(0, 1)
+
+    for grp in meta.groups:
+        n, ql = grp.num_seqs, grp.q_len
+        kc, vc = cache.gather(layer, grp.block_ids)
+        kc = kc.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [n, kvh, L, d]
+        vc = vc.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        qg = q.index_select(0, grp.token_index)  # [n * ql, h, d]
+        if ql == 1:
+            qg = qg.view(n, num_kv_heads, g, head_dim)
+        else:
+            qg = (qg.view(n, ql, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
+                  .reshape(n, num_kv_heads, g * ql, head_dim))
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=grp.mask)
+        if ql == 1:
+            out.index_copy_(0, grp.token_index, o.reshape(n, num_heads, head_dim))
+        else:
+            o = (o.view(n, num_kv_heads, g, ql, head_dim).permute(0, 3, 1, 2, 4)
+                 .reshape(n * ql, num_heads, head_dim))
+            assert grp.valid is not None
+            out.index_copy_(0, grp.token_index[grp.valid], o[grp.valid])
+    return out.view(num_tokens, num_heads * head_dim)

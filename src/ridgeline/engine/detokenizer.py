@@ -1,0 +1,44 @@
+"""Incremental detokenisation: turn each new token into new text without decoding the
+whole output every step, and without emitting half of a multi-byte character.
+
+The trick (as in text streamers): decode a short window [prefix_offset, end) and the part
+of it already shown [prefix_offset, read_offset); the new text is the difference. Starting
+the window a few tokens back keeps tokenizer-specific spacing right."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ridgeline.engine.sequence import Sequence
+
+#: prompt tokens kept as left context for the first output tokens
+_CONTEXT_TOKENS = 5
+
+
+def init_offsets(seq: Sequence) -> None:
+    seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
+    seq.read_offset = seq.num_prompt_tokens
+
+
+def detokenize_step(tokenizer: Any, seq: Sequence, *, final: bool = False,
+                    upto: int | None = None) -> str:
+    """Text of the tokens after `read_offset` (up to `upto`, default all), or "" while the
+    last character is incomplete (unless `final`)."""
+    end = seq.num_tokens if upto is None else upto
+    if end <= seq.read_offset:
+        return ""
+    skip = seq.params.skip_special_tokens
+    ids = seq.token_ids
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
+                              skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:end], skip_special_tokens=skip)
+    if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+        return ""
+    if not full.startswith(prefix):
+        # a tokenizer that rewrites earlier text: fall back to the length difference
+        new = full[len(prefix):] if len(full) > len(prefix) else ""
+    else:
+        new = full[len(prefix):]
+    seq.prefix_offset = seq.read_offset
+    seq.read_offset = end
+    return new

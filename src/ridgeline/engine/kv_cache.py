@@ -1,0 +1,73 @@
+"""Paged K/V storage. Every read and write of the cache goes through `KVCache`, so its
+storage format (today the model dtype; later int8/fp8 with per-block scales) can change in
+this one class without touching the models or the attention path."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """For each layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim]. A token
+    at position p of a sequence lives in slot `block_table[p // bs] * bs + p % bs`."""
+
+    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def allocate(self) -> None:
+        if self.k:
+            return
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        for _ in range(self.num_layers):
+            # zeros, not empty: padding in batched attention reads the (null) block 0.
+            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def release(self) -> None:
+        self.k.clear()
+        self.v.clear()
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store new keys/values [T, num_kv_heads, head_dim] at their slots."""
+        kvh, d = self.num_kv_heads, self.head_dim
+        self.k[layer].view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given blocks, as [len(block_ids) * block_size,
+        num_kv_heads, head_dim] tensors in the model dtype."""
+        k = self.k[layer].index_select(0, block_ids)
+        v = self.v[layer].index_select(0, block_ids)
+        return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads,
+                                                                    self.head_dim)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write)."""
+        for layer in range(self.num_layers):
+            self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
+            self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))

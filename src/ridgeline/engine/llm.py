@@ -1,0 +1,107 @@
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ridgeline.engine.config import EngineConfig
+from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.outputs import RequestOutput
+from ridgeline.engine.sampling_params import SamplingParams
+from ridgeline.errors import EngineError
+
+
+class LLM:
+    """An engine plus a loop that runs a batch of prompts to completion.
+
+    `LLM("default")` loads SmolLM2-135M-Instruct; any `EngineConfig` field can be passed
+    as a keyword (`LLM("default", max_num_seqs=16, kv_cache_memory_mb=256)`).
+    `LLM.from_hf_model(model, tokenizer)` wraps a transformers model in memory."""
+
+    def __init__(self, model: str = "default", **engine_config_overrides: Any) -> None:
+        engine = engine_config_overrides.pop("_engine", None)
+        self.engine: LLMEngine = engine or LLMEngine(
+            EngineConfig(model=model, **engine_config_overrides))
+        self._counter = 0
+
+    @classmethod
+    def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None,
+                      **engine_config_overrides: Any) -> LLM:
+        return cls(_engine=LLMEngine.from_hf_model(hf_model, tokenizer,
+                                                   **engine_config_overrides))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in prompt order. A bad
+        prompt raises `EngineError` before anything runs."""
+        if isinstance(prompts, str) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts",
+                              hint="pass one SamplingParams or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                if isinstance(prompt, str):
+                    self.engine.add_request(rid, prompt, p)
+                else:
+                    self.engine.add_request(rid, prompt_token_ids=list(prompt), params=p)
+                ids.append(rid)
+        except BaseException:
+            self.engine.abort(ids)
+            self.engine.step()  # drain the abort outputs
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to chat conversations using the model's chat template."""
+        if self.tokenizer is None:
+            raise EngineError("this model has no tokenizer, so no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False)
+                   for c in convs]  # type: ignore[arg-type]
+        return self.generate([list(p) for p in prompts], sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from rich.progress import Progress
+
+            progress = Progress(transient=True)
+            task = progress.add_task("generating", total=len(ids))
+            progress.start()
+        try:
+            while len(final) < len(ids):
+                if not self.engine.has_unfinished_requests() and not self.engine._pending:
+                    raise EngineError("the engine stopped with requests unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+                        if progress is not None:
+                            progress.advance(task)
+        finally:
+            if progress is not None:
+                progress.stop()
+        return [final[i] for i in ids]

@@ -1,0 +1,29 @@
+"""Model implementations for the paged engine, by family."""
+
+from __future__ import annotations
+
+import torch
+
+from ridgeline.engine.models.config import ModelConfig, supported_architectures
+from ridgeline.engine.models.decoder import DecoderForCausalLM
+from ridgeline.engine.models.llama import LlamaForCausalLM
+from ridgeline.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from ridgeline.errors import UnsupportedError
+
+MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig, *, max_len: int, dtype: torch.dtype,
+                device: str) -> DecoderForCausalLM:
+    cls = MODEL_CLASSES.get(cfg.family)
+    if cls is None:
+        raise UnsupportedError(f"model family {cfg.family!r} is not supported",
+                               hint=f"supported: {supported_architectures()}")
+    return cls(cfg, max_len=max_len, dtype=dtype, device=device)
+
+
+__all__ = ["MODEL_CLASSES", "DecoderForCausalLM", "ModelConfig", "build_model"]

@@ -1,0 +1,185 @@
+"""The decoder-only transformer every supported family shares (pre-norm, RoPE, GQA,
+SwiGLU), written for a flat batch of tokens over a paged KV cache. Families differ only in
+flags of `ModelConfig` (biases, qk-norm) and in how checkpoint names map to parameters.
+
+The forward takes any number of new tokens per sequence (prefill chunks, one decode
+token, or several draft tokens to verify), as described by the attention metadata.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ridgeline.engine.attention import AttentionMetadata, paged_attention
+from ridgeline.engine.kv_cache import KVCache
+from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
+from ridgeline.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from ridgeline.errors import ModelLoadError
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.index = index
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = Linear(cfg.hidden_size, (h + 2 * kvh) * d, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(h * d, cfg.hidden_size, cfg.o_bias, dtype, device)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                   dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype,
+                                device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(self.input_norm(x))
+        q = qkv[:, :h * d].view(t, h, d)
+        k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        x = x + self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
+        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+# checkpoint name (HF layout) -> (our parameter, which shard of a fused weight)
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_PARAMS = {
+    "input_layernorm.weight": ("input_norm.weight", None),
+    "post_attention_layernorm.weight": ("post_norm.weight", None),
+    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
+    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
+    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
+    "self_attn.q_proj.bias": ("qkv_proj.bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_proj.bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_proj.bias", "v"),
+    "self_attn.o_proj.weight": ("o_proj.weight", None),
+    "self_attn.o_proj.bias": ("o_proj.bias", None),
+    "self_attn.q_norm.weight": ("q_norm.weight", None),
+    "self_attn.k_norm.weight": ("k_norm.weight", None),
+    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
+    "mlp.gate_proj.bias": ("gate_up_proj.bias", "gate"),
+    "mlp.up_proj.bias": ("gate_up_proj.bias", "up"),
+    "mlp.down_proj.weight": ("down_proj.weight", None),
+    "mlp.down_proj.bias": ("down_proj.bias", None),
+}
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                              device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        inv_freq, scaling = rope_inv_freq(cfg)
+        self.rotary = RotaryEmbedding(inv_freq, scaling, max_len, dtype, device)
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], for a flat batch of tokens."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
+        if shard is None:
+            return param
+        cfg = self.cfg
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+            cfg.intermediate_size
+        spans = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
+                 "gate": (0, inter), "up": (inter, 2 * inter)}
+        lo, hi = spans[shard]
+        return param[lo:hi]
+
+    def weight_target(self, name: str) -> torch.Tensor | None:
+        """The tensor (a view into a fused parameter, maybe) that checkpoint tensor `name`
+        fills; None for names that carry nothing we need."""
+        if _IGNORED.search(name):
+            return None
+        if not name.startswith("model.") and name != "lm_head.weight":
+            name = "model." + name  # checkpoints of the bare LlamaModel
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "model.norm.weight":
+            return self.norm.weight
+        if name == "lm_head.weight":
+            return self.embed if self.lm_head is None else self.lm_head
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) < len(self.layers) and m.group(2) in _LAYER_PARAMS:
+            layer = self.layers[int(m.group(1))]
+            target, shard = _LAYER_PARAMS[m.group(2)]
+            if not _has_param(layer, target):
+                raise ModelLoadError(f"checkpoint tensor {name} has no place in this "
+                                     f"{self.cfg.family} model (unexpected bias or norm?)")
+            return self._shard(layer.get_parameter(target), shard)
+        raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for a "
+                             f"{self.cfg.family} model", hint="is the config right?")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into our parameters, in place. Returns the
+        names loaded."""
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = self.weight_target(name)
+                if target is None:
+                    continue
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(target.shape)}")
+                target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+                loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """The HF names a complete checkpoint provides (lm_head only when untied)."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            for hf_name, (target, _) in _LAYER_PARAMS.items():
+                if _has_param(layer, target):
+                    names.add(f"model.layers.{i}.{hf_name}")
+        return names
+
+
+def _has_param(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_parameter(target)
+        return True
+    except AttributeError:
+        return False

@@ -1,0 +1,112 @@
+"""Continuous batching with chunked prefill: each step spends a token budget on the
+running sequences first (decodes and unfinished prefills, oldest first), then admits
+waiting ones. When the pool runs out, the newest running sequence is preempted: its
+blocks are freed and it is recomputed later (its full blocks usually survive in the
+prefix cache, so recomputation is cheap)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ridgeline.engine.block_manager import BlockManager
+from ridgeline.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (sequence, number of its tokens to compute this step), in batch order
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. Running sequences, oldest first; the newest yields its blocks when short.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (cannot happen with one token per step)
+                i += 1
+                continue
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Admit waiting sequences while blocks, budget and seats last (not in a step
+        #    that had to preempt: that would only thrash).
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            computed = bm.get_computed_blocks(seq)
+            num_hit = len(computed) * bm.block_size
+            num_new = seq.num_tokens - num_hit
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate_slots(seq, num_new, computed):
+                break
+            self.waiting.popleft()
+            bm.record_prefix_lookup(seq.num_tokens, num_hit)
+            seq.num_computed_tokens = num_hit
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED

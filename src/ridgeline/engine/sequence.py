@@ -1,0 +1,121 @@
+"""A sequence is one sample being generated: its tokens, how many of them already have KV
+in the cache (`num_computed_tokens`), its block table, and what it has produced so far.
+A request with `n > 1` owns n sequences that share the prompt's KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ridgeline.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    # Blocks may only be shared between sequences with the same salt (see BlockManager).
+    cache_salt: object = None
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Hash of each full block of token_ids, computed lazily and kept across preemption.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading blocks of block_table already hashed
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    # outputs
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # incremental detokenisation state (offsets into the output tokens)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # what the last RequestOutput reported, to compute deltas
+    reported_tokens: int = 0
+    reported_text: int = 0
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.top_logprobs is None:
+            self.top_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while tokens that were not sampled by this step are still to be computed."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}#{self.index}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table}, "
+                f"{self.status.value})")
+
+
+@dataclass(eq=False)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (first sample)
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    """What the user submitted: a prompt, its parameters and the n sequences sampling it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

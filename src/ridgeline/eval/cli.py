@@ -1,0 +1,81 @@
+"""`ridgeline eval`: an agent on a task suite in parallel sandboxes, with a progress bar,
+`results.json`, a Markdown report and plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ridgeline.errors import ConfigError
+
+console = Console()
+
+
+def eval_command(
+    tasks: str = typer.Option("builtin", "--tasks", help="'builtin', 'toolbench', a task dir or a suite dir."),
+    agent: str = typer.Option("llm", "--agent", help="llm | oracle | null."),
+    model: str = typer.Option("default", "--model", help="'default', a model path, or an OpenAI-compatible base URL."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Model name sent to a URL endpoint."),
+    concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, help="Episodes at once."),
+    samples: int = typer.Option(1, "--samples", "-k", min=1, help="Samples per task (pass@k)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N tasks."),
+    task_id: list[str] = typer.Option([], "--task", help="Only this task id (repeatable)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default runs/eval-...)."),
+    backend: str = typer.Option("bwrap", "--backend", help="Sandbox backend: bwrap | local | docker."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Agent step limit."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
+) -> None:
+    """Run an agent on a task suite and grade it with the tasks' tests."""
+    from ridgeline.agent import AgentConfig
+    from ridgeline.eval.results import summary_json
+    from ridgeline.eval.runner import EvalConfig
+
+    if agent not in ("llm", "oracle", "null"):
+        raise ConfigError(f"unknown agent {agent!r}", hint="use llm, oracle or null")
+    agent_config = AgentConfig() if max_steps is None else AgentConfig(step_limit=max_steps)
+    config = EvalConfig(tasks=tasks, agent=agent, model=model, model_name=model_name,
+                        concurrency=concurrency, samples=samples, limit=limit, task_ids=task_id,
+                        out=out, backend=backend, agent_config=agent_config)
+    if tasks == "toolbench":
+        from ridgeline.eval.toolbench.runner import run_toolbench as runner
+    else:
+        from ridgeline.eval.runner import run_eval as runner
+
+    progress = Progress(TextColumn("[bold]eval[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("passed {task.fields[passed]}"), TimeElapsedColumn(),
+                        console=Console(stderr=True), disable=as_json, transient=False)
+    with progress:
+        bar = progress.add_task(f"{agent} on {tasks}", total=None, passed=0)
+        passed = 0
+
+        def on_result(res) -> None:
+            nonlocal passed
+            passed += res.status == "passed"
+            progress.update(bar, advance=1, passed=passed, description=f"{agent} on {tasks}: {res.task_id}")
+
+        run = runner(config, on_result=on_result, on_start=lambda n: progress.update(bar, total=n))
+
+    if as_json:
+        typer.echo(json.dumps(summary_json(run.summary, {"out_dir": str(run.out_dir)})))
+        return
+    s = run.summary
+    table = Table(title=f"{agent} on {tasks}")
+    for col in ("domain", "passed", "scored", "pass rate"):
+        table.add_column(col, justify="left" if col == "domain" else "right")
+    for dom, info in s.by_domain.items():
+        table.add_row(dom, str(int(info["passed"])), str(int(info["scored"])), f"{100 * info['pass_rate']:.0f}%")
+    console.print(table)
+    console.print(f"[bold]pass rate {100 * s.pass_rate:.1f}%[/] ({s.n_passed}/{s.n_scored} scored; "
+                  f"{s.n_infra_error} infra errors, {s.n_unsupported} unsupported) "
+                  + " ".join(f"{k}={100 * v:.1f}%" for k, v in s.pass_at_k.items()))
+    console.print(f"report: {run.files['report']}  results: {run.files['results']}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)

@@ -1,0 +1,205 @@
+"""The evaluation harness: every (task, sample) episode in its own sandbox, in parallel,
+graded by the task's tests, gathered into results, a report and plots.
+
+    config = EvalConfig(tasks="builtin", agent="oracle", concurrency=8)
+    run = run_eval(config)            # writes results.json, report.md, PNGs under config.out
+    run.summary.pass_rate
+
+An endpoint that stays down ends the run early: results gathered so far are written, then
+`ModelEndpointError` is raised. Tasks that hang are killed at their timeout by the sandbox
+and reported as such; set-up failures are infrastructure errors, never scored.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, Field
+
+from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, make_agent
+from ridgeline.errors import ConfigError, ModelEndpointError, RidgelineError
+from ridgeline.eval.report import write_report
+from ridgeline.eval.results import EpisodeResult, Summary, summarize
+from ridgeline.llm.base import ChatModel
+from ridgeline.tasks import (
+    EnvironmentSetupError, Task, TaskUnsupported, Verdict, VerdictStatus, load_tasks,
+    prepare_environment, verdict_from_error, verify,
+)
+
+AgentKind = Literal["llm", "oracle", "null"]
+
+
+class EvalConfig(BaseModel):
+    tasks: str = Field("builtin", description="'builtin', 'toolbench', a task dir or a suite dir")
+    agent: AgentKind = "llm"
+    model: str = Field("default", description="'default', a model dir/GGUF, or an OpenAI-compatible URL")
+    model_name: str | None = Field(None, description="model name to send to a URL endpoint")
+    api_key: str | None = None
+    concurrency: int = Field(4, ge=1, le=256)
+    samples: int = Field(1, ge=1, le=100)
+    limit: int | None = Field(None, ge=1, description="evaluate only the first N tasks")
+    task_ids: list[str] = Field(default_factory=list, description="evaluate only these ids")
+    out: Path | None = None
+    backend: str = "bwrap"
+    only_valid: bool = Field(False, description="leave out tasks failing the quality checks")
+    agent_config: AgentConfig = Field(default_factory=AgentConfig)
+
+    def out_dir(self) -> Path:
+        if self.out is not None:
+            return self.out
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return Path("runs") / f"eval-{self.agent}-{stamp}"
+
+
+@dataclass
+class EvalRun:
+    results: list[EpisodeResult]
+    summary: Summary
+    out_dir: Path
+    files: dict[str, Path]
+    meta: dict[str, Any]
+
+
+def make_model(config: EvalConfig) -> ChatModel:
+    """The model behind the `llm` agent: an OpenAI-compatible URL or the in-process engine."""
+    if config.model.startswith(("http://", "https://")):
+        from ridgeline.llm import OpenAIClient
+
+        return OpenAIClient(config.model, model=config.model_name or "default", api_key=config.api_key)
+    from ridgeline.llm import EngineClient
+
+    return EngineClient(config.model)
+
+
+def select_tasks(config: EvalConfig) -> list[Task]:
+    tasks = load_tasks(config.tasks, only_valid=config.only_valid, backend=config.backend)
+    if config.task_ids:
+        known = {t.id for t in tasks}
+        missing = [i for i in config.task_ids if i not in known]
+        if missing:
+            raise ConfigError(f"unknown task ids: {', '.join(missing)}",
+                              hint="see `ridgeline tasks list`")
+        tasks = [t for t in tasks if t.id in set(config.task_ids)]
+    if config.limit is not None:
+        tasks = tasks[: config.limit]
+    return tasks
+
+
+def _failure_class(verdict: Verdict, agent: AgentResult | None) -> str | None:
+    if verdict.status is VerdictStatus.PASSED:
+        return None
+    if verdict.status is VerdictStatus.UNSUPPORTED:
+        return f"unsupported:{verdict.detail[:80]}"
+    if verdict.status is VerdictStatus.INFRA_ERROR:
+        return f"infra:{verdict.reason or 'error'}"
+    if agent is not None and agent.status is not ExitStatus.FINISHED:
+        return "agent_error" if agent.status is ExitStatus.ERROR else agent.status.value
+    return "tests_failed"
+
+
+def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], config: EvalConfig,
+                traj_dir: Path) -> tuple[EpisodeResult, AgentResult | None]:
+    """One episode: prepare the environment, let the agent act, verify. Never raises for
+    task or sandbox problems; those become unsupported / infra_error results."""
+    t0 = time.perf_counter()
+    agent_result: AgentResult | None = None
+    traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
+    try:
+        with prepare_environment(task, backend=config.backend) as sb:
+            agent_result = make_agent(agent_factory(), config.agent_config).run(task, sb, traj_path)
+            verdict = verify(task, sb)
+    except (TaskUnsupported, EnvironmentSetupError, RidgelineError, OSError) as e:
+        verdict = verdict_from_error(e, time.perf_counter() - t0)
+    if agent_result is not None:
+        try:
+            agent_result.attach_verdict(verdict)
+        except OSError:
+            pass  # the trajectory file is a convenience; the result below is what counts
+    endpoint_down = agent_result is not None and agent_result.status is ExitStatus.ERROR \
+        and (agent_result.error or "").startswith("ModelEndpointError")
+    res = EpisodeResult(
+        task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
+        # A model server that failed is infrastructure, not the agent's fault.
+        status="infra_error" if endpoint_down else verdict.status.value,
+        tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
+        steps=agent_result.steps if agent_result else 0,
+        tokens=agent_result.total_tokens if agent_result else 0,
+        wall_s=time.perf_counter() - t0,
+        failure_class="model_error" if endpoint_down else _failure_class(verdict, agent_result),
+        agent_exit=agent_result.status.value if agent_result else None,
+        detail=(verdict.detail or (agent_result.error if agent_result else "") or "")[:500],
+        trajectory=str(traj_path) if agent_result is not None else None,
+    )
+    return res, agent_result
+
+
+def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | None = None,
+             model: ChatModel | None = None,
+             on_start: Callable[[int], None] | None = None) -> EvalRun:
+    """Run every (task, sample) episode with `config.concurrency` sandboxes at once."""
+    tasks = select_tasks(config)
+    out_dir = config.out_dir()
+    traj_dir = out_dir / "trajectories"
+    traj_dir.mkdir(parents=True, exist_ok=True)
+
+    if config.agent == "llm":
+        chat_model = model if model is not None else make_model(config)
+        agent_factory: Callable[[], Any] = lambda: chat_model  # noqa: E731
+        model_label = getattr(chat_model, "name", config.model)
+    else:
+        agent_factory = lambda: config.agent  # noqa: E731
+        model_label = "-"
+    meta = {"agent": config.agent, "tasks": config.tasks, "model": model_label,
+            "samples": config.samples, "concurrency": config.concurrency,
+            "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
+
+    results: list[EpisodeResult] = []
+    stop = threading.Event()
+    endpoint_error: str | None = None
+    t0 = time.perf_counter()
+    jobs = [(t, s) for s in range(config.samples) for t in tasks]
+    if on_start is not None:
+        on_start(len(jobs))
+    with ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="eval") as pool:
+        pending: dict[Future, tuple[Task, int]] = {}
+        it = iter(jobs)
+
+        def submit_next() -> bool:
+            if stop.is_set():
+                return False
+            job = next(it, None)
+            if job is None:
+                return False
+            pending[pool.submit(run_episode, job[0], job[1], agent_factory, config, traj_dir)] = job
+            return True
+
+        for _ in range(config.concurrency):
+            if not submit_next():
+                break
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                pending.pop(fut)
+                res, _agent = fut.result()
+                results.append(res)
+                if on_result is not None:
+                    on_result(res)
+                if res.failure_class == "model_error":
+                    stop.set()  # the endpoint is down: stop starting episodes, keep results
+                    endpoint_error = res.detail
+                submit_next()
+
+    summary = summarize(results, samples=config.samples, wall_s=time.perf_counter() - t0)
+    files = write_report(out_dir, results, summary, meta)
+    if endpoint_error is not None:
+        raise ModelEndpointError(
+            f"the model endpoint failed after retries ({endpoint_error}); "
+            f"{len(results)} of {len(jobs)} episodes were run and saved to {files['results']}",
+            hint="check that the server is up, then run again")
+    return EvalRun(results, summary, out_dir, files, meta)

@@ -1,0 +1,88 @@
+"""Tiny random transformers models, a character tokenizer and transformers' own greedy
+decoding as the reference the engine must match."""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def tiny_model(kind: str, *, vocab: int = 512, seed: int = 0, layers: int = 2,
+               tie: bool = False, max_pos: int = 512, **extra) -> torch.nn.Module:
+    """A random model of the given family, hidden size 64. A larger init range than
+    transformers' default spreads the logits so greedy ties do not happen."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=max_pos, initializer_range=0.15,
+                  tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, **extra)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":
+        common.setdefault("head_dim", 32)
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        raise ValueError(kind)
+    return model.eval()
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus <unk>, <s>, </s>."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast
+
+
+def random_prompts(n: int, vocab: int, *, seed: int = 0, min_len: int = 3, max_len: int = 70,
+                   shared_prefix: int = 0) -> list[list[int]]:
+    """Prompts of mixed lengths; with `shared_prefix`, every other prompt starts with the
+    same tokens (so prefix caching has something to find)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
+    out = []
+    for i in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+        out.append(prefix + body if shared_prefix and i % 2 == 0 else body)
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int],
+              max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and each chosen token's logprob (EOS ignored)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ids = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, ids)]
+    return ids, lps
+
+
+@lru_cache(maxsize=None)
+def cached_model(kind: str, **kw) -> torch.nn.Module:
+    return tiny_model(kind, **kw)

@@ -335,7 +335,9 @@ def run_env(venv: Path | None) -> dict[str, str]:
 
 def pytest_argv(args: list[str], plugins_from: list[str], venv: Path | None,
                 env: dict[str, str]) -> list[str]:
-    argv = [HOST_PYTHON, "-m", "pytest", "-p", "no:cacheprovider"]
+    # -P: like the pytest console script, do not put the working directory on sys.path
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    argv = [HOST_PYTHON, *safe, "-m", "pytest", "-p", "no:cacheprovider"]
     env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     site = [str(venv_site(venv))] if venv is not None else []
     for mod in dict.fromkeys(pytest_plugins(plugins_from, site)):

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+pip install --no-index --find-links wheelhouse --target vendor reportkit

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+grep -oE '[A-Za-z0-9._%+-]+@[A-Za-z0-9.-]+\.[A-Za-z]{2,}' contacts.txt | tr 'A-Z' 'a-z' | sort -u > emails.txt

@@ -1,0 +1,3 @@
+#!/bin/bash
+chmod a+x /app/scripts/*.sh
+chmod 600 /app/secret.key

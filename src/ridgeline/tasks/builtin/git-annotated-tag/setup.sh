@@ -1,0 +1,29 @@
+#!/bin/bash
+# Builds this task's git repository when the environment is created (no .git directory
+# is committed with the task). Fixed names and dates make every hash reproducible.
+set -euo pipefail
+export GIT_AUTHOR_NAME="Ada Lovelace" GIT_AUTHOR_EMAIL="ada@example.com"
+export GIT_COMMITTER_NAME="Ada Lovelace" GIT_COMMITTER_EMAIL="ada@example.com"
+n=0
+commit() {
+    n=$((n + 1))
+    local when="2024-01-01T10:$(printf %02d "$n"):00Z"
+    GIT_AUTHOR_DATE="$when" GIT_COMMITTER_DATE="$when" git commit -q -m "$1"
+}
+mkdir -p /app/repo
+cd /app/repo
+git init -q -b main
+git config user.name "Ada Lovelace"
+git config user.email "ada@example.com"
+printf '1.0\n' > VERSION
+git add VERSION
+commit "Initial commit"
+printf 'feature A\n' > features.txt
+git add features.txt
+commit "Add feature A"
+printf '1.2.0\n' > VERSION
+git add VERSION
+commit "Release 1.2.0"
+printf '1.3.0-dev\n' > VERSION
+git add VERSION
+commit "Start 1.3 development"

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app/repo
+git checkout -q -b feature/login main

@@ -50,6 +50,13 @@ class EngineConfig(BaseModel):
     # Where converted GGUF models (fp32 safetensors + tokenizer) are cached between runs.
     cache_dir: str | None = None
 
+    @classmethod
+    def build(cls, **fields: object) -> EngineConfig:
+        """Validate keyword fields; a bad value raises `ConfigError` naming the field."""
+        from ridgeline.config import load_model
+
+        return load_model(cls, fields, source="engine config")
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.max_num_batched_tokens < self.block_size and not self.enable_chunked_prefill:

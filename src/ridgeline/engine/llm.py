@@ -21,7 +21,7 @@ class LLM:
     def __init__(self, model: str = "default", **engine_config_overrides: Any) -> None:
         engine = engine_config_overrides.pop("_engine", None)
         self.engine: LLMEngine = engine or LLMEngine(
-            EngineConfig(model=model, **engine_config_overrides))
+            EngineConfig.build(model=model, **engine_config_overrides))
         self._counter = 0
 
     @classmethod

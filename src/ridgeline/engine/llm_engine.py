@@ -91,7 +91,7 @@ class LLMEngine:
                  **overrides: Any) -> None:
         config = config or EngineConfig()
         if overrides:
-            config = EngineConfig.model_validate({**config.model_dump(), **overrides})
+            config = EngineConfig.build(**{**config.model_dump(), **overrides})
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -169,7 +169,7 @@ class LLMEngine:
     def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None,
                       **overrides: Any) -> LLMEngine:
         """An engine over a transformers model in memory (its weights are copied)."""
-        return cls(EngineConfig(model="<in-memory>", **overrides),
+        return cls(EngineConfig.build(model="<in-memory>", **overrides),
                    source=InMemorySource(hf_model, tokenizer))
 
     # ---- requests ---------------------------------------------------------------------

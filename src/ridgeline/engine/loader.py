@@ -232,7 +232,10 @@ class GGUFSource(ModelSource):
         tensor_names = {t.name for t in self.reader.tensors}
         n_heads = int(get(f"{arch}.attention.head_count"))
         hidden = int(get(f"{arch}.embedding_length"))
-        vocab = get(f"{arch}.vocab_size") or len(fields["tokenizer.ggml.tokens"].data)
+        vocab = get(f"{arch}.vocab_size")
+        if vocab is None:
+            vocab = next(int(t.shape[-1]) for t in self.reader.tensors
+                         if t.name == "token_embd.weight")
         hf: dict[str, Any] = {
             "architectures": [_GGUF_ARCHS[arch]],
             "vocab_size": int(vocab),
@@ -289,6 +292,8 @@ class GGUFSource(ModelSource):
             yield hf_name, torch.from_numpy(array.astype("float32", copy=False).copy())
 
     def tokenizer(self) -> Any | None:
+        if "tokenizer.ggml.tokens" not in self.reader.fields:
+            return None
         from transformers import AutoTokenizer
 
         try:
@@ -304,6 +309,7 @@ class GGUFSource(ModelSource):
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
         try:
+            tmp.chmod(0o755)
             self.hf_config.save_pretrained(tmp)
             save_file(dict(self.weights()), str(tmp / "model.safetensors"),
                       metadata={"format": "pt", "source": str(self.path)})

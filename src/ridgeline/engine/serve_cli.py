@@ -1,0 +1,69 @@
+"""`ridgeline serve`: the OpenAI-compatible server (`register(app)` adds the command)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+
+def serve(
+    model: str = typer.Option("default", "--model", "-m",
+                              help="Model name or path (\"default\" is SmolLM2-135M-Instruct)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to listen on."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="RIDGELINE_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="Name clients use (default: the --model value)."),
+    config: Path | None = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
+                                       help="EngineConfig YAML; flags below override it."),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", min=1),
+    kv_cache_memory_mb: float | None = typer.Option(None, "--kv-cache-memory-mb", min=1),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
+    fast: bool = typer.Option(True, "--fast/--no-fast",
+                              help="Also serve <model>:fast when the engine supports it."),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming,
+    tools, /v1/models, /health, /metrics)."""
+    import uvicorn
+    from rich.console import Console
+
+    from ridgeline.engine.config import EngineConfig
+    from ridgeline.engine.server import create_app
+    from ridgeline.engine.server import build_engines
+
+    values: dict[str, object] = {}
+    if config is not None:
+        from ridgeline.config import load_config
+
+        values = load_config(config, EngineConfig).model_dump(exclude_unset=True)
+    values["model"] = model if model != "default" or "model" not in values else values["model"]
+    for key, value in (("max_model_len", max_model_len), ("kv_cache_memory_mb", kv_cache_memory_mb),
+                       ("max_num_seqs", max_num_seqs), ("num_threads", threads)):
+        if value is not None:
+            values[key] = value
+    engine_config = EngineConfig.model_validate(values)
+    name = served_model_name or engine_config.model
+    console = Console(stderr=True)
+    with console.status(f"loading {engine_config.model}"):
+        engines = build_engines(engine_config, name, fast=fast)
+    app = create_app(engines, api_key=api_key or None)
+    console.print(f"serving {', '.join(engines)} on http://{host}:{port}/v1"
+                  + (" (API key required)" if api_key else ""), highlight=False)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+
+
+if __name__ == "__main__":  # python -m ridgeline.engine.serve_cli --model default
+    standalone = typer.Typer(add_completion=False)
+    register(standalone)
+    standalone(prog_name="ridgeline", args=["serve", *os.sys.argv[1:]])

@@ -1,0 +1,750 @@
+"""`ridgeline serve`: an OpenAI-compatible HTTP server on the engine (FastAPI).
+
+    app = create_app({"default": LLMEngine(EngineConfig())}, api_key=None)
+    with ServerThread(app) as server:          # uvicorn on a free loopback port
+        OpenAI(base_url=server.base_url, api_key="-").chat.completions.create(...)
+
+Each served model name maps to its own engine running on its own thread
+(`EngineWorker`); `<model>` is the standard variant and `<model>:fast` the high-speed
+one (speculative decoding, quantized KV) once the engine can build it. Endpoints:
+`/v1/chat/completions` and `/v1/completions` (streamed as server-sent events ending
+with ``data: [DONE]``, or whole), `/v1/models`, `/health`, `/metrics` (Prometheus).
+
+A request whose client disconnects is aborted in the engine. User mistakes get a 4xx
+with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; the
+status comes from `RidgelineError.http_status`. With an API key, every `/v1` route
+needs ``Authorization: Bearer <key>``.
+
+Extensions beyond OpenAI's fields are vLLM's (see `server_protocol`); with
+``return_token_ids`` the response carries `prompt_token_ids` and each choice its
+`token_ids`, so RL clients never re-tokenise text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.outputs import CompletionOutput, RequestOutput
+from ridgeline.engine.sampling_params import SamplingParams
+from ridgeline.engine.server_metrics import CONTENT_TYPE, ServerMetrics
+from ridgeline.engine.server_protocol import (
+    ChatCompletionRequest, CompletionRequest, RequestError, error_body, error_for, error_type,
+    parse_request,
+)
+from ridgeline.engine.server_tools import (
+    ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
+    wire_tool_call,
+)
+from ridgeline.engine.server_worker import EngineUnavailableError, EngineWorker
+from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+FAST_SUFFIX = ":fast"
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+# ---- served models ---------------------------------------------------------------------------
+
+
+@dataclass
+class ServedModel:
+    """One name in `/v1/models`: an engine worker plus what the handlers need of it."""
+
+    name: str
+    worker: EngineWorker
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.worker.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """How a token is spelled in logprobs (`token_id:N` when asked, as vLLM does)."""
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def describe(self) -> dict[str, Any]:
+        base = self.name[:-len(FAST_SUFFIX)] if self.name.endswith(FAST_SUFFIX) else None
+        return {"id": self.name, "object": "model", "created": self.created,
+                "owned_by": "ridgeline", "root": self.engine.config.model,
+                "parent": base, "max_model_len": self.max_model_len}
+
+
+def fast_variant_config(config: Any) -> Any | None:
+    """The EngineConfig of the high-speed variant, when the engine knows how to build one
+    (an `EngineConfig.fast_variant()` returning a config with speculative decoding and a
+    quantized KV cache); None until then, and only the standard variant is served."""
+    make = getattr(config, "fast_variant", None)
+    return make() if callable(make) else None
+
+
+def build_engines(config: Any, served_name: str | None = None,
+                  fast: bool = True) -> dict[str, LLMEngine]:
+    """`{name: standard engine}` plus `{name:fast: high-speed engine}` when available."""
+    name = served_name or config.model
+    engines = {name: LLMEngine(config)}
+    fast_config = fast_variant_config(config) if fast else None
+    if fast_config is not None:
+        engines[name + FAST_SUFFIX] = LLMEngine(fast_config)
+    return engines
+
+
+def _as_worker(name: str, obj: Any) -> EngineWorker:
+    if isinstance(obj, EngineWorker):
+        return obj
+    if isinstance(obj, LLMEngine):
+        return EngineWorker(obj, name)
+    engine = getattr(obj, "engine", None)  # an offline `LLM`
+    if isinstance(engine, LLMEngine):
+        return EngineWorker(engine, name)
+    raise ConfigError(f"model {name!r}: expected an LLMEngine, LLM or EngineWorker, "
+                      f"not {type(obj).__name__}")
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: str | None = None,
+               ) -> FastAPI:
+    """An app serving each engine under its name. Engine threads start now and stop when
+    the app shuts down (uvicorn's lifespan)."""
+    if not engines:
+        raise ConfigError("no model to serve", hint="pass at least one engine")
+    workers = {name: _as_worker(name, obj) for name, obj in engines.items()}
+    seen: set[int] = set()
+    for name, w in workers.items():
+        if id(w.engine) in seen:  # two threads stepping one engine would corrupt it
+            raise ConfigError(f"model {name!r} reuses an engine already served under "
+                              "another name", hint="build one engine per served name")
+        seen.add(id(w.engine))
+    served = {name: ServedModel(name, w) for name, w in workers.items()}
+    metrics = ServerMetrics(workers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for w in workers.values():
+            w.start()
+        yield
+        await asyncio.to_thread(lambda: [w.stop() for w in workers.values()])
+
+    app = FastAPI(title="Ridgeline OpenAI-compatible server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.served = served
+    app.state.workers = workers
+    app.state.metrics = metrics
+    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
+    for w in workers.values():
+        w.start()
+
+    @app.exception_handler(RidgelineError)
+    async def _user_error(_: Request, exc: RidgelineError) -> JSONResponse:
+        status, body = error_for(exc)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), type=error_type(exc.status_code),
+                                       code=exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: {exc}",
+                                       type="server_error"), status_code=500)
+
+    def lookup(name: str) -> ServedModel:
+        model = served.get(name)
+        if model is None:
+            raise RequestError(f"the model {name!r} does not exist",
+                               hint=f"served models: {', '.join(served)}", param="model",
+                               code="model_not_found", status=404)
+        return model
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        states = {n: ("up" if w.is_running else f"down: {w.error or 'stopped'}")
+                  for n, w in workers.items()}
+        ok = all(w.is_running for w in workers.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "models": states},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [m.describe() for m in served.values()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        return lookup(model_id).describe()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_json(request))
+        model = lookup(req.model)
+        return await _chat(request, req, model, metrics, t0)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req: CompletionRequest = parse_request(CompletionRequest, await _read_json(request))
+        model = lookup(req.model)
+        return await _complete(request, req, model, metrics, t0)
+
+    return app
+
+
+async def _read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RequestError(f"the request body is not valid JSON: {e}",
+                           hint="send a JSON object", code="invalid_json") from None
+
+
+class _Gate:
+    """ASGI middleware: the API key check on /v1 routes, and the request counter by
+    endpoint and status (pure ASGI, so streamed responses pass through untouched)."""
+
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else ("/v1/models/{id}" if path.startswith(
+            "/v1/models/") else "other")
+        status = 500
+        if self.api_key is not None and path.startswith("/v1"):
+            problem = self._auth_problem(scope)
+            if problem is not None:
+                status = 401
+                body = json.dumps(error_body(problem, code="invalid_api_key")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                self.metrics.requests.labels(endpoint, "401").inc()
+                return
+
+        async def send_and_note(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _auth_problem(self, scope: dict[str, Any]) -> str | None:
+        assert self.api_key is not None
+        header = dict(scope.get("headers") or []).get(b"authorization")
+        if not header:
+            return "no API key given; send the header 'Authorization: Bearer <key>'"
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            return "incorrect API key provided"
+        return None
+
+
+# ---- one generation: engine requests, metrics, abort -----------------------------------------
+
+
+class _Generation:
+    """The engine requests behind one HTTP request (one per prompt), their outputs in one
+    queue, and what the metrics need. `abort()` stops whatever has not finished."""
+
+    def __init__(self, model: ServedModel, metrics: ServerMetrics, request_id: str,
+                 t0: float) -> None:
+        self.model = model
+        self.metrics = metrics
+        self.request_id = request_id
+        self.t0 = t0
+        self.queue: asyncio.Queue[tuple[Any, RequestOutput | BaseException]] = asyncio.Queue()
+        self.unfinished: dict[str, int] = {}  # request id -> its number of samples
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self._last_token_time: float | None = None
+
+    async def start(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
+        for i, (ids, params) in enumerate(prompts):
+            rid = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+            try:
+                await self.model.worker.add_request(rid, ids, params, self.queue, tag=i)
+            except BaseException:
+                self.abort(count=False)
+                raise
+            self.unfinished[rid] = params.n
+            self.prompt_tokens += len(ids)
+        self.metrics.prompt_tokens.labels(self.model.name).inc(self.prompt_tokens)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`(prompt index, output)` for every step of every request until all finish."""
+        while self.unfinished:
+            tag, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.unfinished.clear()
+                raise item
+            self._observe(item)
+            if item.finished:
+                self.unfinished.pop(item.request_id, None)
+            yield tag, item
+
+    def _observe(self, out: RequestOutput) -> None:
+        name = self.model.name
+        new = sum(len(c.delta_token_ids) for c in out.outputs)
+        if new:
+            now = time.perf_counter()
+            if self._last_token_time is None:
+                self.metrics.ttft.labels(name).observe(now - self.t0)
+                self.cached_tokens += out.num_cached_tokens
+            else:
+                self.metrics.itl.labels(name).observe(now - self._last_token_time)
+            self._last_token_time = now
+            self.completion_tokens += new
+            self.metrics.generation_tokens.labels(name).inc(new)
+        if out.finished:
+            for c in out.outputs:
+                self.metrics.finished.labels(name, c.finish_reason or "abort").inc()
+            if len(self.unfinished) <= 1:
+                self.metrics.e2e.labels(name).observe(time.perf_counter() - self.t0)
+
+    def abort(self, count: bool = True) -> None:
+        for rid, n in self.unfinished.items():
+            self.model.worker.abort(rid)
+            if count:
+                self.metrics.finished.labels(self.model.name, "abort").inc(n)
+        self.unfinished.clear()
+
+    def client_gone(self) -> None:
+        """The client disconnected during a non-streamed request."""
+        self.abort()
+        self.queue.put_nowait((None, _ClientGone()))
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _final_outputs(gen: _Generation, request: Request) -> dict[int, RequestOutput]:
+    """Run a non-streamed generation to the end; abort it if the client disconnects."""
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gen.client_gone()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    final: dict[int, RequestOutput] = {}
+    try:
+        async for tag, out in gen.outputs():
+            if out.finished:
+                final[tag] = out
+    finally:
+        watcher.cancel()
+        gen.abort()  # no-op unless something went wrong mid-way
+    for out in final.values():
+        if out.error is not None:
+            raise RequestError(f"generation failed: {out.error}", status=500)
+    return final
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _streaming(body: AsyncIterator[str], gen: _Generation) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for chunk in body:
+                yield chunk
+        except RidgelineError as e:
+            _, err = error_for(e)
+            yield _sse(err)
+            yield _DONE
+        except _ClientGone:
+            pass
+        finally:
+            gen.abort()  # the client went away (cancellation lands here) or an error
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, param: str) -> int:
+    """Room left in the context: a prompt that leaves none is an error (the message says
+    'maximum context length', which clients look for); a reply is clipped to the room."""
+    room = model.max_model_len - prompt_len
+    if room < 1:
+        raise RequestError(
+            f"This model's maximum context length is {model.max_model_len} tokens, and the "
+            f"prompt has {prompt_len} tokens, leaving no room for a reply",
+            hint="shorten the prompt", param=param, code="context_length_exceeded")
+    return room if requested is None else min(requested, room)
+
+
+def _delta_logprobs(c: CompletionOutput) -> tuple[list[float], list[dict[int, float]] | None]:
+    k = len(c.delta_token_ids)
+    lps = c.logprobs[len(c.logprobs) - k:] if k else []
+    tops = None
+    if c.top_logprobs is not None:
+        tops = c.top_logprobs[len(c.top_logprobs) - k:] if k else []
+    return lps, tops
+
+
+def _finite(x: float) -> float:
+    return x if x > -1e30 else -9999.0  # JSON has no -Infinity
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+
+
+def _chat_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
+                   tops: list[dict[int, float]] | None, as_ids: bool) -> dict[str, Any]:
+    content = []
+    for i, (tok, lp) in enumerate(zip(token_ids, lps)):
+        text = model.token_text(tok, as_ids)
+        alts = []
+        if tops is not None and i < len(tops):
+            for alt, alt_lp in sorted(tops[i].items(), key=lambda kv: -kv[1]):
+                alt_text = model.token_text(alt, as_ids)
+                alts.append({"token": alt_text, "logprob": _finite(alt_lp),
+                             "bytes": list(alt_text.encode())})
+        content.append({"token": text, "logprob": _finite(lp), "bytes": list(text.encode()),
+                        "top_logprobs": alts})
+    return {"content": content}
+
+
+async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
+                metrics: ServerMetrics, t0: float) -> Response:
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise UnsupportedError(f"model {model.name!r} has no tokenizer, so no chat template",
+                               hint="use /v1/completions with token ids")
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    tools = tool_specs(req.tools) if use_tools else None
+    known = {t.name for t in tools} if tools else None
+    max_calls = None if req.parallel_tool_calls else 1
+    from ridgeline.llm.chat_template import render_prompt
+
+    try:
+        text = render_prompt(tokenizer, to_messages(req.messages), tools)
+    except RidgelineError:
+        raise
+    except Exception as e:  # the template's own checks (role order, missing fields)
+        raise RequestError(f"the chat template rejected the messages: {e}",
+                           param="messages") from None
+    prefix = forced_prefix(req.tool_choice) if use_tools else ""
+    prompt_ids = list(tokenizer.encode(text + prefix, add_special_tokens=False))
+    max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids), model, "messages")
+    params = req.sampling_params(max_tokens, req.num_logprobs)
+    gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
+    await gen.start([(prompt_ids, params)])
+    created = int(time.time())
+
+    def finish_reason(c: CompletionOutput, made_calls: bool) -> str | None:
+        if c.finish_reason == "stop" and made_calls:
+            return "tool_calls"
+        return c.finish_reason
+
+    if not req.stream:
+        out = (await _final_outputs(gen, request))[0]
+        choices = []
+        for c in out.outputs:
+            content: str | None = c.text
+            calls = []
+            if use_tools:
+                content, calls = extract_tool_calls(prefix + c.text, known, max_calls)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [wire_tool_call(call) for call in calls]
+            choice: dict[str, Any] = {
+                "index": c.index, "message": message,
+                "logprobs": _chat_logprobs(model, c.token_ids, c.logprobs, c.top_logprobs,
+                                           req.return_tokens_as_token_ids)
+                if req.logprobs else None,
+                "finish_reason": finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body: dict[str, Any] = {"id": gen.request_id, "object": "chat.completion",
+                                "created": created, "model": model.name, "choices": choices,
+                                "usage": gen.usage()}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return JSONResponse(body)
+
+    async def events() -> AsyncIterator[str]:
+        base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
+                "model": model.name}
+        usage_field = {"usage": None} if req.include_usage_in_stream else {}
+        extractors = []
+        for i in range(req.n):
+            first: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}
+            chunk: dict[str, Any] = {**base, "choices": [first], **usage_field}
+            if req.return_token_ids and i == 0:
+                chunk["prompt_token_ids"] = prompt_ids
+            yield _sse(chunk)
+            if use_tools:
+                extractor = ToolCallExtractor(known, max_calls)
+                extractor.feed(prefix)  # the forced start of a call is never content
+                extractors.append(extractor)
+        num_calls = [0] * req.n
+        async for _, out in gen.outputs():
+            for c in out.outputs:
+                if c.finish_reason is None and not c.delta_text and not c.delta_token_ids:
+                    continue
+                delta: dict[str, Any] = {}
+                if use_tools:
+                    content, calls = extractors[c.index].feed(c.delta_text)
+                    if c.finished:
+                        tail, more = extractors[c.index].finish()
+                        content, calls = content + tail, calls + more
+                    if calls:
+                        delta["tool_calls"] = [wire_tool_call(call, num_calls[c.index] + k)
+                                               for k, call in enumerate(calls)]
+                        num_calls[c.index] += len(calls)
+                else:
+                    content = c.delta_text
+                if content:
+                    delta["content"] = content
+                choice = {"index": c.index, "delta": delta, "logprobs": None,
+                          "finish_reason": None}
+                if req.logprobs:
+                    lps, tops = _delta_logprobs(c)
+                    choice["logprobs"] = _chat_logprobs(model, c.delta_token_ids, lps, tops,
+                                                        req.return_tokens_as_token_ids)
+                if req.return_token_ids:
+                    choice["token_ids"] = c.delta_token_ids
+                if c.finished:
+                    choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
+                    choice["stop_reason"] = c.stop_reason
+                yield _sse({**base, "choices": [choice], **usage_field})
+            if out.finished and out.error is not None:
+                raise RequestError(f"generation failed: {out.error}", status=500)
+        if req.include_usage_in_stream:
+            yield _sse({**base, "choices": [], "usage": gen.usage()})
+        yield _DONE
+
+    return _streaming(events(), gen)
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+
+
+def _completion_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
+                         tops: list[dict[int, float]] | None, as_ids: bool,
+                         offset: int) -> tuple[dict[str, Any], int]:
+    tokens = [model.token_text(t, as_ids) for t in token_ids]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    top = None
+    if tops is not None:
+        top = [{model.token_text(a, as_ids): _finite(lp) for a, lp in
+                sorted(d.items(), key=lambda kv: -kv[1])} for d in tops]
+    return {"tokens": tokens, "token_logprobs": [_finite(x) for x in lps],
+            "top_logprobs": top, "text_offset": offsets}, offset
+
+
+async def _complete(request: Request, req: CompletionRequest, model: ServedModel,
+                    metrics: ServerMetrics, t0: float) -> Response:
+    tokenizer = model.tokenizer
+    prompts: list[tuple[list[int], SamplingParams]] = []
+    echoes: list[str] = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise UnsupportedError(f"model {model.name!r} has no tokenizer",
+                                       hint="send the prompt as token ids")
+            ids = list(tokenizer(p)["input_ids"])  # as the engine encodes text prompts
+            echoes.append(p)
+        else:
+            ids = list(p)
+            echoes.append(tokenizer.decode(ids) if (req.echo and tokenizer is not None) else "")
+        max_tokens = _max_tokens(req.max_tokens, len(ids), model, "prompt")
+        prompts.append((ids, req.sampling_params(max_tokens, req.logprobs)))
+    gen = _Generation(model, metrics, f"cmpl-{uuid.uuid4().hex}", t0)
+    await gen.start(prompts)
+    created = int(time.time())
+    n = req.n
+
+    if not req.stream:
+        final = await _final_outputs(gen, request)
+        choices = []
+        for i in range(len(prompts)):
+            for c in final[i].outputs:
+                choice: dict[str, Any] = {
+                    "index": i * n + c.index,
+                    "text": (echoes[i] if req.echo else "") + c.text,
+                    "logprobs": _completion_logprobs(model, c.token_ids, c.logprobs,
+                                                     c.top_logprobs,
+                                                     req.return_tokens_as_token_ids, 0)[0]
+                    if req.logprobs is not None else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                    choice["prompt_token_ids"] = prompts[i][0]
+                choices.append(choice)
+        body: dict[str, Any] = {"id": gen.request_id, "object": "text_completion",
+                                "created": created, "model": model.name, "choices": choices,
+                                "usage": gen.usage()}
+        if req.return_token_ids and len(prompts) == 1:
+            body["prompt_token_ids"] = prompts[0][0]
+        return JSONResponse(body)
+
+    async def events() -> AsyncIterator[str]:
+        base = {"id": gen.request_id, "object": "text_completion", "created": created,
+                "model": model.name}
+        usage_field = {"usage": None} if req.include_usage_in_stream else {}
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        async for tag, out in gen.outputs():
+            for c in out.outputs:
+                if c.finish_reason is None and not c.delta_text and not c.delta_token_ids:
+                    continue
+                index = tag * n + c.index
+                text = c.delta_text
+                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                                          "finish_reason": None}
+                if index not in started:
+                    started.add(index)
+                    if req.echo:
+                        choice["text"] = echoes[tag] + text
+                    if req.return_token_ids:
+                        choice["prompt_token_ids"] = prompts[tag][0]
+                if req.logprobs is not None:
+                    lps, tops = _delta_logprobs(c)
+                    choice["logprobs"], offsets[index] = _completion_logprobs(
+                        model, c.delta_token_ids, lps, tops, req.return_tokens_as_token_ids,
+                        offsets.get(index, 0))
+                if req.return_token_ids:
+                    choice["token_ids"] = c.delta_token_ids
+                if c.finished:
+                    choice["finish_reason"] = c.finish_reason
+                    choice["stop_reason"] = c.stop_reason
+                yield _sse({**base, "choices": [choice], **usage_field})
+            if out.finished and out.error is not None:
+                raise RequestError(f"generation failed: {out.error}", status=500)
+        if req.include_usage_in_stream:
+            yield _sse({**base, "choices": [], "usage": gen.usage()})
+        yield _DONE
+
+    return _streaming(events(), gen)
+
+
+# ---- a live server on a thread -------------------------------------------------------------------
+
+
+class ServerThread:
+    """uvicorn serving `app` on a free loopback port, in a background thread (tests,
+    benchmarks, notebooks). `url` is the root, `base_url` the OpenAI base (`.../v1`)."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host = host
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {e}",
+                              hint="pick another --port") from None
+        self.port = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise EngineUnavailableError(f"the server on {self.url} did not start",
+                                             hint="see the log above")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start() if not self._thread.is_alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines",
+           "create_app", "fast_variant_config"]

@@ -1,0 +1,305 @@
+"""The OpenAI wire format the server reads, and its error bodies.
+
+Requests are validated with pydantic; a value the engine would reject anyway (a negative
+`max_tokens`, a `top_p` of 0) is rejected here with the field's name, as OpenAI does.
+Unknown fields are ignored, as vLLM does, so clients written for other servers work.
+Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`return_token_ids` (the prompt's and each choice's token ids) and
+`return_tokens_as_token_ids` (logprob tokens spelled ``token_id:N``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ridgeline.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ridgeline.errors import EngineError, RidgelineError
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+class RequestError(EngineError):
+    """A bad HTTP request, with the OpenAI `param` and `code` it concerns."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int = 400, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.param = param
+        self.code = code
+        self.http_status = status
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_for(exc: RidgelineError) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI error body for a user mistake."""
+    status = exc.http_status
+    param = getattr(exc, "param", None)
+    code = getattr(exc, "code", None)
+    return status, error_body(str(exc), type=error_type(status), param=param, code=code)
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a `RequestError` naming
+    the field (OpenAI's `param`)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])  # e.g. "messages.0.role"
+        if err["type"] == "missing":
+            raise RequestError(f"missing required field {loc!r}", param=loc,
+                               code="missing_required_parameter") from None
+        raise RequestError(f"invalid value for {loc!r}: {err['msg']}", param=loc or None,
+                           code="invalid_value") from None
+    except RequestError:  # raised by a model validator
+        raise
+    except RidgelineError as e:
+        raise RequestError(e.message, hint=e.hint) from None
+
+
+# ---- shared request fields --------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share (the ones that become `SamplingParams`)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> _SamplingRequest:
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported by this server",
+                               param="logit_bias", code="unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of is not supported (only best_of == n)", param="best_of",
+                               code="unsupported_parameter")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise RequestError("stop strings must not be empty", param="stop")
+        return self
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Engine parameters; anything the engine still rejects names its field."""
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                seed=self.seed, stop=self.stop or None,
+                stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, logprobs=logprobs,
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
+        except EngineError as e:
+            # "invalid sampling parameter top_k=-3: ..." -> param "top_k"
+            name = e.message.split("parameter ", 1)[-1].split("=", 1)[0] if "=" in e.message else None
+            raise RequestError(e.message, param=name, code="invalid_value") from None
+
+
+# ---- /v1/chat/completions ---------------------------------------------------------------------
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class WireToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[WireToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise RequestError(f"message content of type {part.type!r} is not supported "
+                                   "(this model reads text only)", param="messages",
+                                   code="unsupported_content")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise RequestError(f"response_format {self.response_format.type!r} is not "
+                               "supported (no constrained decoding); ask for JSON in the "
+                               "prompt instead", param="response_format",
+                               code="unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise RequestError("tool names must be unique", param="tools")
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not self.tools:
+                raise RequestError("tool_choice asks for a tool call but no tools are given",
+                                   param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not "
+                               "among the tools", param="tool_choice")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- /v1/completions --------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.suffix:
+            raise RequestError("suffix (fill-in-the-middle) is not supported", param="suffix",
+                               code="unsupported_parameter")
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise RequestError("prompt must not be empty", param="prompt")
+            if any(isinstance(p, list) and not p for p in self.prompt):
+                raise RequestError("a token-id prompt must not be empty", param="prompt")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs needs prompt logprobs, which this server "
+                               "does not compute", param="echo", code="unsupported_parameter")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]

@@ -1,0 +1,4 @@
+from library.services import catalogue
+
+for book in catalogue():
+    print(book)

@@ -1,0 +1,1 @@
+"""Access-log report: parse -> aggregate -> render (see each module)."""

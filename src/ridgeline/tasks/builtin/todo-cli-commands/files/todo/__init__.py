@@ -1,0 +1,1 @@
+"""A command-line to-do list: python3 -m todo ..."""

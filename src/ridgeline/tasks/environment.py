@@ -7,7 +7,7 @@ harness's staging directories, mounted at
     /tests       the task's tests, copied in only when the verifier runs (read-only)
     /solution    the oracle solution, copied in only when it is applied (read-only)
     /logs        Harbor's log directory (/logs/verifier/reward.txt ...), writable
-    HOME_PATH    a writable home directory (uv's installer idiom writes ~/.local/bin)
+    /root        a writable home (HOME; uv's installer idiom writes ~/.local/bin)
     /ridgeline   the offline tools (uv, curl, apt-get ...), first on PATH
 
 Failures are typed: `TaskUnsupported` (this machine cannot provide what the task needs:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tarfile
 import tempfile
 import time
@@ -57,13 +58,20 @@ class EnvironmentSetupError(SandboxError):
         super().__init__(f"task {task_id!r}: environment set-up failed: {reason}")
 
 
-def home_path(tools: HarnessTools) -> str:
-    """Docker tasks run as root with HOME=/root; we mount a writable home there unless
-    the host interpreter itself lives under /root (pyenv), which the mount would hide."""
-    if str(Path(tools.python).resolve()).startswith("/root/") or \
-            tools.python.startswith("/root/"):
-        return "/home/agent"
-    return "/root"
+HOME_PATH = "/root"   # Docker tasks run as root with this home; ours is writable
+
+
+def interpreter_mounts(tools: HarnessTools) -> list[Mount]:
+    """The host interpreter must run inside even when it lives under a directory that
+    the home mount hides (pyenv keeps Python in /root/.pyenv): re-expose those trees
+    read-only, on top of the home mount."""
+    roots = {sys.base_prefix, sys.prefix, str(Path(tools.python).resolve().parent.parent)}
+    under = sorted(r for r in roots if r == HOME_PATH or r.startswith(HOME_PATH + "/"))
+    kept: list[str] = []
+    for r in under:     # drop trees nested in one already kept
+        if not any(r.startswith(k + "/") for k in kept):
+            kept.append(r)
+    return [Mount(source=Path(r), target=r, writable=False) for r in kept]
 
 
 def _create_sandbox(spec: SandboxSpec, backend: str) -> Sandbox:
@@ -170,7 +178,7 @@ def sandbox_limits(task: Task) -> Limits:
 
 
 def runtime_env(task: Task, tools: HarnessTools) -> dict[str, str]:
-    home = home_path(tools)
+    home = HOME_PATH
     return {"PATH": tools.runtime_path(), "HOME": home, "TEST_DIR": TESTS_PATH,
             "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TERM": "xterm",
             "DEBIAN_FRONTEND": "noninteractive", "PYTHONUNBUFFERED": "1",
@@ -200,6 +208,7 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
               Mount(source=staging / "solution", target=SOLUTION_PATH, writable=False),
               Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
               Mount(source=staging / "home", target=home, writable=True),
+              *interpreter_mounts(tools),
               *(Mount(source=h, target=d, writable=True) for d, h in extra.items())]
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
                        mounts=mounts, env={**image_env, **(env or {})},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
 import typer
@@ -33,21 +33,20 @@ def serve(
     import uvicorn
     from rich.console import Console
 
+    from ridgeline.config import load_config, load_model
     from ridgeline.engine.config import EngineConfig
-    from ridgeline.engine.server import create_app
-    from ridgeline.engine.server import build_engines
+    from ridgeline.engine.server import build_engines, create_app
 
     values: dict[str, object] = {}
     if config is not None:
-        from ridgeline.config import load_config
-
-        values = load_config(config, EngineConfig).model_dump(exclude_unset=True)
-    values["model"] = model if model != "default" or "model" not in values else values["model"]
+        values = load_config(EngineConfig, config).model_dump(exclude_unset=True)
+    if model != "default" or "model" not in values:  # the flag wins unless left at its default
+        values["model"] = model
     for key, value in (("max_model_len", max_model_len), ("kv_cache_memory_mb", kv_cache_memory_mb),
                        ("max_num_seqs", max_num_seqs), ("num_threads", threads)):
         if value is not None:
             values[key] = value
-    engine_config = EngineConfig.model_validate(values)
+    engine_config = load_model(EngineConfig, values, source="serve options")
     name = served_model_name or engine_config.model
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
@@ -65,5 +64,6 @@ def register(app: typer.Typer) -> None:
 
 if __name__ == "__main__":  # python -m ridgeline.engine.serve_cli --model default
     standalone = typer.Typer(add_completion=False)
+    standalone.callback()(lambda: None)  # a group, so that "serve" stays a subcommand
     register(standalone)
-    standalone(prog_name="ridgeline", args=["serve", *os.sys.argv[1:]])
+    standalone(prog_name="ridgeline", args=["serve", *sys.argv[1:]])

@@ -258,7 +258,8 @@ class _Gate:
             problem = self._auth_problem(scope)
             if problem is not None:
                 status = 401
-                body = json.dumps(error_body(problem, code="invalid_api_key")).encode()
+                body = json.dumps(error_body(problem, type=error_type(401),
+                                             code="invalid_api_key")).encode()
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"www-authenticate", b"Bearer")]})
@@ -452,13 +453,16 @@ def _finite(x: float) -> float:
 
 
 def _chat_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
-                   tops: list[dict[int, float]] | None, as_ids: bool) -> dict[str, Any]:
+                   tops: list[dict[int, float]] | None, k: int,
+                   as_ids: bool) -> dict[str, Any]:
+    """OpenAI's chat logprobs; `top_logprobs` holds exactly the k most likely tokens (the
+    engine may add the sampled one when it falls outside them)."""
     content = []
     for i, (tok, lp) in enumerate(zip(token_ids, lps)):
         text = model.token_text(tok, as_ids)
         alts = []
         if tops is not None and i < len(tops):
-            for alt, alt_lp in sorted(tops[i].items(), key=lambda kv: -kv[1]):
+            for alt, alt_lp in sorted(tops[i].items(), key=lambda kv: -kv[1])[:k]:
                 alt_text = model.token_text(alt, as_ids)
                 alts.append({"token": alt_text, "logprob": _finite(alt_lp),
                              "bytes": list(alt_text.encode())})
@@ -513,7 +517,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
             choice: dict[str, Any] = {
                 "index": c.index, "message": message,
                 "logprobs": _chat_logprobs(model, c.token_ids, c.logprobs, c.top_logprobs,
-                                           req.return_tokens_as_token_ids)
+                                           req.top_logprobs or 0, req.return_tokens_as_token_ids)
                 if req.logprobs else None,
                 "finish_reason": finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
             if req.return_token_ids:
@@ -566,6 +570,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                 if req.logprobs:
                     lps, tops = _delta_logprobs(c)
                     choice["logprobs"] = _chat_logprobs(model, c.delta_token_ids, lps, tops,
+                                                        req.top_logprobs or 0,
                                                         req.return_tokens_as_token_ids)
                 if req.return_token_ids:
                     choice["token_ids"] = c.delta_token_ids

@@ -375,8 +375,14 @@ def plan_build(dockerfile: Path | None, context: Path, default_workdir: str = "/
     workspace = _own_root(workdir) or workdir
     extra: list[str] = []
     for step in steps:
-        path = step.dest if isinstance(step, CopyStep) else (
-            step.path if isinstance(step, MkdirStep) else None)
+        path = None
+        if isinstance(step, MkdirStep):
+            path = step.path
+        elif isinstance(step, CopyStep):
+            # the directory that receives the copy must be ours
+            into_dir = step.dest_is_dir or any(s.is_dir() for s in step.sources) or \
+                step.unpack
+            path = step.dest if into_dir else str(PurePosixPath(step.dest).parent)
         if path is None or _under(path, workspace) or any(_under(path, d) for d in extra):
             continue
         if path == "/":

@@ -73,7 +73,7 @@ def harness_tools() -> HarnessTools:
     python = sys.executable
     config = {"python": python, "site_dirs": _site_dirs()}
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    for name in _SOURCES:
+    for name in (*_SOURCES, "harness.py"):
         h.update((here / name).read_bytes())
     root = Path(tempfile.gettempdir()) / f"ridgeline-harness-{h.hexdigest()[:16]}"
     if not (root / "config.json").is_file():
@@ -84,8 +84,11 @@ def harness_tools() -> HarnessTools:
             (tmp / sub).mkdir()
             for name, tool in tools.items():
                 wrapper = tmp / sub / name
-                wrapper.write_text(f'#!/bin/sh\nexec "{python}" -I -S '
-                                   f'"{HARNESS_MOUNT}/offline_tools.py" {tool} "$@"\n')
+                # resolved from the wrapper's own location: links to it ($HOME/.local/bin
+                # after the uv installer idiom) and host-side use both work
+                wrapper.write_text(f'#!/bin/sh\nhere=$(dirname "$(readlink -f "$0")")\n'
+                                   f'exec "{python}" -I -S "$here/../offline_tools.py" '
+                                   f'{tool} "$@"\n')
                 wrapper.chmod(0o755)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tmp.chmod(0o755)

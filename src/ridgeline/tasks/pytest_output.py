@@ -77,9 +77,9 @@ def summary_counts(text: str) -> dict[str, int]:
 def _result(outcome: Outcome, rest: str) -> TestResult:
     if outcome is Outcome.SKIPPED:
         # `SKIPPED [1] tests/test_x.py:12: reason`
-        m = re.match(r"^\[\d+\]\s+(\S+?):?\s*(?::\s*(.*))?$", rest)
+        m = re.match(r"^\[\d+\]\s+(\S+?:\d+):\s*(.*)$", rest)
         if m:
-            return TestResult(m.group(1).rstrip(":"), outcome, m.group(2) or "")
+            return TestResult(m.group(1), outcome, m.group(2))
         return TestResult(rest, outcome)
     name, sep, message = rest.partition(" - ")
     return TestResult(name.strip(), outcome, message.strip() if sep else "")

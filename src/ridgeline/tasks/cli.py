@@ -78,8 +78,7 @@ def check(
                           "tasks": [_summary(c, runs) for c in checks]}, indent=1))
     else:
         table = Table(title=f"{n_ok}/{len(checks)} tasks pass the quality checks")
-        for col in ("id", "ok", "oracle", "null", "setup s", "oracle s", "verify s",
-                    "reason"):
+        for col in ("id", "ok", "oracle", "null", "setup s", "oracle s", "verify s"):
             table.add_column(col, overflow="fold")
         for c in checks:
             t = c.timings
@@ -87,7 +86,11 @@ def check(
                 c.task_id, "[green]yes[/]" if c.ok else "[red]NO[/]",
                 f"{c.oracle_passes}/{runs}", c.null.status.value if c.null else "-",
                 f"{t.get('setup_s', 0):.2f}", f"{t.get('oracle_s', 0):.2f}",
-                f"{t.get('verify_s', 0):.2f}", "; ".join(c.reasons))
+                f"{t.get('verify_s', 0):.2f}")
         console.print(table)
+        for c in checks:        # reasons are long: one line each, below the table
+            for reason in c.reasons:
+                console.print(f"[red]NO[/] {c.task_id}: {reason}", highlight=False,
+                              soft_wrap=True)
     if n_ok < len(checks):
         raise typer.Exit(1)

@@ -62,14 +62,17 @@ HOME_PATH = "/root"   # Docker tasks run as root with this home; ours is writabl
 
 
 def interpreter_mounts(tools: HarnessTools) -> list[Mount]:
-    """The host interpreter must run inside even when it lives under a directory that
-    the home mount hides (pyenv keeps Python in /root/.pyenv): re-expose those trees
-    read-only, on top of the home mount."""
-    roots = {sys.base_prefix, sys.prefix, str(Path(tools.python).resolve().parent.parent)}
-    under = sorted(r for r in roots if r == HOME_PATH or r.startswith(HOME_PATH + "/"))
+    """The host interpreter (its venv and the Python it is built on) runs the tests and
+    the offline tools inside, so its trees are mounted read-only at their own paths:
+    sandboxes show only the host's system directories, and the home mount at /root
+    would hide a pyenv Python. Trees under /usr are already there."""
+    roots = {sys.prefix, sys.base_prefix, str(Path(tools.python).resolve().parent.parent)}
+    roots |= {os.path.realpath(r) for r in roots}   # symlinked prefixes: both paths
     kept: list[str] = []
-    for r in under:     # drop trees nested in one already kept
-        if not any(r.startswith(k + "/") for k in kept):
+    for r in sorted(roots):
+        if r in ("/", "/usr") or r.startswith("/usr/"):
+            continue
+        if not any(r == k or r.startswith(k + "/") for k in kept):
             kept.append(r)
     return [Mount(source=Path(r), target=r, writable=False) for r in kept]
 

@@ -483,6 +483,33 @@ def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:
         assert f'{gauge}{{model="tiny"}}' in samples
 
 
+def test_engine_failure_fails_requests_and_health(random_model: Any, tok: Any) -> None:
+    """Fault injection: the engine's step raises mid-generation (a bug, not a user error)."""
+    engine = engine_for(random_model, tok, num_kv_blocks=40, max_model_len=256)
+    real_step, calls = engine.step, []
+
+    def failing_step() -> Any:
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    with ServerThread(create_app({"tiny": engine})) as srv:
+        body = {"model": "tiny", "messages": HELLO, "max_tokens": 100, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", srv.base_url + "/chat/completions", json=body) as resp:
+            events = sse_events(resp)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "server_error" and "simulated kernel failure" in err["message"]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and "simulated" in health.json()["models"]["tiny"]
+        r = httpx.post(srv.base_url + "/chat/completions",
+                       json={"model": "tiny", "messages": HELLO})
+        assert r.status_code == 503 and error_of(r)["type"] == "server_error"
+
+
 # ---- the command -------------------------------------------------------------------------------
 
 

@@ -120,7 +120,7 @@ def test_forced_prefixes_continue_into_a_call() -> None:
     assert forced_prefix("auto") == forced_prefix(None) == ""
 
 
-# ---- request validation ---------------------------------------------------------------------------
+# ---- request validation ----------------------------------------------------------------
 
 
 def bad(model: type, body: object) -> RequestError:

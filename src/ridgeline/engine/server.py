@@ -417,6 +417,11 @@ def _streaming(body: AsyncIterator[str], gen: _Generation) -> StreamingResponse:
             yield _DONE
         except _ClientGone:
             pass
+        except Exception as e:  # a bug: tell the client instead of cutting the stream
+            log.exception("stream failed")
+            yield _sse(error_body(f"internal server error: {type(e).__name__}: {e}",
+                                  type="server_error"))
+            yield _DONE
         finally:
             gen.abort()  # the client went away (cancellation lands here) or an error
 

@@ -63,7 +63,8 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         kv = GaugeMetricFamily("ridgeline_kv_cache_usage_ratio",
-                               "Fraction of KV cache blocks held by live sequences", labels=["model"])
+                               "Fraction of KV cache blocks held by live sequences",
+                               labels=["model"])
         running = GaugeMetricFamily("ridgeline_num_requests_running",
                                     "Sequences in the running batch", labels=["model"])
         waiting = GaugeMetricFamily("ridgeline_num_requests_waiting",

@@ -11,6 +11,7 @@ Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -150,8 +151,9 @@ class _SamplingRequest(BaseModel):
                 skip_special_tokens=self.skip_special_tokens)
         except EngineError as e:
             # "invalid sampling parameter top_k=-3: ..." -> param "top_k"
-            name = e.message.split("parameter ", 1)[-1].split("=", 1)[0] if "=" in e.message else None
-            raise RequestError(e.message, param=name, code="invalid_value") from None
+            match = re.match(r"invalid sampling parameter (\w+)=", e.message)
+            raise RequestError(e.message, param=match.group(1) if match else None,
+                               code="invalid_value") from None
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------

@@ -5,14 +5,52 @@ Subsystems to the right (tasks, agent, rl, eval, platform) only ever see these n
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ridgeline.errors import ConfigError
+
+MiB = 1024 * 1024
+#: Below this a sandbox cannot even start bash; such a limit is a mistake, not a policy.
+MIN_MEMORY_BYTES = 16 * MiB
+#: bwrap, the sandbox's init and the command itself already count against the limit.
+MIN_PROCESSES = 8
+#: Paths the sandbox provides itself; nothing may be mounted on or under them.
+RESERVED_PATHS = ("/proc", "/dev", "/sys")
+
+
+class InvalidSpecError(ConfigError, ValueError):
+    """A sandbox spec, limit or mount is invalid. It is a `ConfigError` for callers and a
+    `ValueError` for pydantic, so a bad nested model still names its parent field."""
+
+
+class _SpecModel(BaseModel):
+    """Strict pydantic model: unknown fields are typos, and invalid values raise an
+    `InvalidSpecError` that names the field (never a bare pydantic traceback)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            from ridgeline.config import format_validation_error
+            msg = format_validation_error(e, type(self).__name__)
+            raise InvalidSpecError(msg.replace("Value error, ", "")) from None
+
+
+def normalize_sandbox_path(path: str, what: str) -> str:
+    """An absolute, normalised path inside the sandbox (no `..`, no trailing slash)."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError(f"{what} must be an absolute path, got {path!r}")
+    if "\0" in path or any(part == ".." for part in path.split("/")):
+        raise ValueError(f"{what} must not contain '..' or NUL bytes, got {path!r}")
+    return posixpath.normpath(path).replace("//", "/")
 
 
 class NetworkPolicy(str, Enum):
@@ -20,32 +58,40 @@ class NetworkPolicy(str, Enum):
     LOOPBACK = "loopback"  # own namespace with only `lo` up: servers inside talk to each other
 
 
-class Mount(BaseModel):
+class Mount(_SpecModel):
     """An extra bind mount: `source` on the host appears at `target` inside."""
 
     source: Path
     target: str
     writable: bool = False
 
-    @model_validator(mode="after")
-    def _check(self) -> "Mount":
-        if not self.target.startswith("/"):
-            raise ValueError(f"mount target must be an absolute path, got {self.target!r}")
-        return self
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        v = normalize_sandbox_path(v, "mount target")
+        if v == "/":
+            raise ValueError("mount target must not be '/' (use tools_root for the root)")
+        if any(v == r or v.startswith(r + "/") for r in RESERVED_PATHS):
+            raise ValueError(f"mount target {v!r} is inside {', '.join(RESERVED_PATHS)}, "
+                             "which the sandbox provides itself")
+        return v
 
 
-class Limits(BaseModel):
+class Limits(_SpecModel):
     """Resource limits; `None` means unlimited (not recommended for agents)."""
 
-    wall_timeout_s: float = Field(120.0, gt=0, description="default timeout of one run()")
-    cpu_seconds: int | None = Field(None, gt=0)
-    memory_bytes: int | None = Field(2 * 1024**3, gt=0)
-    max_processes: int | None = Field(512, gt=0)
-    max_file_size_bytes: int | None = Field(1024**3, gt=0)
+    wall_timeout_s: float = Field(120.0, gt=0, allow_inf_nan=False,
+                                  description="default timeout of one run()")
+    cpu_seconds: int | None = Field(None, gt=0, description="CPU time of one process")
+    memory_bytes: int | None = Field(2 * 1024**3, ge=MIN_MEMORY_BYTES,
+                                     description="memory of the whole sandbox")
+    max_processes: int | None = Field(512, ge=MIN_PROCESSES,
+                                      description="processes and threads of the whole sandbox")
+    max_file_size_bytes: int | None = Field(1024**3, gt=0, description="size of any one file")
     max_output_bytes: int = Field(1024 * 1024, gt=0, description="captured per stream")
 
 
-class SandboxSpec(BaseModel):
+class SandboxSpec(_SpecModel):
     """Everything that defines a sandbox. Pure data: a provider turns it into a Sandbox."""
 
     workspace_from: Path | None = Field(
@@ -57,11 +103,40 @@ class SandboxSpec(BaseModel):
     limits: Limits = Field(default_factory=Limits)
     network: NetworkPolicy = NetworkPolicy.NONE
     tools_root: Path = Field(Path("/"), description="host tree visible read-only inside")
+    image: str | None = Field(None, description="container image (docker backend only)")
+
+    @field_validator("workspace_path")
+    @classmethod
+    def _workspace_path(cls, v: str) -> str:
+        v = normalize_sandbox_path(v, "workspace_path")
+        if v == "/":
+            raise ValueError("workspace_path must be an absolute path other than '/'")
+        if any(v == r or v.startswith(r + "/") for r in RESERVED_PATHS):
+            raise ValueError(f"workspace_path {v!r} is inside {', '.join(RESERVED_PATHS)}")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str | None) -> str | None:
+        return None if v is None else normalize_sandbox_path(v, "workdir")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not k or "=" in k or "\0" in k or "\0" in val:
+                raise ValueError(f"invalid environment variable {k!r}: names must be "
+                                 "non-empty without '=' and values must not contain NUL")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "SandboxSpec":
-        if not self.workspace_path.startswith("/") or self.workspace_path == "/":
-            raise ValueError("workspace_path must be an absolute path other than '/'")
+        targets = [m.target for m in self.mounts]
+        dup = {t for t in targets if targets.count(t) > 1}
+        if dup:
+            raise ValueError(f"two mounts share the target {sorted(dup)[0]!r}")
+        if self.workspace_path in targets:
+            raise ValueError(f"a mount targets the workspace path {self.workspace_path!r}")
         return self
 
     @property
@@ -132,6 +207,6 @@ class SandboxProvider(Protocol):
 
 
 __all__ = [
-    "ConfigError", "ExecResult", "HealthReport", "Limits", "Mount", "NetworkPolicy",
+    "ConfigError", "ExecResult", "InvalidSpecError", "HealthReport", "Limits", "Mount", "NetworkPolicy",
     "Sandbox", "SandboxProvider", "SandboxSpec", "ShellSession",
 ]

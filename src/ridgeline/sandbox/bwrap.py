@@ -1,0 +1,459 @@
+"""The bubblewrap backend: each sandbox is a set of Linux namespaces kept alive by an
+init process, and every command enters them with `nsenter`.
+
+Start: `bwrap` creates user, pid, ipc, uts, cgroup and mount namespaces (plus a network
+namespace, see below), builds the root (rootfs.py), drops every capability, forbids
+nested user namespaces, and runs bash as pid 1 of the new pid namespace. That init only
+reads a pipe we hold: it reaps orphans, ignores signals sent from inside (pid 1 is
+immune to SIGKILL from its own namespace), and dies with us (`--die-with-parent`, and
+EOF on the pipe). Killing it tears the pid namespace down: the kernel kills every
+process in it, so `close()` leaves nothing behind.
+
+Commands: `nsenter` joins the init's namespaces, root and cwd and becomes uid 1000 (no
+capabilities survive its exec: the uid is not root in the namespace, every mount is
+nosuid). `prlimit` in front sets the per-process rlimits. Cgroups (cgroups.py) bound the
+sandbox's memory and process count and let a timeout kill exactly one command's tree.
+
+Uids: uid 1000 inside maps to the uid that runs bwrap (root here), as bwrap does when
+run by root. The alternative, a distinct unprivileged host uid per sandbox, would make
+files that the host (the task harness, `workspace_dir`, writable mounts) creates
+unwritable inside. The cost, owner access to root-owned files, is contained: the root is
+read-only, host secrets are not mounted or are masked (rootfs.py), and there are no
+capabilities.
+
+Network: under `none` the init starts in a fresh network namespace made by the host (so
+its loopback is down and no process inside may bring it up); under `loopback` bwrap
+makes one with `lo` up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import queue
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+from ridgeline.errors import SandboxError
+from ridgeline.sandbox.base import ExecResult, NetworkPolicy, SandboxSpec, ShellSession
+from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, SandboxCgroup,
+                                       kill_tree)
+from ridgeline.sandbox.host_sandbox import HostSandbox, default_root, prepare_root
+from ridgeline.sandbox.process import (TreeTracker, communicate, kill_process_tree,
+                                       to_exec_result)
+from ridgeline.sandbox.rootfs import build_root_args
+from ridgeline.sandbox.shell import BashSession
+
+SANDBOX_UID = 1000
+HOSTNAME = "sandbox"
+START_TIMEOUT_S = 30.0
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/home/sandbox", "USER": "sandbox", "LOGNAME": "sandbox",
+    "SHELL": "/bin/bash", "LANG": "C.UTF-8", "TERM": "dumb",
+}
+# pid 1 is `cat` reading a pipe we hold: it ends at EOF, i.e. when we are gone. With no
+# signal handlers, pid 1 of a pid namespace cannot be signalled from inside it at all;
+# SIGCHLD ignored (inherited through exec) makes the kernel reap orphans adopted by it.
+INIT_SCRIPT = "trap '' CHLD; echo ready; exec cat >/dev/null 2>&1"  # (dash cannot ignore CHLD)
+# Out-of-memory wording of common runtimes, for when no memory cgroup is available.
+OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc",
+               b"out of memory", b"Out of memory")
+INSTALL_HINT = "install it with `apt-get install -y bubblewrap`"
+
+T = TypeVar("T")
+CLONE_NEWNET = 0x40000000
+
+
+class _Spawner:
+    """Starts sandbox inits from one thread that lives as long as the process.
+    `--die-with-parent` is PR_SET_PDEATHSIG, which fires when the *thread* that forked
+    the child exits: a sandbox started from a short-lived worker thread would die with
+    that thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="ridgeline-spawner",
+                                                daemon=True)
+                self._thread.start()
+        fut: Future = Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+
+_spawner = _Spawner()
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def _fresh_netns() -> Iterator[None]:
+    """Run the block with the current thread in a new, empty network namespace (its
+    loopback down); children started meanwhile keep it. Needs root."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+        try:
+            yield
+        finally:
+            if _libc.setns(own, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns back to the host network: {os.strerror(err)}")
+    finally:
+        os.close(own)
+
+
+def _find(tool: str, package: str, explicit: str | None = None) -> str:
+    path = explicit or shutil.which(tool) or f"/usr/bin/{tool}"
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise SandboxError(f"{tool} not found at {path}",
+                           hint=f"install it with `apt-get install -y {package}`")
+    return path
+
+
+class BwrapProvider:
+    """Makes bubblewrap sandboxes. `bwrap_path` overrides where bwrap is looked for."""
+
+    name = "bwrap"
+
+    def __init__(self, bwrap_path: str | None = None, root_dir: Path | None = None) -> None:
+        path = bwrap_path or shutil.which("bwrap") or "/usr/bin/bwrap"
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise SandboxError(f"bubblewrap (bwrap) not found at {path}", hint=INSTALL_HINT)
+        self.bwrap = path
+        self.nsenter = _find("nsenter", "util-linux")
+        self.prlimit = _find("prlimit", "util-linux")
+        self.privileged = os.geteuid() == 0
+        self.cgroups = CgroupHost.detect()
+        self.root = prepare_root(root_dir or default_root())
+
+    def create(self, spec: SandboxSpec) -> "BwrapSandbox":
+        return BwrapSandbox(self, spec)
+
+
+class BwrapSandbox(HostSandbox):
+    backend = "bwrap"
+
+    def __init__(self, provider: BwrapProvider, spec: SandboxSpec) -> None:
+        super().__init__(spec, provider.root)
+        self._p = provider
+        self._proc: subprocess.Popen | None = None
+        self._pidfd: int | None = None
+        self.init_pid = 0
+        self.namespaces: dict[str, int] = {}
+        self._shells: list[BashSession] = []
+        self._cg: SandboxCgroup | None = None
+        try:
+            lim = spec.limits
+            if provider.cgroups is not None:
+                self._cg = provider.cgroups.create(self.id, lim.memory_bytes, lim.max_processes)
+            self._env = {**BASE_ENV, **spec.env}
+            self._init_cwd = self._prepare_cwd()
+            tmp_size = lim.memory_bytes  # tmpfs pages count against memory anyway
+            self._root_args = build_root_args(spec, self.workspace_dir,
+                                              provider.root / ".empty", tmp_size)
+            self._rlimits = self._rlimit_args()
+            self._start_init()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the init process ---------------------------------------------------------------
+    def _prepare_cwd(self) -> str:
+        """Where pid 1 (and so every command) starts: the spec's cwd if it is in the
+        workspace (created if missing), else the workspace (commands then `cd`)."""
+        cwd, ws = self.spec.cwd, self.spec.workspace_path
+        if cwd == ws or cwd.startswith(ws + "/"):
+            rel = cwd[len(ws):].lstrip("/")
+            if rel:
+                (self.workspace_dir / rel).mkdir(parents=True, exist_ok=True)
+            return cwd
+        return ws
+
+    def _rlimit_args(self) -> list[str]:
+        lim, args = self.spec.limits, []
+        if lim.cpu_seconds is not None:
+            args.append(f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}")
+        if lim.max_file_size_bytes is not None:
+            args.append(f"--fsize={lim.max_file_size_bytes}")
+        if self._cg is None:  # no cgroups: per-process rlimits are all we have
+            if lim.memory_bytes is not None:
+                args.append(f"--as={lim.memory_bytes}")
+            if lim.max_processes is not None:
+                args.append(f"--nproc={lim.max_processes}")
+        return [self._p.prlimit, *args, "--"] if args else []
+
+    def _bwrap_argv(self, info_fd: int, own_netns: bool) -> list[str]:
+        argv = [self._p.bwrap, "--unshare-user", "--unshare-ipc", "--unshare-pid",
+                "--unshare-uts", "--unshare-cgroup-try", "--disable-userns",
+                "--die-with-parent", "--as-pid-1", "--cap-drop", "ALL",
+                "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", HOSTNAME]
+        if not own_netns:
+            argv.append("--unshare-net")
+        argv += self._root_args
+        argv += ["--chdir", self._init_cwd, "--info-fd", str(info_fd), "--clearenv"]
+        for k, v in self._env.items():
+            argv += ["--setenv", k, v]
+        return argv + ["--", "bash", "--noprofile", "--norc", "-c", INIT_SCRIPT]
+
+    def _start_init(self) -> None:
+        own_netns = self.spec.network == NetworkPolicy.NONE and self._p.privileged
+        info_r, info_w = os.pipe()
+        log_path = self.dir / "bwrap.log"
+        try:
+            argv = self._bwrap_argv(info_w, own_netns)
+            with open(log_path, "wb") as log:
+                def spawn() -> subprocess.Popen:
+                    placed = self._cg.placed() if self._cg else contextlib.nullcontext()
+                    netns = _fresh_netns() if own_netns else contextlib.nullcontext()
+                    with placed, netns:
+                        return subprocess.Popen(argv, stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, stderr=log,
+                                                pass_fds=(info_w,), env={"PATH": BASE_ENV["PATH"]})
+                try:
+                    self._proc = _spawner.call(spawn)
+                except OSError as e:
+                    raise SandboxError(f"could not start bwrap: {e}") from None
+            os.close(info_w)
+            info_w = -1
+            deadline = time.monotonic() + START_TIMEOUT_S
+            info = _read_all(info_r, deadline)
+            ready = _read_line(self._proc.stdout.fileno(), deadline) if info else b""  # type: ignore[union-attr]
+            if not info or ready.strip() != b"ready":
+                self._proc.kill()
+                self._proc.wait()
+                why = log_path.read_text(errors="replace").strip() or "no message"
+                raise SandboxError(f"bwrap could not start the sandbox: {why[-800:]}")
+        finally:
+            os.close(info_r)
+            if info_w >= 0:
+                os.close(info_w)
+        assert self._proc.stdout is not None
+        self._proc.stdout.close()
+        data = json.loads(info)
+        self.init_pid = int(data["child-pid"])
+        self.namespaces = {k.removesuffix("-namespace"): v for k, v in data.items()
+                           if k.endswith("-namespace")}
+        self._pidfd = os.pidfd_open(self.init_pid)
+        ns = ["-U", "-m", "-i", "-u", "-p", "-n"] + (["-C"] if "cgroup" in self.namespaces else [])
+        self._nsenter = [self._p.nsenter, "-t", str(self.init_pid), *ns, "-r", "-w",
+                         "-S", str(SANDBOX_UID), "-G", str(SANDBOX_UID), "--"]
+
+    def _init_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._init_alive()
+
+    def _kill_init(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            # pid 1 finishes exiting only once every process of its namespace is gone.
+            select.select([self._pidfd], [], [], 10.0)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._proc is not None:
+            if self._proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self._proc.stdin.close()
+            with contextlib.suppress(OSError):
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def _close_shells(self) -> None:
+        for sh in self._shells:
+            with contextlib.suppress(Exception):
+                sh.close()
+        self._shells.clear()
+
+    def _stop_processes(self) -> None:
+        self._close_shells()
+        self._kill_init()
+        if self._cg is not None:
+            for d in self._cg.dirs.values():
+                kill_tree(d)
+        self._start_init()
+
+    def _close_processes(self) -> None:
+        self._close_shells()
+        try:
+            self._kill_init()
+        finally:
+            if self._cg is not None:
+                self._cg.destroy()
+
+    def _check_running(self) -> None:
+        self._check_open()
+        if not self._init_alive():
+            raise SandboxError(f"sandbox {self.id} has stopped: its init process exited",
+                               hint="close it and create a new sandbox")
+
+    def _health_checks(self) -> dict[str, tuple[bool, str]]:
+        return {"init": (self._init_alive(), "the sandbox's init process has exited")}
+
+    # -- commands ---------------------------------------------------------------------------
+    def _argv(self, cmd: str | list[str], cwd: str | None) -> list[str]:
+        if isinstance(cmd, str):
+            argv = ["bash", "-c", cmd]
+        else:
+            argv = [str(a) for a in cmd]
+            if not argv:
+                raise SandboxError("empty command")
+        target = cwd if cwd is not None else self.spec.cwd
+        if target != self._init_cwd:
+            argv = ["sh", "-c", 'cd -- "$1" && shift && exec "$@"', "sh", target, *argv]
+        return argv
+
+    def popen(self, argv: list[str], *, group: ExecGroup | None = None,
+              env: dict[str, str] | None = None, cwd: str | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Start `argv` inside the sandbox (in `group` when cgroups are in use)."""
+        self._check_running()
+        full = [*self._rlimits, *self._nsenter, *self._argv(argv, cwd)]
+        placed = self._cg.placed(group) if self._cg else contextlib.nullcontext()
+        try:
+            with placed:
+                return subprocess.Popen(full, env={**self._env, **(env or {})}, **kwargs)
+        except OSError as e:
+            busy = " (the sandbox is at its process limit)" if e.errno == 11 else ""
+            raise SandboxError(f"could not start a command in sandbox {self.id}: "
+                               f"{e.strerror}{busy}") from None
+
+    def run(self, cmd: str | list[str], timeout: float | None = None,
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            stdin: bytes | None = None) -> ExecResult:
+        """Run one command to completion. Background processes it leaves keep running
+        (like `docker exec`); at the timeout every process it started is killed."""
+        self._check_running()
+        group = self._cg.exec_group() if self._cg else None
+        oom_before = self._cg.oom_kills() if self._cg else 0
+        t0 = time.monotonic()
+        try:
+            proc = self.popen(cmd if isinstance(cmd, list) else cmd, group=group, env=env,
+                              cwd=cwd, stdin=subprocess.PIPE if stdin is not None
+                              else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, start_new_session=True)
+        except BaseException:
+            if group is not None:
+                group.remove()
+            raise
+
+        def kill() -> None:
+            if group is not None:
+                group.kill()
+            else:
+                kill_process_tree(proc.pid)
+
+        try:
+            outcome = communicate(proc, stdin=stdin, max_output=self.spec.limits.max_output_bytes,
+                                  timeout=self.spec.limits.wall_timeout_s if timeout is None
+                                  else timeout, kill=kill, started=t0)
+        finally:
+            if group is not None:
+                group.remove()
+        rc = outcome.returncode
+        if self._cg is not None:
+            memory = self._cg.oom_kills() > oom_before and rc in (-9, 137)
+        else:
+            memory = rc != 0 and any(m in outcome.stderr.kept for m in OOM_MARKERS)
+        if rc != 0 and not self._init_alive() and not outcome.timed_out:
+            raise SandboxError(f"sandbox {self.id} stopped while running the command",
+                               hint="close it and create a new sandbox")
+        return to_exec_result(outcome, memory_killed=memory)
+
+    def shell(self) -> ShellSession:
+        """A persistent bash in the sandbox (see shell.py)."""
+        self._check_running()
+
+        def start(argv: list[str], cwd: str | None):
+            group = self._cg.exec_group() if self._cg else None
+            proc = self.popen(argv, group=group, cwd=cwd, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+            bash = _child_of(proc.pid)
+            if self._cg is not None and group is not None:
+                return proc, CgroupTracker(self._cg, bash or proc.pid, group)
+            return proc, TreeTracker(bash or proc.pid, session_pid=proc.pid)
+
+        session = BashSession(start, max_output=self.spec.limits.max_output_bytes,
+                              default_timeout=self.spec.limits.wall_timeout_s,
+                              check_open=self._check_running)
+        self._shells.append(session)
+        return session
+
+    def command_argv(self, argv: list[str]) -> list[str]:
+        """The host command line that runs `argv` inside (for attaching a terminal)."""
+        self._check_running()
+        return [*self._rlimits, *self._nsenter, *self._argv(argv, None)]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self._env)
+
+
+def _child_of(pid: int, timeout: float = 5.0) -> int | None:
+    """The (single) child of `pid`: nsenter forks the process that enters the pid
+    namespace; that child is the one to track."""
+    end = time.monotonic() + timeout
+    path = f"/proc/{pid}/task/{pid}/children"
+    while time.monotonic() < end:
+        try:
+            kids = open(path).read().split()
+        except OSError:
+            return None
+        if kids:
+            return int(kids[0])
+        time.sleep(0.0005)
+    return None
+
+
+def _read_all(fd: int, deadline: float) -> bytes:
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b""
+        b = os.read(fd, 4096)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+
+
+def _read_line(fd: int, deadline: float) -> bytes:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return buf
+        b = os.read(fd, 64)
+        if not b:
+            return buf
+        buf += b
+    return buf

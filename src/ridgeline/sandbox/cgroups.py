@@ -1,0 +1,297 @@
+"""Per-sandbox cgroups (v1 memory, pids and cpu controllers), where the machine allows.
+
+Why cgroups: a sandbox's processes all map to one host uid, so rlimits cannot bound the
+sandbox as a whole. The pids controller is the fork-bomb limit (RLIMIT_NPROC is not
+enforced for a uid that maps to host root, and would otherwise be shared by every
+sandbox), the memory controller kills a memory bomb and says so (`oom_kill` counter),
+and the cpu controller puts all sandboxes together in one group that weighs like two
+host processes, so the host stays responsive whatever runs inside.
+
+Each sandbox gets `<controller>/<our cgroup>/ridgeline/<pid>-<id>`; every command run
+in it gets its own pids sub-group, so a timeout kills exactly that command's processes
+(also the ones that called setsid or were re-parented). A process is placed by moving
+the *spawning thread* into the groups around `Popen` (cgroup v1 allows per-thread
+membership, and a child starts in its parent thread's groups): no wrapper process, and
+`subprocess` keeps its fast vfork path.
+
+Without root or without v1 controllers (`CgroupHost.detect()` is None) the backends fall
+back to rlimits and process-group kills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("memory", "pids", "cpu")
+#: Weight of the parent group of all sandboxes, against 1024 for one host process.
+ALL_SANDBOXES_CPU_SHARES = 2048
+
+
+def _own_cgroups() -> dict[str, str]:
+    """This process's cgroup path per v1 controller, from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        for c in ctrls.split(","):
+            if c:
+                paths[c] = path
+    return paths
+
+
+def _write(path: Path, value: str | int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
+
+
+def _read_pids(path: Path) -> set[int]:
+    try:
+        return {int(x) for x in (path / "cgroup.procs").read_text().split()}
+    except FileNotFoundError:
+        return set()
+
+
+def _tree(path: Path) -> list[Path]:
+    """`path` and all cgroups below it, deepest first (the order rmdir needs)."""
+    out: list[Path] = []
+    for dirpath, dirnames, _ in os.walk(path, topdown=False):
+        out.append(Path(dirpath))
+    return out
+
+
+def kill_tree(path: Path, keep: frozenset[int] = frozenset(), timeout: float = 5.0) -> bool:
+    """SIGKILL every process in the cgroup `path` and below, except `keep` and this
+    process, until none is left (a fork racing the kill is caught by the next pass)."""
+    keep = keep | {os.getpid()}
+    end = time.monotonic() + timeout
+    while True:
+        pids: set[int] = set()
+        for p in _tree(path):
+            pids |= _read_pids(p)
+        pids -= keep
+        if not pids:
+            return True
+        if time.monotonic() > end:
+            return False
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.001)
+
+
+def remove_tree(path: Path, timeout: float = 5.0) -> bool:
+    """rmdir `path` and its sub-groups (they must be empty; exiting tasks take a moment)."""
+    end = time.monotonic() + timeout
+    for p in _tree(path):
+        while True:
+            try:
+                p.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError as e:
+                if e.errno != errno.EBUSY or time.monotonic() > end:
+                    return False
+                time.sleep(0.002)
+    return True
+
+
+class CgroupHost:
+    """The machine's usable v1 controllers and the parent `ridgeline` group in each."""
+
+    _instance: "CgroupHost | None | bool" = False
+    _lock = threading.Lock()
+
+    def __init__(self, parents: dict[str, Path], own: dict[str, Path]) -> None:
+        self.parents = parents  # controller -> .../ridgeline
+        self.own = own          # controller -> this process's group (where threads go back)
+        self._ids = itertools.count()
+
+    @classmethod
+    def detect(cls) -> "CgroupHost | None":
+        """The host's cgroups, or None when they cannot be used (not root, cgroup v2 only,
+        controllers missing). Probed once per process; stale groups of dead processes
+        are removed on the way."""
+        with cls._lock:
+            if cls._instance is False:
+                cls._instance = cls._probe()
+            return cls._instance  # type: ignore[return-value]
+
+    @classmethod
+    def _probe(cls) -> "CgroupHost | None":
+        if os.geteuid() != 0 or os.environ.get("RIDGELINE_SANDBOX_NO_CGROUPS"):
+            return None
+        try:
+            own_paths = _own_cgroups()
+        except OSError:
+            return None
+        parents, own = {}, {}
+        for c in CONTROLLERS:
+            if c not in own_paths:
+                return None
+            base = CGROUP_ROOT / c / own_paths[c].lstrip("/")
+            if not (base / "cgroup.procs").exists():
+                return None
+            parent = base / "ridgeline"
+            try:
+                parent.mkdir(exist_ok=True)
+                if c == "cpu":
+                    _write(parent / "cpu.shares", ALL_SANDBOXES_CPU_SHARES)
+            except OSError:
+                return None
+            parents[c], own[c] = parent, base
+        host = cls(parents, own)
+        host.sweep_stale()
+        return host
+
+    def sweep_stale(self) -> None:
+        """Remove groups left by processes that died without closing their sandboxes."""
+        for c, parent in self.parents.items():
+            for child in parent.iterdir():
+                if not child.is_dir():
+                    continue
+                owner = child.name.split("-", 1)[0]
+                if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                    kill_tree(child, timeout=1.0)
+                    remove_tree(child, timeout=1.0)
+
+    def create(self, sandbox_id: str, memory_bytes: int | None,
+               max_processes: int | None) -> "SandboxCgroup":
+        return SandboxCgroup(self, f"{os.getpid()}-{sandbox_id}", memory_bytes, max_processes)
+
+
+@dataclass
+class ExecGroup:
+    """The pids sub-group of one command: every process it starts lands here."""
+
+    path: Path
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for p in _tree(self.path):
+            out |= _read_pids(p)
+        return out
+
+    def kill(self, keep: frozenset[int] = frozenset()) -> bool:
+        return kill_tree(self.path, keep)
+
+    def remove(self) -> None:
+        """Drop the group if nothing runs in it any more (background jobs keep it)."""
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+class SandboxCgroup:
+    """The groups of one sandbox, with its memory and process limits."""
+
+    def __init__(self, host: CgroupHost, name: str, memory_bytes: int | None,
+                 max_processes: int | None) -> None:
+        self.host = host
+        self.dirs = {c: p / name for c, p in host.parents.items()}
+        self._seq = itertools.count()
+        try:
+            for d in self.dirs.values():
+                d.mkdir()
+            if memory_bytes is not None:
+                _write(self.dirs["memory"] / "memory.limit_in_bytes", memory_bytes)
+                # No swapping around the limit: a memory bomb must be killed, not paged.
+                with contextlib.suppress(OSError):
+                    _write(self.dirs["memory"] / "memory.swappiness", 0)
+            if max_processes is not None:
+                _write(self.dirs["pids"] / "pids.max", max_processes)
+        except OSError:
+            self.destroy()
+            raise
+
+    def exec_group(self) -> ExecGroup:
+        path = self.dirs["pids"] / f"x{next(self._seq)}"
+        path.mkdir()
+        return ExecGroup(path)
+
+    @contextlib.contextmanager
+    def placed(self, group: ExecGroup | None = None) -> Iterator[None]:
+        """Children started by the current thread inside this block belong to the
+        sandbox (memory, cpu) and to `group` (pids; default: the sandbox's own)."""
+        tid = str(threading.get_native_id())
+        targets = {"memory": self.dirs["memory"], "cpu": self.dirs["cpu"],
+                   "pids": group.path if group else self.dirs["pids"]}
+        moved: list[str] = []
+        try:
+            for c, d in targets.items():
+                _write(d / "tasks", tid)
+                moved.append(c)
+            yield
+        finally:
+            for c in moved:
+                _write(self.host.own[c] / "tasks", tid)
+
+    def move(self, pid: int, group: ExecGroup) -> None:
+        """Move a running process (not its existing children) into `group`."""
+        _write(group.path / "cgroup.procs", pid)
+
+    def pids(self) -> set[int]:
+        out: set[int] = set()
+        for p in _tree(self.dirs["pids"]):
+            out |= _read_pids(p)
+        return out
+
+    def oom_kills(self) -> int:
+        """How many processes the kernel's OOM killer has killed in this sandbox."""
+        try:
+            text = (self.dirs["memory"] / "memory.oom_control").read_text()
+        except OSError:
+            return 0
+        for line in text.splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
+
+    def destroy(self) -> bool:
+        """Kill whatever is still in the groups and remove them."""
+        ok = True
+        for d in self.dirs.values():
+            if d.exists():
+                ok &= kill_tree(d)
+                ok &= remove_tree(d)
+        return ok
+
+
+class CgroupTracker:
+    """Shell tracker with cgroups: each command gets a fresh pids group and bash is
+    moved into it, so everything the command starts (also daemons) is in that group,
+    while background jobs of earlier commands stay in theirs."""
+
+    def __init__(self, cgroup: SandboxCgroup, bash_pid: int, first: ExecGroup) -> None:
+        self.cgroup = cgroup
+        self.bash_pid = bash_pid
+        self.groups = [first]
+
+    def begin(self) -> None:
+        group = self.cgroup.exec_group()
+        self.cgroup.move(self.bash_pid, group)
+        previous = self.groups[-1]
+        self.groups.append(group)
+        if not previous.pids():
+            previous.remove()
+            self.groups.remove(previous)
+
+    def interrupt(self) -> None:
+        self.groups[-1].kill(keep=frozenset({self.bash_pid}))
+
+    def kill_all(self) -> None:
+        for g in self.groups:
+            g.kill()
+        for g in self.groups:
+            g.remove()

@@ -1,0 +1,264 @@
+"""What every backend shares: a workspace that is a directory on the host.
+
+`HostSandbox` owns that directory (`workspace_dir`), the confined files API, snapshots,
+health probes, the closed-state check and the context-manager protocol. A backend adds
+how commands run (`run`, `shell`) and how all of its processes are stopped
+(`_stop_processes`, `_start_processes`, `_close_processes`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from ridgeline.errors import NotFoundError, SandboxError
+from ridgeline.sandbox import snapshot as snapshots
+from ridgeline.sandbox.base import ExecResult, HealthReport, SandboxSpec, ShellSession
+from ridgeline.sandbox.workspace import Workspace
+
+MIN_FREE_DISK_BYTES = 64 * 1024 * 1024
+CLOCK_TOLERANCE_S = 5.0
+EARLIEST_SANE_TIME = 1_704_067_200  # 2024-01-01: a clock before this is broken
+
+_live: "weakref.WeakSet[HostSandbox]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def default_root() -> Path:
+    """Where sandboxes keep their host directories: $RIDGELINE_SANDBOX_DIR, else a
+    directory in the system temp dir."""
+    env = os.environ.get("RIDGELINE_SANDBOX_DIR")
+    return Path(env) if env else Path(tempfile.gettempdir()) / "ridgeline-sandboxes"
+
+
+def prepare_root(root: Path) -> Path:
+    """Create the root and remove directories of sandboxes whose process is gone."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    for child in root.iterdir():
+        owner = child.name.split("-", 1)[0]
+        if child.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(child, ignore_errors=True)
+    (root / ".empty").mkdir(exist_ok=True, mode=0o555)
+    return root
+
+
+class HostSandbox:
+    """Base of the backends: a sandbox whose workspace is the host directory
+    `workspace_dir` (mounted at `spec.workspace_path` inside)."""
+
+    backend = "host"
+
+    def __init__(self, spec: SandboxSpec, root: Path) -> None:
+        self.spec = spec
+        self.id = secrets.token_hex(6)
+        self.dir = root / f"{os.getpid()}-{self.id}"
+        self._closed = False
+        self._lock = threading.RLock()
+        self._snapshots: dict[str, snapshots.Snapshot] = {}
+        self._snap_seq = 0
+        self.dir.mkdir(mode=0o711)
+        try:
+            ws = self.dir / "workspace"
+            if spec.workspace_from is not None:
+                src = Path(spec.workspace_from)
+                if not src.is_dir():
+                    raise NotFoundError(f"workspace_from {src} is not a directory",
+                                        hint="seed the workspace from an existing directory")
+                shutil.copytree(src, ws, symlinks=True)
+            else:
+                ws.mkdir()
+            ws.chmod(0o755)
+            self.files = Workspace(ws, spec.workspace_path, spec.limits.max_file_size_bytes)
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        with _live_lock:
+            _live.add(self)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def workspace_dir(self) -> Path:
+        """The host directory that backs the workspace (copy files in and out here)."""
+        return self.files.host_dir
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """Open and able to run commands (cheap: no command is run)."""
+        return not self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed", hint="create a new sandbox")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {self.id} {state} workspace={self.spec.workspace_path}>"
+
+    # -- processes (backends) ----------------------------------------------------------------
+    def run(self, cmd: str | list[str], timeout: float | None = None,
+            env: dict[str, str] | None = None, cwd: str | None = None,
+            stdin: bytes | None = None) -> ExecResult:
+        raise NotImplementedError
+
+    def shell(self) -> ShellSession:
+        raise NotImplementedError
+
+    def _stop_processes(self) -> None:
+        """Kill every process of the sandbox (the sandbox stays usable afterwards)."""
+        raise NotImplementedError
+
+    def _close_processes(self) -> None:
+        """Kill every process and release what the backend holds (final)."""
+        raise NotImplementedError
+
+    # -- files -----------------------------------------------------------------------------
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        self._check_open()
+        self.files.write_file(path, data, mode)
+
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        self._check_open()
+        return self.files.read_file(path, max_bytes)
+
+    def list_files(self, path: str = ".", recursive: bool = False) -> list[str]:
+        self._check_open()
+        return self.files.list_files(path, recursive)
+
+    # -- snapshots -------------------------------------------------------------------------
+    def snapshot(self) -> str:
+        """Record the workspace; returns an id for `restore`."""
+        with self._lock:
+            self._check_open()
+            self._snap_seq += 1
+            snap_id = f"{self.id}-{self._snap_seq}"
+            previous = next(reversed(self._snapshots.values()), None)
+            self._snapshots[snap_id] = snapshots.take(
+                self.workspace_dir, self.dir / "snapshots" / snap_id, snap_id, previous)
+            return snap_id
+
+    def adopt_snapshot(self, store: Path, snap_id: str | None = None) -> str:
+        """Register the current workspace, known to equal `store` (it was just seeded
+        from it), as a snapshot without copying anything. Used by the warm pool."""
+        with self._lock:
+            self._check_open()
+            snap_id = snap_id or f"{self.id}-base"
+            self._snapshots[snap_id] = snapshots.adopt(self.workspace_dir, store, snap_id)
+            return snap_id
+
+    def restore(self, snapshot_id: str) -> None:
+        """Return the workspace byte for byte to the snapshot (added files removed,
+        changed ones rewritten, deleted ones recreated)."""
+        with self._lock:
+            self._check_open()
+            snap = self._snapshots.get(snapshot_id)
+            if snap is None:
+                raise NotFoundError(f"no snapshot {snapshot_id!r} in sandbox {self.id}",
+                                    hint="use an id returned by snapshot() of this sandbox")
+            snapshots.restore(self.workspace_dir, snap)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        with self._lock:
+            snap = self._snapshots.pop(snapshot_id, None)
+            if snap is not None and snap.store.is_relative_to(self.dir):
+                shutil.rmtree(snap.store, ignore_errors=True)
+
+    def reset(self, snapshot_id: str) -> None:
+        """Kill every process and restore the workspace: the state a pool hands out."""
+        with self._lock:
+            self._check_open()
+            self._stop_processes()
+            self.restore(snapshot_id)
+
+    # -- health ----------------------------------------------------------------------------
+    def health(self, timeout: float = 10.0) -> HealthReport:
+        """Can it execute, is the workspace writable from inside, is disk free, is the
+        clock sane. Tells a broken environment apart from an agent's failure."""
+        checks: dict[str, bool] = {}
+        problems: list[str] = []
+        nonce = secrets.token_hex(4)
+        probe = f"{self._probe_dir()}/.ridgeline-health-{nonce}"
+        script = f'date +%s; : > "{probe}" && rm -f "{probe}" && echo writable'
+        try:
+            res = self.run(["sh", "-c", script], timeout=timeout)
+            lines = res.stdout.split()
+            checks["exec"] = bool(lines) and lines[0].isdigit()
+            if not checks["exec"]:
+                problems.append(f"probe exited {res.exit_code}: {res.stderr.strip()[:200]}")
+        except Exception as e:  # noqa: BLE001 - any failure here is the finding
+            res, lines = None, []
+            checks["exec"] = False
+            problems.append(f"cannot execute: {e}")
+        checks["workspace_writable"] = "writable" in lines
+        if checks["exec"] and not checks["workspace_writable"]:
+            problems.append("the workspace is not writable from inside")
+        now = time.time()
+        try:
+            inside = int(lines[0]) if lines else None
+        except ValueError:
+            inside = None
+        checks["clock"] = (now > EARLIEST_SANE_TIME and inside is not None
+                           and abs(inside - now) <= CLOCK_TOLERANCE_S)
+        if not checks["clock"]:
+            problems.append(f"clock not sane (host {now:.0f}, inside {inside})")
+        try:
+            st = os.statvfs(self.workspace_dir)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        checks["disk"] = free >= MIN_FREE_DISK_BYTES
+        if not checks["disk"]:
+            problems.append(f"only {free // (1024 * 1024)} MiB free for the workspace")
+        extra = self._health_checks()
+        checks.update({k: ok for k, (ok, _) in extra.items()})
+        problems += [why for ok, why in extra.values() if not ok]
+        return HealthReport(all(checks.values()), checks, "; ".join(problems))
+
+    def _health_checks(self) -> dict[str, tuple[bool, str]]:
+        return {}
+
+    def _probe_dir(self) -> str:
+        """The workspace as commands see it."""
+        return self.spec.workspace_path
+
+    # -- end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Kill every process of the sandbox and delete its directories. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._close_processes()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            with _live_lock:
+                _live.discard(self)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Sandboxes still open when the interpreter exits are closed, not leaked."""
+    with _live_lock:
+        live = list(_live)
+    for sb in live:
+        try:
+            sb.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

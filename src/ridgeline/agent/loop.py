@@ -24,7 +24,7 @@ from ridgeline.agent.trajectory import (
     ActionRecord, AgentResult, CondenseRecord, ExitStatus, ObservationRecord, StepRecord,
     StepTimings, TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
 )
-from ridgeline.errors import RidgelineError, SandboxError
+from ridgeline.errors import RidgelineError
 from ridgeline.llm.base import ChatModel, Completion, ContextLengthError, Message
 from ridgeline.sandbox.base import Sandbox
 
@@ -219,7 +219,7 @@ class Episode:
         timeout = max(1.0, min(self.config.command_timeout_s, remaining))
         try:
             return self.workbench.execute(action, timeout)
-        except SandboxError as e:  # no shell could be started: nothing more can be done
+        except RidgelineError as e:  # no shell could be started: nothing more can be done
             raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}") from None
 
     def observe(self, action: Action, obs: Observation, dropped: list[Action]) -> list[Message]:

@@ -3,11 +3,13 @@
 `TOOLS` are offered to models with native tool calling; the text format maps onto the
 same names and arguments. `Workbench` runs one validated action and returns an
 `Observation`; anything the model can fix (a missing file, a non-unique edit, a failing
-command) comes back as an observation, never as an exception.
+command, a shell it killed) comes back as an observation, never as an exception.
 """
 
 from __future__ import annotations
 
+import base64
+import shlex
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 from ridgeline.agent.observation import truncate_middle
 from ridgeline.errors import RidgelineError
 from ridgeline.llm.base import ToolSpec
-from ridgeline.sandbox.base import Sandbox, ShellSession
+from ridgeline.sandbox.base import ExecResult, Sandbox, ShellSession
 
 TOOLS: list[ToolSpec] = [
     ToolSpec(name="bash", description="Run a command in a persistent bash shell "
@@ -96,22 +98,28 @@ def validate_action(tool: str, args: dict[str, Any], call_id: str | None = None)
 
 
 class Workbench:
-    """Executes actions in one sandbox; owns the persistent shell session."""
+    """Executes actions in one sandbox through its persistent shell session.
 
-    def __init__(self, sandbox: Sandbox, max_bytes: int) -> None:
+    The file tools run in the same shell as `bash` (file contents travel base64-encoded),
+    so a relative path means what it means to the model's shell after a `cd`, paths
+    outside the workspace behave as they do for bash, and rewriting a file keeps its
+    mode (an edited script stays executable)."""
+
+    def __init__(self, sandbox: Sandbox, max_bytes: int, file_timeout_s: float = 30.0) -> None:
         self.sandbox = sandbox
         self.max_bytes = max_bytes
+        self.file_timeout_s = file_timeout_s
         self._shell: ShellSession | None = None
 
     def execute(self, action: Action, timeout: float) -> Observation:
+        """Run one action. Raises `SandboxError` only when no shell can be started."""
         t0 = time.perf_counter()
         handler = getattr(self, f"_{action.tool}")
         try:
             obs = handler(timeout=timeout, **action.args)
-        except RidgelineError as e:  # e.g. a path outside the workspace, a missing file
-            obs = Observation(f"error: {e}", ok=False)
-        except (OSError, UnicodeError) as e:
-            obs = Observation(f"error: {type(e).__name__}: {e}", ok=False)
+        except _ShellFailed as e:
+            obs = Observation(f"error: the shell failed ({e}); a new shell will be started "
+                              "(directory and variables were reset)", ok=False)
         obs.duration_s = time.perf_counter() - t0
         return obs
 
@@ -123,50 +131,85 @@ class Workbench:
                 pass  # the sandbox may already be gone; nothing left to release
             self._shell = None
 
+    def _send(self, command: str, timeout: float) -> ExecResult:
+        if self._shell is None:
+            self._shell = self.sandbox.shell()  # SandboxError here ends the episode
+        try:
+            return self._shell.send(command, timeout=timeout)
+        except RidgelineError as e:
+            # The session ended (the model ran `exit`, a limit killed bash): start a new
+            # one for the next action.
+            self.close()
+            raise _ShellFailed(str(e)) from None
+
     # -- tools --------------------------------------------------------------------------
     def _bash(self, command: str, timeout: float) -> Observation:
-        restarted = ""
-        if self._shell is None:
-            self._shell = self.sandbox.shell()
-        try:
-            res = self._shell.send(command, timeout=timeout)
-        except RidgelineError as e:
-            # The session died (killed by a limit, exited): a fresh one keeps the agent going.
-            self.close()
-            return Observation(f"error: the shell failed ({e}); a new shell will be started "
-                               "(directory and variables were reset)", ok=False)
+        res = self._send(command, timeout)
         output = res.stdout
         if res.stderr:
             output = f"{output}\n{res.stderr}" if output else res.stderr
         text, truncated = truncate_middle(output, self.max_bytes)
         header = f"exit code: {res.exit_code}"
         if res.timed_out:
-            header = f"timed out after {timeout:.0f} s and was stopped"
-            self.close()  # the shell may be wedged in the killed command: start clean
-            restarted = "\n(the shell was restarted: directory and variables were reset)"
+            header = f"timed out after {timeout:.0f} s; the command was stopped"
         elif res.killed_by:
-            header += f" (killed: {res.killed_by})"
+            header += f" (stopped: {res.killed_by})"
         body = text if text.strip() else "(no output)"
-        return Observation(f"{header}\n{body}{restarted}", ok=res.ok, exit_code=res.exit_code,
+        return Observation(f"{header}\n{body}", ok=res.ok, exit_code=res.exit_code,
                            timed_out=res.timed_out, truncated=truncated or res.truncated)
 
+    def _read_bytes(self, path: str, limit: int | None) -> bytes | Observation:
+        head = f"command head -c {limit} -- {shlex.quote(path)}" if limit else \
+            f"command cat -- {shlex.quote(path)}"
+        res = self._send(f"( set -o pipefail; {head} | command base64 -w0 )", self.file_timeout_s)
+        if not res.ok:
+            return Observation(f"error: cannot read {path}: {res.stderr.strip() or res.stdout.strip()}",
+                               ok=False, exit_code=res.exit_code)
+        if res.truncated:
+            return Observation(f"error: {path} is too large for this tool; use bash "
+                               "(sed -n, head, tail, grep) to look at parts of it", ok=False)
+        return base64.b64decode(res.stdout_bytes.strip())
+
+    def _write_bytes(self, path: str, data: bytes) -> Observation | None:
+        q = shlex.quote(path)
+        encoded = base64.b64encode(data).decode()
+        res = self._send(f"command mkdir -p -- \"$(command dirname -- {q})\" && "
+                         f"builtin printf '%s' '{encoded}' | command base64 -d > {q}",
+                         self.file_timeout_s)
+        if not res.ok:
+            return Observation(f"error: cannot write {path}: {res.stderr.strip() or res.stdout.strip()}",
+                               ok=False, exit_code=res.exit_code)
+        return None
+
     def _read_file(self, path: str, timeout: float) -> Observation:
-        data = self.sandbox.read_file(path, max_bytes=self.max_bytes * 4)
+        limit = self.max_bytes * 4
+        data = self._read_bytes(path, limit + 1)
+        if isinstance(data, Observation):
+            return data
         try:
-            text = data.decode("utf-8")
+            text = data[:limit].decode("utf-8")
         except UnicodeDecodeError:
-            return Observation(f"error: {path} is not a UTF-8 text file ({len(data)} bytes)", ok=False)
+            return Observation(f"error: {path} is not a UTF-8 text file", ok=False)
         shown, truncated = truncate_middle(text, self.max_bytes)
+        if len(data) > limit:
+            shown, truncated = shown + "\n[... the file continues; use bash to see the rest]", True
         return Observation(shown if shown else f"({path} is empty)", ok=True, truncated=truncated)
 
     def _write_file(self, path: str, content: str, timeout: float) -> Observation:
-        self.sandbox.write_file(path, content)
-        return Observation(f"wrote {len(content.encode())} bytes to {path}", ok=True)
+        data = content.encode("utf-8")
+        return self._write_bytes(path, data) or Observation(
+            f"wrote {len(data)} bytes to {path}", ok=True)
 
     def _edit(self, path: str, old: str, new: str, timeout: float) -> Observation:
         if not old:
             return Observation("error: edit needs a non-empty `old` text", ok=False)
-        text = self.sandbox.read_file(path).decode("utf-8")
+        data = self._read_bytes(path, None)
+        if isinstance(data, Observation):
+            return data
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return Observation(f"error: {path} is not a UTF-8 text file", ok=False)
         count = text.count(old)
         if count == 0:
             return Observation(f"error: the `old` text was not found in {path}; read the file "
@@ -174,11 +217,15 @@ class Workbench:
         if count > 1:
             return Observation(f"error: the `old` text occurs {count} times in {path}; include "
                                "more surrounding lines so it is unique", ok=False)
-        self.sandbox.write_file(path, text.replace(old, new, 1))
-        return Observation(f"edited {path}: replaced 1 occurrence", ok=True)
+        return self._write_bytes(path, text.replace(old, new, 1).encode("utf-8")) or Observation(
+            f"edited {path}: replaced 1 occurrence", ok=True)
 
     def _finish(self, timeout: float, summary: str = "") -> Observation:
         return Observation("finished", ok=True)
+
+
+class _ShellFailed(Exception):
+    pass
 
 
 def one_line(text: str, limit: int) -> str:

@@ -1,0 +1,149 @@
+"""The agent loop against a real sandbox with a scripted model: recovery from malformed
+actions, huge outputs and a history longer than the context window; limits; errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from scripted_model import ScriptedModel, tool_reply
+from ridgeline.agent import AgentConfig, ExitStatus, Trajectory, run_agent
+from ridgeline.errors import ModelEndpointError
+from ridgeline.llm.base import Message
+
+TASK = "Create report.txt containing the word DONE. (task text that must stay verbatim)"
+
+
+def bash(cmd: str) -> str:
+    return f"Next I run a command.\n```bash\n{cmd}\n```"
+
+
+def test_recovers_from_malformed_actions_huge_output_and_overlong_history(sandbox, tmp_path: Path) -> None:
+    window = 2500  # tokens (4 chars each): ~10 KB of prompt
+    seen_summary: list[bool] = []
+
+    def final(messages: list[Message]) -> str:
+        seen_summary.append(any("condensed" in m.content for m in messages))
+        return "<write_file path=\"report.txt\">DONE\n</write_file>"
+
+    script = [
+        "Plan: look around, then write the report. I will now look around.",   # no action
+        '<tool_call>{"name": "bash", "arguments": {"command": "ls</tool_call>',  # bad JSON
+        bash("seq 1 100000"),                                                    # ~600 KB of output
+        *[bash(f"echo step-{i}; head -c 1500 /dev/zero | tr '\\0' a") for i in range(16)],
+        final,
+        "<finish>wrote the report</finish>",
+    ]
+    model = ScriptedModel(script, context_window=window)
+    config = AgentConfig(observation_max_bytes=2000, keep_recent_steps=3, step_limit=30,
+                         sampling=AgentConfig().sampling.model_copy(update={"max_tokens": 200}))
+    path = tmp_path / "episode.jsonl"
+    result = run_agent(TASK, sandbox, model, config, trajectory_path=path)
+
+    assert result.status is ExitStatus.FINISHED, result.error
+    assert result.steps == len(script) and result.n_format_errors == 2
+    assert result.summary == "wrote the report"
+    assert sandbox.read_file("report.txt") == b"DONE\n"
+    steps = result.trajectory.steps
+    # malformed replies got a format hint and the loop went on
+    assert "no action found" in steps[0].format_error
+    assert "not valid JSON" in steps[1].format_error
+    assert "Format error" in steps[1].messages[-1].content and "```bash" in steps[1].messages[-1].content
+    # the huge output was cut to its head and tail
+    huge = steps[2].observation
+    assert huge.truncated and "elided" in huge.text
+    assert "\n1\n2\n3\n" in huge.text and huge.text.rstrip().endswith("99999\n100000")
+    assert len(steps[2].messages[-1].content.encode()) < 2400
+    # everything the agent saw, together, was far longer than the window ...
+    all_text = sum(len(m.content) for s in steps for m in s.messages)
+    assert all_text > 2 * window * 4
+    # ... so it condensed, every prompt fit (the model refuses otherwise), and the task and
+    # system prompt stayed verbatim at the top of every prompt
+    assert result.n_condensations >= 1 and any(s.condensed for s in steps)
+    for prompt in model.prompts:
+        assert model.count_tokens(prompt) < window
+        assert prompt[0].role == "system" and TASK in prompt[1].content
+    assert seen_summary == [True]
+    condensed = [s.condensed for s in steps if s.condensed][-1]
+    assert condensed.by_model and "notes: work in progress" in condensed.summary
+    assert "step 3: bash: seq 1 100000 -> ok" in condensed.summary
+    # the JSONL on disk is the same trajectory, and carries the token ids for RL
+    loaded = Trajectory.load(path)
+    assert loaded == result.trajectory
+    assert len(loaded.turns()) == len(script) and loaded.turns()[0].logprobs
+
+
+def test_failed_command_nudges_reflection_and_timeouts_restart_the_shell(sandbox) -> None:
+    model = ScriptedModel([bash("cd /tmp && export X=1; false"), bash("sleep 20"),
+                           bash("echo alive X=$X"), "<finish/>"])
+    result = run_agent(TASK, sandbox, model, AgentConfig(command_timeout_s=1.5))
+    steps = result.trajectory.steps
+    assert result.status is ExitStatus.FINISHED
+    assert steps[0].observation.exit_code == 1 and not steps[0].observation.ok
+    assert "reflect on why" in steps[0].messages[-1].content
+    assert steps[1].observation.timed_out and "timed out" in steps[1].observation.text
+    # the shell survived the timeout: variables and directory persist
+    assert steps[2].observation.ok and "alive X=1" in steps[2].observation.text
+
+
+def test_file_tools_report_mistakes_as_observations(sandbox) -> None:
+    sandbox.write_file("a.py", "x = 1\ny = 1\n")
+    model = ScriptedModel([
+        '<read_file path="missing.txt"/>',
+        '<edit path="a.py"><old>= 1</old><new>= 2</new></edit>',       # two matches
+        '<edit path="a.py"><old>z = 1</old><new>z = 2</new></edit>',    # none
+        '<edit path="a.py"><old>y = 1</old><new>y = 3</new></edit>',    # unique
+        '<read_file path="a.py"/>',
+        "<finish/>"])
+    result = run_agent(TASK, sandbox, model)
+    obs = [s.observation for s in result.trajectory.steps]
+    assert not obs[0].ok and "missing.txt" in obs[0].text
+    assert not obs[1].ok and "occurs 2 times" in obs[1].text
+    assert not obs[2].ok and "not found" in obs[2].text
+    assert obs[3].ok and obs[4].text == "x = 1\ny = 3\n"
+    assert result.n_format_errors == 0
+
+
+@pytest.mark.parametrize("config,status", [
+    (AgentConfig(step_limit=3), ExitStatus.STEP_LIMIT),
+    (AgentConfig(token_limit=100), ExitStatus.TOKEN_LIMIT),
+    (AgentConfig(time_limit_s=1.0), ExitStatus.TIME_LIMIT),
+])
+def test_limits_end_the_episode(sandbox, config: AgentConfig, status: ExitStatus) -> None:
+    model = ScriptedModel([bash("sleep 0.4; echo again")] * 50)
+    result = run_agent(TASK, sandbox, model, config)
+    assert result.status is status
+    assert result.trajectory.result.status is status
+    if status is ExitStatus.STEP_LIMIT:
+        assert result.steps == 3
+
+
+def test_task_that_cannot_fit_the_window_is_a_context_limit(sandbox) -> None:
+    model = ScriptedModel(["<finish/>"], context_window=300)
+    result = run_agent("x" * 4000, sandbox, model)
+    assert result.status is ExitStatus.CONTEXT_LIMIT and result.steps == 0
+
+
+def test_endpoint_failure_ends_with_error_and_keeps_the_steps(sandbox, tmp_path: Path) -> None:
+    def down(messages: list[Message]) -> str:
+        raise ModelEndpointError("POST http://x/v1/chat/completions failed after 5 attempts")
+
+    path = tmp_path / "t.jsonl"
+    result = run_agent(TASK, sandbox, ScriptedModel([bash("echo one"), down]), trajectory_path=path)
+    assert result.status is ExitStatus.ERROR and "ModelEndpointError" in result.error
+    loaded = Trajectory.load(path)
+    assert len(loaded.steps) == 1 and loaded.result.status is ExitStatus.ERROR
+
+
+def test_native_tool_calls(sandbox) -> None:
+    model = ScriptedModel([
+        tool_reply("write_file", "Plan: write, check, finish.", path="n.txt", content="42\n"),
+        tool_reply("bash", call_id="c2", command="cat n.txt"),
+        tool_reply("finish", call_id="c3", summary="ok")], supports_tools=True)
+    result = run_agent(TASK, sandbox, model)
+    assert result.status is ExitStatus.FINISHED and result.trajectory.header.action_format == "tool_calls"
+    second = result.trajectory.steps[1].messages
+    assert second[0].tool_calls[0].id == "c2"
+    assert second[1].role == "tool" and second[1].tool_call_id == "c2" and "42" in second[1].content
+    assert "tools" not in model.prompts[0][0].content or "one tool per reply" in model.prompts[0][0].content

@@ -68,10 +68,12 @@ def _sandbox_cwd(sandbox: Sandbox | None) -> str | None:
 
 
 class _EndEpisode(Exception):
-    def __init__(self, status: ExitStatus, detail: str | None = None) -> None:
+    def __init__(self, status: ExitStatus, detail: str | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(status.value)
         self.status = status
         self.detail = detail
+        self.error_type = error_type
 
 
 class Agent:
@@ -125,21 +127,21 @@ class Episode:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> AgentResult:
-        status, error = ExitStatus.ERROR, None
+        status, error, error_type = ExitStatus.ERROR, None, None
         try:
             while True:
                 self.step()
         except _EndEpisode as end:
-            status, error = end.status, end.detail
+            status, error, error_type = end.status, end.detail, end.error_type
         except RidgelineError as e:  # the endpoint is down, the sandbox is gone...
-            status, error = ExitStatus.ERROR, f"{type(e).__name__}: {e}"
+            status, error, error_type = ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__
         finally:
             self.workbench.close()
         trajectory = self.writer.finish(TrajectoryResult(
             status=status, steps=self.n_steps, n_format_errors=self.n_format_errors,
             n_condensations=self.n_condensations, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, wall_s=self.elapsed(),
-            summary=self.summary, error=error, messages=self.history.messages()))
+            summary=self.summary, error=error, error_type=error_type, messages=self.history.messages()))
         return AgentResult.from_trajectory(trajectory, self.path)
 
     def step(self) -> None:
@@ -220,7 +222,7 @@ class Episode:
         try:
             return self.workbench.execute(action, timeout)
         except RidgelineError as e:  # no shell could be started: nothing more can be done
-            raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}") from None
+            raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__) from None
 
     def observe(self, action: Action, obs: Observation, dropped: list[Action]) -> list[Message]:
         """The messages that tell the model what its action did."""

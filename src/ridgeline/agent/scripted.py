@@ -54,15 +54,16 @@ class OracleAgent:
                                                          agent=self.name))
         t0 = time.perf_counter()
         started_at = time.time()
-        status, error = ExitStatus.FINISHED, None
+        status, error, error_type = ExitStatus.FINISHED, None, None
         try:
             outcome = apply_solution(task, sandbox)
             obs = _observation(outcome)
-        except RidgelineError as e:
-            status, error = ExitStatus.ERROR, f"{type(e).__name__}: {e}"
+        except RidgelineError as e:  # e.g. TaskUnsupported: the caller reads error_type
+            status, error, error_type = ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__
             obs = ObservationRecord(text=f"error: {e}", ok=False)
         if not obs.ok and status is ExitStatus.FINISHED:
             status, error = ExitStatus.ERROR, f"the reference solution failed: {obs.text[-300:]}"
+            error_type = "SolutionFailed"
         elapsed = time.perf_counter() - t0
         writer.step(StepRecord(
             index=1, started_at=started_at,
@@ -71,7 +72,7 @@ class OracleAgent:
             timings=StepTimings(exec_s=elapsed, total_s=elapsed)))
         trajectory = writer.finish(TrajectoryResult(status=status, steps=1, wall_s=elapsed,
                                                     summary="ran the reference solution",
-                                                    error=error))
+                                                    error=error, error_type=error_type))
         return AgentResult.from_trajectory(trajectory, path)
 
 

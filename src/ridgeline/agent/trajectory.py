@@ -113,6 +113,7 @@ class TrajectoryResult(BaseModel):
     wall_s: float = 0.0
     summary: str | None = Field(None, description="what the agent said it did (finish)")
     error: str | None = None
+    error_type: str | None = Field(None, description="class of the error, e.g. ModelEndpointError")
     messages: list[Message] = Field(default_factory=list, description="the final history")
 
 
@@ -246,6 +247,7 @@ class AgentResult(BaseModel):
     wall_s: float = 0.0
     summary: str | None = None
     error: str | None = None
+    error_type: str | None = None
     trajectory: Trajectory
     trajectory_path: Path | None = None
 
@@ -264,4 +266,4 @@ class AgentResult(BaseModel):
         return cls(status=r.status, steps=r.steps, n_format_errors=r.n_format_errors,
                    n_condensations=r.n_condensations, prompt_tokens=r.prompt_tokens,
                    completion_tokens=r.completion_tokens, wall_s=r.wall_s, summary=r.summary,
-                   error=r.error, trajectory=trajectory, trajectory_path=path)
+                   error=r.error, error_type=r.error_type, trajectory=trajectory, trajectory_path=path)

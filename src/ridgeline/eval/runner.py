@@ -109,11 +109,15 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     task or sandbox problems; those become unsupported / infra_error results."""
     t0 = time.perf_counter()
     agent_result: AgentResult | None = None
+    endpoint_error: str | None = None
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
     try:
         with prepare_environment(task, backend=config.backend) as sb:
             agent_result = make_agent(agent_factory(), config.agent_config).run(task, sb, traj_path)
             verdict = verify(task, sb)
+    except ModelEndpointError as e:  # raised outside the loop (e.g. probing the endpoint)
+        endpoint_error = str(e)
+        verdict = verdict_from_error(e, time.perf_counter() - t0)
     except (TaskUnsupported, EnvironmentSetupError, RidgelineError, OSError) as e:
         verdict = verdict_from_error(e, time.perf_counter() - t0)
     if agent_result is not None:
@@ -121,8 +125,8 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
             agent_result.attach_verdict(verdict)
         except OSError:
             pass  # the trajectory file is a convenience; the result below is what counts
-    endpoint_down = agent_result is not None and agent_result.status is ExitStatus.ERROR \
-        and (agent_result.error or "").startswith("ModelEndpointError")
+    endpoint_down = endpoint_error is not None or (
+        agent_result is not None and agent_result.error_type == "ModelEndpointError")
     res = EpisodeResult(
         task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
         # A model server that failed is infrastructure, not the agent's fault.
@@ -133,7 +137,7 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
         wall_s=time.perf_counter() - t0,
         failure_class="model_error" if endpoint_down else _failure_class(verdict, agent_result),
         agent_exit=agent_result.status.value if agent_result else None,
-        detail=(verdict.detail or (agent_result.error if agent_result else "") or "")[:500],
+        detail=(endpoint_error or verdict.detail or (agent_result.error if agent_result else "") or "")[:500],
         trajectory=str(traj_path) if agent_result is not None else None,
     )
     return res, agent_result

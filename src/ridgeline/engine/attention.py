@@ -41,8 +41,8 @@ class DecodeGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, length)
-    # (start, length, context length, block ids covering the context)
-    chunks: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    # (start, length, context length, block ids covering the context, causal mask [n, ctx])
+    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     groups: list[DecodeGroup] = field(default_factory=list)
 
 
@@ -54,7 +54,7 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
     bs = block_size
     slots: list[int] = []
     fresh: list[tuple[int, int]] = []
-    chunks: list[tuple[int, int, int, torch.Tensor]] = []
+    chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
     short: list[tuple[int, int, int, list[int]]] = []  # (start, q_len, ctx_len, table)
     start = 0
     for table, num_computed, num_new in batch:
@@ -69,8 +69,11 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
             short.append((start, num_new, end, table))
         else:
             nb = -(-end // bs)
+            rows = torch.arange(num_new)[:, None]
+            mask = torch.arange(end)[None, :] <= rows + num_computed
             chunks.append((start, num_new, end,
-                           torch.tensor(table[:nb], dtype=torch.long, device=device)))
+                           torch.tensor(table[:nb], dtype=torch.long, device=device),
+                           mask[None, None].to(device)))
         start += num_new
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -147,23 +150,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     cache.write(layer, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
 
+    # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
+    # reference path that materialises the whole score matrix).
     for start, n in meta.fresh:
-        qs = q[start:start + n].transpose(0, 1)
-        ks = k[start:start + n].transpose(0, 1)
-        vs = v[start:start + n].transpose(0, 1)
+        qs = q[start:start + n].transpose(0, 1)[None]
+        ks = k[start:start + n].transpose(0, 1)[None]
+        vs = v[start:start + n].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=g > 1)
-        out[start:start + n] = o.transpose(0, 1)
+        out[start:start + n] = o[0].transpose(0, 1)
 
-    for start, n, ctx, block_ids in meta.chunks:
+    for start, n, ctx, block_ids, mask in meta.chunks:
         kc, vc = cache.gather(layer, block_ids)
-        kc = kc[:ctx].transpose(0, 1)
-        vc = vc[:ctx].transpose(0, 1)
-        rows = torch.arange(n, device=q.device)[:, None]
-        cols = torch.arange(ctx, device=q.device)[None, :]
-        mask = cols <= rows + (ctx - n)
-        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), kc, vc,
+        kc = kc[:ctx].transpose(0, 1)[None]
+        vc = vc[:ctx].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kc, vc,
                                            attn_mask=mask, enable_gqa=g > 1)
-        out[start:start + n] = o.transpose(0, 1)
+        out[start:start + n] = o[0].transpose(0, 1)
 
     for grp in meta.groups:
         n, ql = grp.num_seqs, grp.q_len

@@ -44,12 +44,13 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_norm(x))
-        q = qkv[:, :h * d].view(t, h, d)
-        k = qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
         v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(self.q_norm(qkv[:, :h * d].view(t, h, d)), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)), cos, sin)
+        else:  # rotate queries and keys in one go
+            qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
         x = x + self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
         gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)

@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
                                    requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one kernel, bit-identical to the formula below
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # same order of operations as transformers' LlamaRMSNorm (compute in float32)
         dtype = x.dtype
         xf = x.float()
@@ -40,7 +42,9 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_len, looked up by position."""
+    """cos/sin tables for every position up to max_len, looked up by position. The sine
+    table's first half is negated so that rotate_half(x) * sin becomes a plain product
+    with the halves of x swapped."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -48,19 +52,23 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(max_len, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype).to(device),
-                             persistent=False)
-        self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype).to(device),
-                             persistent=False)
+        cos = (emb.cos() * attention_scaling).to(dtype)
+        sin = (emb.sin() * attention_scaling).to(dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin as [T, 1, head_dim] for broadcasting over heads."""
+        """cos and signed sin as [T, 1, head_dim], to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]: the rotate-half form, x*cos + rotate_half(x)*sin."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] -> x*cos + rotate_half(x)*sin, rounded exactly as transformers
+    computes it ((-a)*b == -(a*b) and x + -y == x - y in floating point)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[..., :half], sin[..., :half]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = x * cos
+    out.add_(swapped * signed_sin)
+    return out

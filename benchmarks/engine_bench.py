@@ -1,0 +1,244 @@
+"""Engine throughput and latency against transformers, on SmolLM2-135M-Instruct (fp32, CPU).
+
+    .venv/bin/python benchmarks/engine_bench.py --json            # the full run (~10 min)
+    .venv/bin/python benchmarks/engine_bench.py --quick --json    # a smoke run
+
+Workload: N requests (64) with random prompts of 64-512 tokens and outputs of 64-256
+tokens (EOS ignored, so every engine produces exactly the same number of tokens),
+submitted at once. Baselines, in the same process, same weights, same thread count:
+
+- transformers `generate` on static batches of the same requests (left-padded; each batch
+  runs to its longest output); batch size `--hf-batch-size`;
+- transformers' continuous batching (the paged `ContinuousBatchingManager` behind
+  `generate_batch`, with per-request `max_new_tokens`), with an explicit KV pool of the same
+  size as ours.
+
+Also: single-request decode speed of both engines, and time to first token of a request
+whose 512-token prefix is cached versus one whose prefix is not. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+
+
+def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
+             seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        reqs.append(([rng.randrange(100, vocab) for _ in range(plen)], rng.randint(*out_range)))
+    return reqs
+
+
+def run_ridgeline(llm, reqs) -> dict:
+    from ridgeline.engine import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(n for _, n in reqs)
+    return {"seconds": elapsed, "output_tokens": tokens, "tok_s": tokens / elapsed,
+            "preemptions": llm.engine.num_preemptions}
+
+
+@torch.inference_mode()
+def run_hf_static(model, reqs, batch_size: int, pad_id: int) -> dict:
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, (p, _) in enumerate(batch):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        longest = max(n for _, n in batch)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                             min_new_tokens=longest, do_sample=False, eos_token_id=None,
+                             pad_token_id=pad_id)
+        assert out.shape[1] == width + longest
+        tokens += sum(n for _, n in batch)  # only what each request asked for counts
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": tokens, "tok_s": tokens / elapsed,
+            "batch_size": batch_size}
+
+
+def run_hf_cb(model, reqs, num_blocks: int, page_size: int) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in reqs),
+                           eos_token_id=None, pad_token_id=0)
+    cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=page_size,
+                                  max_batch_tokens=512)
+    start = time.perf_counter()
+    done: dict[str, list[int]] = {}
+    with model.continuous_batching_context_manager(
+            generation_config=gen, continuous_batching_config=cb, block=True,
+            timeout=5) as manager:
+        for i, (p, n) in enumerate(reqs):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1)
+        while len(done) < len(reqs):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result.generated_tokens
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped early")
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(t) for t in done.values())
+    assert tokens == sum(n for _, n in reqs), (tokens, sum(n for _, n in reqs))
+    return {"seconds": elapsed, "output_tokens": tokens, "tok_s": tokens / elapsed,
+            "num_blocks": num_blocks, "page_size": page_size}
+
+
+def single_request(llm, model, prompt: list[int], n: int) -> dict:
+    """Decode speed of one request (tokens after the first / time after the first)."""
+    from ridgeline.engine import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n,
+                                                ignore_eos=True))[0]
+    m = out.metrics
+    ours = (n - 1) / (m.finished_time - m.first_token_time)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        t2 = time.perf_counter()
+    hf = (n - 1) / ((t2 - t1) - (t1 - t0))
+    return {"ridgeline": ours, "hf": hf}
+
+
+def ttft(llm, vocab: int, prefix_len: int, repeats: int = 3) -> tuple[float, float]:
+    """Median time to first token (ms) of a prompt = prefix + 16 new tokens, with the prefix
+    cached by an earlier request versus never seen."""
+    from ridgeline.engine import SamplingParams
+
+    rng = random.Random(1)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cached, uncached = [], []
+    for _ in range(repeats):
+        prefix = [rng.randrange(100, vocab) for _ in range(prefix_len)]
+        tail = [[rng.randrange(100, vocab) for _ in range(16)] for _ in range(2)]
+        cold = llm.generate([prefix + tail[0]], one)[0]
+        warm = llm.generate([prefix + tail[1]], one)[0]
+        assert warm.metrics.num_cached_tokens >= prefix_len - llm.engine.config.block_size
+        uncached.append(cold.metrics.ttft * 1000)
+        cached.append(warm.metrics.ttft * 1000)
+    return statistics.median(cached), statistics.median(uncached)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--quick", action="store_true", help="a small smoke run")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--hf-batch-size", type=int, default=None)
+    ap.add_argument("--kv-cache-mb", type=float, default=1536)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--skip", default="", help="comma list: static,cb,single,ttft")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(args.threads)
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+
+    from ridgeline.engine import LLM
+
+    overrides = {"num_threads": args.threads, "kv_cache_memory_mb": args.kv_cache_mb,
+                 "max_num_seqs": 64}
+    if args.max_num_batched_tokens:
+        overrides["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(args.model, **overrides)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    if args.quick:
+        n = args.requests or 12
+        reqs = workload(n, (64, 192), (16, 48), vocab, seed=0)
+    else:
+        n = args.requests or 64
+        reqs = workload(n, (64, 512), (64, 256), vocab, seed=0)
+    log(f"{n} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+        f"{sum(o for _, o in reqs)} output tokens")
+
+    # the same weights in transformers (the HF directory the GGUF file was converted to)
+    from transformers import AutoModelForCausalLM
+
+    source_dir = getattr(engine.source, "path", None)
+    hf_model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+    pad_id = engine.tokenizer.pad_token_id or 0
+
+    # warm both up (allocator, first-call overheads)
+    warm = workload(2, (32, 64), (4, 4), vocab, seed=9)
+    run_ridgeline(llm, warm)
+    run_hf_static(hf_model, warm, 2, pad_id)
+
+    result: dict = {"model": args.model, "dtype": "float32", "threads": args.threads,
+                    "requests": n, "prompt_tokens": sum(len(p) for p, _ in reqs),
+                    "output_tokens": sum(o for _, o in reqs), "quick": args.quick,
+                    "machine": f"{platform.processor() or platform.machine()}, "
+                               f"{torch.get_num_threads()} threads",
+                    "date": date.today().isoformat(), "torch": torch.__version__}
+    ours = run_ridgeline(llm, reqs)
+    log("ridgeline", ours)
+    result["ridgeline_output_tok_s"] = round(ours["tok_s"], 2)
+    result["ridgeline_seconds"] = round(ours["seconds"], 2)
+    result["ridgeline_preemptions"] = ours["preemptions"]
+    stats = engine.stats()
+    result["kv_bytes_per_token"] = stats.kv_bytes_per_token
+    result["kv_blocks"] = stats.num_blocks
+
+    if "static" not in skip:
+        bs = args.hf_batch_size or (8 if args.quick else 16)
+        static = run_hf_static(hf_model, reqs, bs, pad_id)
+        log("hf static", static)
+        result["hf_output_tok_s"] = round(static["tok_s"], 2)
+        result["hf_seconds"] = round(static["seconds"], 2)
+        result["hf_batch_size"] = bs
+        result["speedup"] = round(ours["tok_s"] / static["tok_s"], 2)
+    if "cb" not in skip:
+        page = 256
+        blocks = max(int(args.kv_cache_mb * 2**20 // (page * engine.kv_bytes_per_token)), 8)
+        with contextlib.redirect_stdout(io.StringIO()):
+            cb = run_hf_cb(hf_model, reqs, blocks, page)
+        log("hf continuous batching", cb)
+        result["hf_cb_output_tok_s"] = round(cb["tok_s"], 2)
+        result["hf_cb_seconds"] = round(cb["seconds"], 2)
+        result["hf_cb_num_blocks"] = blocks
+        result["hf_cb_page_size"] = page
+        result["speedup_vs_hf_cb"] = round(ours["tok_s"] / cb["tok_s"], 2)
+    if "single" not in skip:
+        single = single_request(llm, hf_model, reqs[0][0][:128], 32 if args.quick else 128)
+        log("single request decode", single)
+        result["single_request_tok_s"] = {k: round(v, 2) for k, v in single.items()}
+    if "ttft" not in skip:
+        cached, uncached = ttft(llm, vocab, 512)
+        log("ttft cached / uncached ms", cached, uncached)
+        result["ttft_cached_prefix_ms"] = round(cached, 1)
+        result["ttft_uncached_ms"] = round(uncached, 1)
+        result["ttft_ratio"] = round(uncached / cached, 1)
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

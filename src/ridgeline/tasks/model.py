@@ -60,6 +60,9 @@ class Task:
     solution_env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, object] = field(default_factory=dict)
 
+    def __hash__(self) -> int:      # the dict fields are not hashable; a task is its dir
+        return hash((self.layout, str(self.path)))
+
     @property
     def domain(self) -> str:
         return self.category

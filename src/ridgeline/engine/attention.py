@@ -112,23 +112,20 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group
     q = max(m[1] for m in members)
     nb = max(-(-m[2] // bs) for m in members)
     length = nb * bs
-    block_ids = torch.zeros(n, nb, dtype=torch.long)
-    ctx = torch.empty(n, dtype=torch.long)
-    qlens = torch.empty(n, dtype=torch.long)
-    token_index = torch.empty(n, q, dtype=torch.long)
-    for i, (start, q_len, ctx_len, table) in enumerate(members):
+    flat_blocks: list[int] = []
+    for _, _, ctx_len, table in members:
         used = -(-ctx_len // bs)
-        block_ids[i, :used] = torch.tensor(table[:used], dtype=torch.long)
-        ctx[i] = ctx_len
-        qlens[i] = q_len
-        rows = torch.arange(start, start + q)
-        rows[q_len:] = start + q_len - 1  # padding rows repeat the last real query
-        token_index[i] = rows
-    cols = torch.arange(length)
+        flat_blocks += table[:used]
+        flat_blocks += [0] * (nb - used)  # the null block
+    starts = torch.tensor([m[0] for m in members])
+    qlens = torch.tensor([m[1] for m in members])
+    ctx = torch.tensor([m[2] for m in members])
     qi = torch.arange(q)
+    # padding rows (beyond a sequence's own queries) repeat its last real query
+    token_index = torch.minimum(starts[:, None] + qi[None, :], (starts + qlens - 1)[:, None])
     # query i of a sequence sees positions < ctx - (q_len - 1 - i)
     limit = (ctx[:, None] - (qlens[:, None] - 1 - qi[None, :])).clamp(min=1)  # [n, q]
-    allowed = cols[None, None, :] < limit[:, :, None]  # [n, q, L]
+    allowed = torch.arange(length)[None, None, :] < limit[:, :, None]  # [n, q, L]
     if q > 1:
         # rows are ordered (head in group, query) to match the folded query layout
         allowed = allowed[:, None].expand(n, group_size, q, length).reshape(n, group_size * q,
@@ -136,7 +133,8 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group
     mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
     valid = (qi[None, :] < qlens[:, None]).reshape(-1) if q > 1 else None
     return DecodeGroup(
-        token_index=token_index.reshape(-1).to(device), block_ids=block_ids.reshape(-1).to(device),
+        token_index=token_index.reshape(-1).to(device),
+        block_ids=torch.tensor(flat_blocks, dtype=torch.long, device=device),
         mask=mask[:, None].to(device), num_seqs=n, q_len=q,
         valid=None if valid is None else valid.to(device))
 

@@ -29,9 +29,8 @@ def detokenize_step(tokenizer: Any, seq: Sequence, *, final: bool = False,
         return ""
     skip = seq.params.skip_special_tokens
     ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset],
-                              skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset:end], skip_special_tokens=skip)
+    prefix = _decode(tokenizer, ids[seq.prefix_offset:seq.read_offset], skip)
+    full = _decode(tokenizer, ids[seq.prefix_offset:end], skip)
     if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
         return ""
     if not full.startswith(prefix):
@@ -42,3 +41,12 @@ def detokenize_step(tokenizer: Any, seq: Sequence, *, final: bool = False,
     seq.prefix_offset = seq.read_offset
     seq.read_offset = end
     return new
+
+
+def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    """tokenizer.decode, straight to the Rust backend when transformers would add nothing
+    (no clean-up of spaces): this runs twice per sequence and step."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -310,15 +310,25 @@ class _Generation:
         self._last_token_time: float | None = None
 
     async def start(self, prompts: list[tuple[list[int], SamplingParams]]) -> None:
-        for i, (ids, params) in enumerate(prompts):
-            rid = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
-            try:
-                await self.model.worker.add_request(rid, ids, params, self.queue, tag=i)
-            except BaseException:
-                self.abort(count=False)
-                raise
+        """Add every prompt at once (so they share the next step); if the engine refuses
+        one, the others are aborted and its error raised."""
+        rids = [self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+                for i in range(len(prompts))]
+        for rid, (_, params) in zip(rids, prompts):
             self.unfinished[rid] = params.n
-            self.prompt_tokens += len(ids)
+        try:
+            results = await asyncio.gather(
+                *(self.model.worker.add_request(rid, ids, params, self.queue, tag=i)
+                  for i, (rid, (ids, params)) in enumerate(zip(rids, prompts))),
+                return_exceptions=True)
+        except BaseException:  # cancelled: the client left
+            self.abort(count=False)
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort(count=False)
+            raise errors[0]
+        self.prompt_tokens = sum(len(ids) for ids, _ in prompts)
         self.metrics.prompt_tokens.labels(self.model.name).inc(self.prompt_tokens)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -79,14 +79,14 @@ def run_hf_static(model, reqs, batch_size: int, pad_id: int) -> dict:
             "batch_size": batch_size}
 
 
-def run_hf_cb(model, reqs, num_blocks: int, page_size: int) -> dict:
+def run_hf_cb(model, reqs, num_blocks: int, page_size: int, max_batch_tokens: int) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in reqs),
                            eos_token_id=None, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=page_size,
-                                  max_batch_tokens=512)
+                                  max_batch_tokens=max_batch_tokens)
     start = time.perf_counter()
     done: dict[str, list[int]] = {}
     with model.continuous_batching_context_manager(
@@ -220,7 +220,8 @@ def main() -> None:
         page = 256
         blocks = max(int(args.kv_cache_mb * 2**20 // (page * engine.kv_bytes_per_token)), 8)
         with contextlib.redirect_stdout(io.StringIO()):
-            cb = run_hf_cb(hf_model, reqs, blocks, page)
+            cb = run_hf_cb(hf_model, reqs, blocks, page,
+                           engine.scheduler.max_num_batched_tokens)
         log("hf continuous batching", cb)
         result["hf_cb_output_tok_s"] = round(cb["tok_s"], 2)
         result["hf_cb_seconds"] = round(cb["seconds"], 2)

@@ -114,8 +114,13 @@ class LLMEngine:
         bs = config.block_size
         self.kv_bytes_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads,
                                                           cfg.head_dim, dtype)
-        num_blocks = config.num_kv_blocks or 1 + int(
-            config.kv_cache_memory_mb * 2**20 // (self.kv_bytes_per_token * bs))
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = 1 + int(config.kv_cache_memory_mb * 2**20
+                                 // (self.kv_bytes_per_token * bs))
+            # no more than max_num_seqs full-length sequences can use (small models)
+            longest = min(cfg.max_position_embeddings, config.max_model_len or 1 << 62)
+            num_blocks = min(num_blocks, 1 + config.max_num_seqs * -(-longest // bs))
         if num_blocks < 2:
             raise ConfigError("the KV cache budget holds no block",
                               hint="raise kv_cache_memory_mb or num_kv_blocks")

@@ -77,11 +77,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while tokens that were not sampled by this step are still to be computed."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}#{self.index}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={self.block_table}, "

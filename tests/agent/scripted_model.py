@@ -30,6 +30,7 @@ class ScriptedModel:
         self.name = name
         self.prompts: list[list[Message]] = []
         self.summary_requests: list[list[Message]] = []
+        self.samplings: list[Sampling | None] = []
 
     def count_tokens(self, messages: list[Message]) -> int:
         return sum(math.ceil((len(m.content) + sum(len(str(c.arguments)) for c in m.tool_calls)) / 4)
@@ -46,6 +47,7 @@ class ScriptedModel:
                 raise ContextLengthError(prompt_tokens, self.context_window, "refusing to summarise")
             return self._complete(self.summary, prompt_tokens)
         self.prompts.append(list(messages))
+        self.samplings.append(sampling)
         if not self.script:
             raise AssertionError("the scripted model ran out of replies")
         reply = self.script.pop(0)

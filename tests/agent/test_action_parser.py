@@ -39,6 +39,16 @@ def test_outermost_block_wins() -> None:
                                              "content": "Run:\n```bash\nrm -rf /\n```\n"})]
 
 
+def test_nothing_after_an_unclosed_file_block_is_an_action() -> None:
+    # generation stopped inside file content that holds a fence: not a command to run
+    text = 'Write docs.\n<write_file path="README.md">\n# Build\n```bash\nmake\n```\n\n'
+    assert actions(text) == []
+    with pytest.raises(ActionError, match="not closed"):
+        parse_actions(Completion(text=text))
+    # a closed block followed by prose mentioning a tag is fine
+    assert actions('<bash>ls</bash> then I may <edit the file') == [("bash", {"command": "ls"})]
+
+
 def test_hermes_call_in_text_mode_with_argument_aliases() -> None:
     text = '<tool_call>{"name": "edit", "arguments": {"file": "a", "old_str": "x", "new_str": "y"}}</tool_call>'
     assert actions(text) == [("edit", {"path": "a", "old": "x", "new": "y"})]

@@ -10,7 +10,7 @@ import pytest
 from scripted_model import ScriptedModel, tool_reply
 from ridgeline.agent import AgentConfig, ExitStatus, Trajectory, run_agent
 from ridgeline.errors import ModelEndpointError
-from ridgeline.llm.base import Message
+from ridgeline.llm.base import Completion, Message
 
 TASK = "Create report.txt containing the word DONE. (task text that must stay verbatim)"
 
@@ -136,6 +136,19 @@ def test_endpoint_failure_ends_with_error_and_keeps_the_steps(sandbox, tmp_path:
     assert len(loaded.steps) == 1 and loaded.result.status is ExitStatus.ERROR
 
 
+def test_text_format_stops_at_the_action_and_restores_its_closer(sandbox) -> None:
+    # What an engine returns when generation hits the stop string "</bash>": the text
+    # without it (the model would otherwise go on to invent the command's output).
+    cut = Completion(text="Plan: look.\n<bash>echo hi", finish_reason="stop", stop_reason="</bash>")
+    model = ScriptedModel([cut, "<finish/>"])
+    result = run_agent(TASK, sandbox, model)
+    first = result.trajectory.steps[0]
+    assert first.observation.ok and "hi" in first.observation.text
+    assert first.response.content.endswith("<bash>echo hi</bash>")
+    stops = model.samplings[0].stop
+    assert "</bash>" in stops and "```\n\n" in stops and "\nObservation:" in stops
+
+
 def test_native_tool_calls(sandbox) -> None:
     model = ScriptedModel([
         tool_reply("write_file", "Plan: write, check, finish.", path="n.txt", content="42\n"),
@@ -146,4 +159,5 @@ def test_native_tool_calls(sandbox) -> None:
     second = result.trajectory.steps[1].messages
     assert second[0].tool_calls[0].id == "c2"
     assert second[1].role == "tool" and second[1].tool_call_id == "c2" and "42" in second[1].content
-    assert "tools" not in model.prompts[0][0].content or "one tool per reply" in model.prompts[0][0].content
+    assert "one tool per reply" in model.prompts[0][0].content
+    assert model.samplings[0].stop == []  # no text-format stop strings with native tools

@@ -61,12 +61,15 @@ def test_malformed_tool_arguments_become_errors_for_the_model(openai_server: Fak
 
 
 def test_text_tool_calls_when_the_server_has_no_tool_parser(openai_server: FakeOpenAIServer) -> None:
+    # vLLM-style: generation stopped at "</tool_call>", which is dropped from the text
     openai_server.script.append(Reply(body=chat_body(
-        content='ok\n<tool_call>{"name": "bash", "arguments": {"command": "id"}}</tool_call>')))
+        content='ok\n<tool_call>{"name": "bash", "arguments": {"command": "id"}}',
+        choice_extra={"stop_reason": "</tool_call>"})))
     c = client(openai_server, model="tiny", supports_tools=False)
     out = c.chat([Message(role="system", content="be brief"), Message(role="user", content="x")],
                  tools=[BASH])
     assert out.text == "ok" and out.tool_calls[0].arguments == {"command": "id"}
+    assert out.stop_reason == "</tool_call>"
     (body,) = openai_server.chat_requests()
     assert "tools" not in body
     assert body["messages"][0]["content"].startswith("be brief")

@@ -30,6 +30,7 @@ _OLD_NEW = re.compile(r"<old>(.*?)</old>\s*<new>(.*?)</new>", re.DOTALL)
 _FENCE = re.compile(r"```([A-Za-z]*)[ \t]*\n(.*?)```", re.DOTALL)
 _SHELL_LANGS = {"", "bash", "sh", "shell", "console", "zsh"}
 _UNCLOSED = re.compile(r"<(bash|write_file|edit|tool_call)\b|```")
+_UNCLOSED_CONTENT = re.compile(r"<(write_file|edit)\b(?![^<]*?>.*?</\1>)", re.DOTALL)
 
 
 def parse_actions(completion: Completion) -> list[Action]:
@@ -49,7 +50,11 @@ def parse_actions(completion: Completion) -> list[Action]:
 
 def parse_text_actions(text: str) -> list[Action]:
     """Text-format actions in the order they appear. Where blocks nest (a fence inside
-    the content of a <write_file>), the outermost one wins."""
+    the content of a <write_file>), the outermost one wins; nothing after a <write_file>
+    or <edit> that is never closed counts (it is file content, not an action)."""
+    unclosed = _UNCLOSED_CONTENT.search(text)
+    if unclosed is not None:
+        text = text[:unclosed.start()]
     candidates: list[tuple[int, int, str, re.Match[str]]] = []
     for tool, pattern in _TAG_RES.items():
         candidates += [(m.start(), m.end(), tool, m) for m in pattern.finditer(text)]

@@ -85,6 +85,13 @@ class AgentConfig(BaseModel):
         "auto", description="tool_calls if the model supports them natively, else text")
     sampling: Sampling = Field(default_factory=lambda: Sampling(temperature=0.0, max_tokens=768))
 
+    # Text format only: stop generating at the end of the first action (the closer is
+    # put back into the reply), or where small models start inventing the observation.
+    # OpenAI's own API takes at most 4 stop strings: use native tool calls there.
+    action_closers: list[str] = Field(default_factory=lambda: [
+        "</bash>", "</write_file>", "</edit>", "</finish>", "<finish/>", "</tool_call>", "```\n\n"])
+    extra_stop: list[str] = Field(default_factory=lambda: ["\nObservation:"])
+
     step_limit: int = Field(40, gt=0, description="model replies per episode")
     token_limit: int = Field(
         2_000_000, gt=0, description="prompt + completion tokens summed over all model calls")

@@ -105,6 +105,10 @@ class Episode:
         self.native = agent.action_format() == "tool_calls"
         self.tools = TOOLS if self.native else None
         self.format_help = cfg.tool_format_help if self.native else cfg.text_format_help
+        self.sampling = cfg.sampling
+        if not self.native:
+            stops = list(dict.fromkeys([*cfg.sampling.stop, *cfg.action_closers, *cfg.extra_stop]))
+            self.sampling = cfg.sampling.model_copy(update={"stop": stops})
         self.workbench = Workbench(sandbox, cfg.observation_max_bytes)
         self.time_limit_s = min(cfg.time_limit_s, task.timeout_s or cfg.time_limit_s)
         head = [Message(role="system", content=fill(cfg.system_template,
@@ -205,13 +209,21 @@ class Episode:
             messages = self.history.messages()
             t0 = time.perf_counter()
             try:
-                completion = self.model.chat(messages, tools=self.tools,
-                                             sampling=self.config.sampling)
-                return completion, self._last_prompt_tokens, time.perf_counter() - t0
+                completion = self.model.chat(messages, tools=self.tools, sampling=self.sampling)
+                return self._restore_closer(completion), self._last_prompt_tokens, \
+                    time.perf_counter() - t0
             except ContextLengthError as e:
                 if attempt or self._condense(int(self.model.context_window * 0.5)) is None:
                     raise _EndEpisode(ExitStatus.CONTEXT_LIMIT, str(e)) from None
         raise AssertionError("unreachable")
+
+    def _restore_closer(self, completion: Completion) -> Completion:
+        """Servers drop the stop string from the text; an action closer belongs to it."""
+        closer = completion.stop_reason
+        if self.native or closer not in self.config.action_closers or \
+                completion.text.endswith(closer):
+            return completion
+        return completion.model_copy(update={"text": completion.text + closer})
 
     def parse_action(self, completion: Completion) -> list[Action]:
         return parse_actions(completion)

@@ -56,6 +56,8 @@ class Completion(BaseModel):
     text: str
     tool_calls: list[ToolCall] = Field(default_factory=list)
     finish_reason: str | None = None
+    # The stop string that ended generation (servers drop it from `text`), if one did.
+    stop_reason: str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None

@@ -84,6 +84,7 @@ class EngineClient:
         logprobs = [float(x) for x in out.logprobs] if sampling.logprobs else None
         return Completion(
             text=text, tool_calls=calls, finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason if isinstance(out.stop_reason, str) else None,
             prompt_token_ids=prompt_ids, token_ids=token_ids, logprobs=logprobs,
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids)),
             latency_s=time.perf_counter() - t0, tool_call_errors=errors)

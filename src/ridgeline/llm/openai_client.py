@@ -191,6 +191,7 @@ class OpenAIClient:
         usage = data.get("usage") or {}
         return Completion(
             text=text, tool_calls=calls, finish_reason=choice.get("finish_reason"),
+            stop_reason=choice["stop_reason"] if isinstance(choice.get("stop_reason"), str) else None,
             prompt_token_ids=[int(t) for t in prompt_ids] if isinstance(prompt_ids, list) else None,
             token_ids=token_ids, logprobs=logprobs,
             usage=Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),

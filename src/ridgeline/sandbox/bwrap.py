@@ -282,9 +282,11 @@ class BwrapSandbox(HostSandbox):
             if self._proc.stdin is not None:
                 with contextlib.suppress(OSError):
                     self._proc.stdin.close()
-            with contextlib.suppress(OSError):
+            try:  # bwrap reaps pid 1 and exits; killing it first would leave a zombie
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
                 self._proc.kill()
-            self._proc.wait()
+                self._proc.wait()
             self._proc = None
 
     def _close_shells(self) -> None:
@@ -367,7 +369,9 @@ class BwrapSandbox(HostSandbox):
 
         def kill() -> None:
             if group is not None:
-                group.kill()
+                # nsenter (outside) is spared: it reaps its child and exits by itself; if
+                # it died first, the orphan would wait for the host's init to reap it.
+                group.kill(keep=frozenset({proc.pid}))
             else:
                 kill_process_tree(proc.pid)
 
@@ -386,7 +390,13 @@ class BwrapSandbox(HostSandbox):
         if rc != 0 and not self._init_alive() and not outcome.timed_out:
             raise SandboxError(f"sandbox {self.id} stopped while running the command",
                                hint="close it and create a new sandbox")
-        return to_exec_result(outcome, memory_killed=memory)
+        result = to_exec_result(outcome, memory_killed=memory)
+        if rc == 1 and outcome.stderr.kept.startswith(b"nsenter: fork failed"):
+            result.exit_code = 126  # "cannot execute", as a shell says it
+            result.stderr_bytes = (
+                f"ridgeline: cannot start the command: sandbox {self.id} is at its process "
+                f"limit (max_processes={self.spec.limits.max_processes})\n".encode())
+        return result
 
     def shell(self) -> ShellSession:
         """A persistent bash in the sandbox (see shell.py)."""
@@ -399,7 +409,7 @@ class BwrapSandbox(HostSandbox):
                               start_new_session=True)
             bash = _child_of(proc.pid)
             if self._cg is not None and group is not None:
-                return proc, CgroupTracker(self._cg, bash or proc.pid, group)
+                return proc, CgroupTracker(self._cg, bash or proc.pid, group, proc.pid)
             return proc, TreeTracker(bash or proc.pid, session_pid=proc.pid)
 
         session = BashSession(start, max_output=self.spec.limits.max_output_bytes,

@@ -73,22 +73,41 @@ def _tree(path: Path) -> list[Path]:
 
 def kill_tree(path: Path, keep: frozenset[int] = frozenset(), timeout: float = 5.0) -> bool:
     """SIGKILL every process in the cgroup `path` and below, except `keep` and this
-    process, until none is left (a fork racing the kill is caught by the next pass)."""
+    process, until none is left (a fork racing the kill is caught by the next pass).
+    Returns once they are gone from /proc too: a task leaves its cgroup early in its
+    exit, before it has released its resources and been reaped."""
     keep = keep | {os.getpid()}
     end = time.monotonic() + timeout
+    killed: set[int] = set()
     while True:
         pids: set[int] = set()
         for p in _tree(path):
             pids |= _read_pids(p)
         pids -= keep
         if not pids:
-            return True
+            break
         if time.monotonic() > end:
             return False
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+        killed |= pids
         time.sleep(0.001)
+    while killed and time.monotonic() < end:
+        killed = {p for p in killed if not _gone(p)}
+        if killed:
+            time.sleep(0.001)
+    return not killed
+
+
+def _gone(pid: int) -> bool:
+    """Exited and reaped, or a zombie of ours (our caller reaps it: `Popen.wait`)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    fields = stat.rsplit(")", 1)[1].split()
+    return fields[0] in ("Z", "X") and int(fields[1]) == os.getpid()
 
 
 def remove_tree(path: Path, timeout: float = 5.0) -> bool:
@@ -273,9 +292,11 @@ class CgroupTracker:
     moved into it, so everything the command starts (also daemons) is in that group,
     while background jobs of earlier commands stay in theirs."""
 
-    def __init__(self, cgroup: SandboxCgroup, bash_pid: int, first: ExecGroup) -> None:
+    def __init__(self, cgroup: SandboxCgroup, bash_pid: int, first: ExecGroup,
+                 launcher_pid: int) -> None:
         self.cgroup = cgroup
         self.bash_pid = bash_pid
+        self.launcher_pid = launcher_pid  # nsenter, outside: it reaps bash and exits
         self.groups = [first]
 
     def begin(self) -> None:
@@ -292,6 +313,6 @@ class CgroupTracker:
 
     def kill_all(self) -> None:
         for g in self.groups:
-            g.kill()
+            g.kill(keep=frozenset({self.launcher_pid}))
         for g in self.groups:
             g.remove()

@@ -218,23 +218,31 @@ def to_exec_result(o: Outcome, *, memory_killed: bool = False) -> ExecResult:
 
 
 def kill_process_tree(pid: int, keep: frozenset[int] = frozenset()) -> None:
-    """SIGKILL `pid`, its process group and every descendant still linked to it (a
-    re-parented daemon escapes this; cgroups are the complete answer)."""
+    """SIGKILL every descendant of `pid` still linked to it, then `pid` and its process
+    group (a re-parented daemon escapes this; cgroups are the complete answer). The
+    descendants go first so that `pid` (e.g. nsenter) can still reap its child."""
     import psutil
 
-    victims: set[int] = set()
     try:
-        root = psutil.Process(pid)
-        victims = {p.pid for p in root.children(recursive=True)} | {pid}
+        descendants = {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except psutil.Error:
-        victims = {pid}
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    for v in victims - keep - {os.getpid()}:
+        descendants = set()
+    for v in descendants - keep - {os.getpid()}:
         try:
             os.kill(v, signal.SIGKILL)
+        except OSError:
+            pass
+    end = time.monotonic() + 0.5
+    while descendants and time.monotonic() < end:  # let `pid` reap them
+        try:
+            if not psutil.Process(pid).children():
+                break
+        except psutil.Error:
+            break
+        time.sleep(0.002)
+    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            kill()
         except OSError:
             pass
 

@@ -1,0 +1,132 @@
+"""The local (unsafe) backend, the docker backend, health probes and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from ridgeline.errors import SandboxError, UnsupportedError
+from ridgeline.sandbox import Mount, SandboxSpec, create_sandbox
+
+from sandbox_helpers import needs_bwrap
+
+
+def test_local_backend_warns_loudly_and_works(caplog):
+    with pytest.warns(RuntimeWarning, match="NO ISOLATION"):
+        sb = create_sandbox(SandboxSpec(), backend="local")
+    assert "NO ISOLATION" in caplog.text
+    with sb:
+        assert sb.run("pwd").stdout.strip() == str(sb.workspace_dir)
+        assert sb.run("exit 4").exit_code == 4
+        assert sb.run(["no-such-command-xyz"]).exit_code == 127
+        r = sb.run("sleep 1000 & sleep 1001", timeout=0.5)
+        assert r.timed_out
+        assert "sleep 100" not in subprocess.run(["pgrep", "-af", "sleep 100[01]"],
+                                                 capture_output=True, text=True).stdout
+        sb.write_file("a/b.txt", "x")
+        assert sb.run("cat a/b.txt").stdout == "x"
+        sh = sb.shell()
+        sh.send("cd a; V=1")
+        assert sh.send("ls; echo $V").stdout == "b.txt\n1\n"
+        snap = sb.snapshot()
+        sb.run("rm -r a")
+        sb.restore(snap)
+        assert sb.read_file("a/b.txt") == b"x"
+        assert sb.health().healthy
+
+
+def test_local_backend_refuses_mounts(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(UnsupportedError, match="bwrap"):
+            create_sandbox(SandboxSpec(mounts=[Mount(source=tmp_path, target="/tests")]),
+                           backend="local")
+
+
+def _docker_reason() -> str | None:
+    try:
+        from ridgeline.sandbox import get_provider
+        get_provider("docker")
+        return None
+    except SandboxError as e:
+        return str(e)
+
+
+def test_docker_backend(tmp_path):
+    reason = _docker_reason()
+    if reason is not None:
+        pytest.skip(f"docker backend unavailable: {reason}")
+    from ridgeline.sandbox import Limits, get_provider
+    image = get_provider("docker").default_image
+    spec = SandboxSpec(workspace_path="/app", image=image, limits=Limits(max_output_bytes=1000))
+    with create_sandbox(spec, backend="docker") as sb:
+        assert sb.run("echo hi; exit 3").exit_code == 3
+        assert sb.run("sleep 100", timeout=1).timed_out
+        sb.write_file("x.txt", "data")
+        assert sb.run("cat /app/x.txt").stdout == "data"
+        assert sb.run("head -c 5000 /dev/zero").truncated
+        snap = sb.snapshot()
+        sb.run("rm /app/x.txt")
+        sb.restore(snap)
+        assert sb.read_file("x.txt") == b"data"
+        assert sb.shell().send("cd /tmp; pwd").stdout == "/tmp\n"
+
+
+@needs_bwrap
+def test_health_tells_broken_from_healthy(sandbox):
+    report = sandbox.health()
+    assert report.healthy and set(report.checks) >= {"exec", "workspace_writable", "clock", "disk"}
+    sandbox.workspace_dir.chmod(0o555)  # as if the workspace went read-only
+    try:
+        report = sandbox.health()
+        assert not report.healthy and not report.checks["workspace_writable"]
+    finally:
+        sandbox.workspace_dir.chmod(0o755)
+    import os
+    import signal
+    os.kill(sandbox.init_pid, signal.SIGKILL)  # the environment dies under the agent
+    sandbox._proc.wait()
+    report = sandbox.health()
+    assert not report.healthy and not report.checks["exec"] and "init" in report.detail
+    with pytest.raises(SandboxError, match="stopped"):
+        sandbox.run("true")
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ridgeline.cli", "sandbox", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_help():
+    for args in ([], ["run"], ["shell"], ["bench"]):
+        r = cli(*args, "--help")
+        assert r.returncode == 0 and "Usage" in r.stdout, r.stderr
+
+
+@needs_bwrap
+def test_cli_run_passes_output_and_exit_code(tmp_path):
+    (tmp_path / "in.txt").write_text("from host")
+    r = cli("run", "--workspace", str(tmp_path), "--", "sh", "-c", "cat in.txt; echo e >&2; exit 5")
+    assert r.returncode == 5 and r.stdout == "from host" and r.stderr == "e\n"
+    r = cli("run", "--timeout", "0.5", "--", "sleep", "100")
+    assert r.returncode == 124 and "timed out" in r.stderr
+    r = cli("run", "--network", "bogus", "--", "true")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = cli("run", "--backend", "nope", "--", "true")
+    assert r.returncode == 2 and "valid backends" in r.stderr and "Traceback" not in r.stderr
+
+
+@needs_bwrap
+@pytest.mark.bench
+def test_cli_bench_quick_json():
+    r = cli("bench", "--quick", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    for key in ("cold_start_p50_ms", "cold_start_p95_ms", "warm_acquire_p50_ms",
+                "subprocess_p50_ms", "concurrent", "snapshot_ms", "restore_ms"):
+        assert key in data
+    assert data["concurrent"]["failures"] == 0

@@ -290,6 +290,11 @@ def test_tool_call_parsed_whole_and_streamed(client: openai.OpenAI) -> None:
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
     args = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(args) == {"city": "Paris"}
+    with client.chat.completions.stream(model="tiny-tools", messages=ask, tools=[WEATHER_TOOL],
+                                        temperature=0, max_tokens=50) as stream:
+        final = stream.get_final_completion()  # the openai library's own accumulator
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == args
 
     # Without tools (or with tool_choice "none") the same text is plain content.
     r = client.chat.completions.create(model="tiny-tools", messages=ask, temperature=0,

@@ -149,6 +149,23 @@ def test_text_format_stops_at_the_action_and_restores_its_closer(sandbox) -> Non
     assert "</bash>" in stops and "```\n\n" in stops and "\nObservation:" in stops
 
 
+def test_bad_native_calls_are_answered_by_id(sandbox) -> None:
+    from ridgeline.llm.base import ToolCall
+
+    two = Completion(text="", tool_calls=[ToolCall(id="x1", name="bash", arguments={"command": "echo 1"}),
+                                          ToolCall(id="x2", name="bash", arguments={"command": "echo 2"})])
+    model = ScriptedModel([tool_reply("bash", call_id="bad"),  # no command argument
+                           two, tool_reply("finish", call_id="f")], supports_tools=True)
+    result = run_agent(TASK, sandbox, model)
+    first, second = result.trajectory.steps[:2]
+    assert result.n_format_errors == 1
+    assert [(m.role, m.tool_call_id) for m in first.messages[1:]] == [("tool", "bad")]
+    assert "needs the argument 'command'" in first.messages[1].content
+    # two calls in one reply: the first runs, the second is answered as not run
+    assert [(m.role, m.tool_call_id) for m in second.messages[1:]] == [("tool", "x1"), ("tool", "x2")]
+    assert "1" in second.messages[1].content and "not run" in second.messages[2].content
+
+
 def test_native_tool_calls(sandbox) -> None:
     model = ScriptedModel([
         tool_reply("write_file", "Plan: write, check, finish.", path="n.txt", content="42\n"),

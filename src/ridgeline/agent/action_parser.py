@@ -36,7 +36,11 @@ _UNCLOSED_CONTENT = re.compile(r"<(write_file|edit)\b(?![^<]*?>.*?</\1>)", re.DO
 def parse_actions(completion: Completion) -> list[Action]:
     """The actions of one reply, in order; `ActionError` if there is none usable."""
     if completion.tool_calls:
-        return [validate_action(c.name, c.arguments, c.id) for c in completion.tool_calls]
+        # One action per reply: only the first call is validated and run; the others are
+        # kept just so that each can be answered ("not run").
+        first, *rest = completion.tool_calls
+        return [validate_action(first.name, first.arguments, first.id),
+                *(Action(c.name, c.arguments, c.id) for c in rest)]
     if completion.tool_call_errors:
         raise ActionError("; ".join(completion.tool_call_errors))
     actions = parse_text_actions(completion.text)

@@ -172,8 +172,13 @@ class Episode:
         except ActionError as e:
             self.n_format_errors += 1
             record.format_error = str(e)
-            observations = [Message(role="user", content=fill(
-                self.config.format_error_template, error=str(e), format_help=self.format_help))]
+            hint = fill(self.config.format_error_template, error=str(e),
+                        format_help=self.format_help)
+            if assistant.tool_calls:  # every native call must be answered by its id
+                observations = [Message(role="tool", content=hint, tool_call_id=c.id, name=c.name)
+                                for c in assistant.tool_calls]
+            else:
+                observations = [Message(role="user", content=hint)]
             digest = f"step {self.n_steps}: format error ({one_line(str(e), 80)})"
         else:
             action = actions[0]

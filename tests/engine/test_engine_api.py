@@ -297,3 +297,13 @@ def test_cli_generate_streams_and_models_list(hf_dir: Path, monkeypatch) -> None
     monkeypatch.setenv("RIDGELINE_MODEL_DIRS", str(hf_dir.parent))
     res = runner.invoke(app, ["models", "list"])
     assert res.exit_code == 0 and "default" in res.stdout and hf_dir.name in res.stdout
+
+
+def test_request_longer_than_the_pool_ends_with_length() -> None:
+    """The context is capped by the KV pool, so a request asking for more tokens than fit
+    stops with finish_reason "length" at the cap instead of waiting forever."""
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=8, block_size=4)
+    assert llm.max_model_len == 28
+    out = llm.generate([list(range(3, 23))], SamplingParams(temperature=0, max_tokens=100,
+                                                         ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8

@@ -552,3 +552,20 @@ def test_serve_command_serves_a_model_directory(tmp_path: Any, random_model: Any
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_command_reports_a_busy_port_before_loading() -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from ridgeline.engine.serve_cli import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        result = CliRunner().invoke(app, ["serve", "--port", str(busy.getsockname()[1])])
+    assert isinstance(result.exception, ConfigError)
+    assert "pick another --port" in str(result.exception)

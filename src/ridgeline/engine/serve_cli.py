@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def serve(
         if value is not None:
             values[key] = value
     engine_config = load_model(EngineConfig, values, source="serve options")
+    _check_port(host, port)  # before the slow model load
     name = served_model_name or engine_config.model
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
@@ -56,6 +58,18 @@ def serve(
                   + (" (API key required)" if api_key else ""), highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=5)
+
+
+def _check_port(host: str, port: int) -> None:
+    from ridgeline.errors import ConfigError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                              hint="pick another --port or stop what is using it") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -27,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from ridgeline.engine import LLMEngine, SamplingParams
 from ridgeline.engine.server import ServerThread, create_app
 from ridgeline.errors import ConfigError
-from ridgeline.llm import ContextLengthError, Message, OpenAIClient, ToolSpec
+from ridgeline.llm import ContextLengthError, Message, OpenAIClient, Sampling, ToolSpec
 
 EOS = 2
 CALL_PIECES = ["<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": ',
@@ -349,6 +349,10 @@ def test_ridgeline_openai_client_runs_against_the_server(server: ServerThread, t
         assert tok.decode(done.token_ids) == "".join(CALL_PIECES) + "</s>"  # EOS kept for RL
         assert done.logprobs is not None and len(done.logprobs) == len(done.token_ids)
         assert done.prompt_token_ids and done.usage.prompt_tokens == len(done.prompt_token_ids)
+        cut = model.chat([Message(role="user", content="Weather?")],
+                         sampling=Sampling(stop=['"Paris"']))
+        assert cut.text == "".join(CALL_PIECES).split('"Paris"')[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == '"Paris"'
         with pytest.raises(ContextLengthError):
             model.chat([Message(role="user", content="x" * (MAX_LEN + 10))])
 

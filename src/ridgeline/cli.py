@@ -42,6 +42,7 @@ def _mount_subcommands() -> None:
     mounts = [
         ("ridgeline.sandbox.cli", "sandbox", "Isolated sandboxes: run, shell, bench."),
         ("ridgeline.engine.cli", None, None),
+        ("ridgeline.engine.serve_cli", None, None),
         ("ridgeline.tasks.cli", "tasks", "Terminal tasks: list and quality-check."),
         ("ridgeline.eval.cli", None, None),
     ]

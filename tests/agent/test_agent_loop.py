@@ -87,6 +87,17 @@ def test_failed_command_nudges_reflection_and_timeouts_restart_the_shell(sandbox
     assert steps[2].observation.ok and "alive X=1" in steps[2].observation.text
 
 
+def test_repeats_are_nudged_and_an_exited_shell_is_replaced(sandbox) -> None:
+    model = ScriptedModel([bash("echo same"), bash("echo same"), bash("cd /tmp; exit 0"),
+                           bash("echo fresh"), "<finish/>"])
+    result = run_agent(TASK, sandbox, model)
+    steps = result.trajectory.steps
+    assert "repeated your previous action" not in steps[0].messages[-1].content
+    assert "repeated your previous action" in steps[1].messages[-1].content
+    assert "the shell exited" in steps[2].observation.text
+    assert steps[3].observation.ok and "fresh" in steps[3].observation.text
+
+
 def test_file_tools_report_mistakes_as_observations(sandbox) -> None:
     sandbox.write_file("a.py", "x = 1\ny = 1\n")
     model = ScriptedModel([

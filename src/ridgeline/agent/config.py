@@ -56,6 +56,9 @@ Reply with one short thought and exactly one action.
 FAILURE_NUDGE = ("The last action failed. In one line, reflect on why before your next "
                  "action, then try something different.")
 
+REPEAT_NUDGE = ("You repeated your previous action and got the same result. If the task is "
+                "done, finish; otherwise try a different approach.")
+
 CONDENSE_PROMPT = """\
 You summarise an agent's work on a task so that it can continue without the full history.
 Write at most 8 short lines: what has been done, what was learned (file names, errors,
@@ -78,6 +81,7 @@ class AgentConfig(BaseModel):
     tool_format_help: str = TOOL_FORMAT_HELP
     format_error_template: str = FORMAT_ERROR_TEMPLATE
     failure_nudge: str = FAILURE_NUDGE
+    repeat_nudge: str = REPEAT_NUDGE
     condense_prompt: str = CONDENSE_PROMPT
     summary_template: str = SUMMARY_TEMPLATE
 

@@ -126,6 +126,7 @@ class Episode:
         self.n_steps = self.n_format_errors = self.n_condensations = 0
         self.prompt_tokens = self.completion_tokens = 0
         self._last_prompt_tokens = 0
+        self._previous: tuple[str, dict, str] | None = None  # last action and its result
         self.started = time.perf_counter()
         self.summary: str | None = None
 
@@ -191,7 +192,9 @@ class Episode:
                 obs = self.execute_action(action)
                 exec_s = obs.duration_s
             record.observation = ObservationRecord(**vars(obs))
-            observations = self.observe(action, obs, actions[1:])
+            repeated = (action.tool, action.args, obs.text) == self._previous
+            self._previous = (action.tool, action.args, obs.text)
+            observations = self.observe(action, obs, actions[1:], repeated)
             digest = f"step {self.n_steps}: {action.describe()} -> " + (
                 "ok" if obs.ok else f"failed (exit {obs.exit_code})"
                 if obs.exit_code is not None else "failed")
@@ -241,11 +244,15 @@ class Episode:
         except RidgelineError as e:  # no shell could be started: nothing more can be done
             raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__) from None
 
-    def observe(self, action: Action, obs: Observation, dropped: list[Action]) -> list[Message]:
-        """The messages that tell the model what its action did."""
+    def observe(self, action: Action, obs: Observation, dropped: list[Action],
+                repeated: bool = False) -> list[Message]:
+        """The messages that tell the model what its action did (and nudges to reflect
+        after a failure, or to stop repeating itself)."""
         text = obs.text
         if not obs.ok:
             text = f"{text}\n\n{self.config.failure_nudge}"
+        elif repeated:
+            text = f"{text}\n\n{self.config.repeat_nudge}"
         if dropped and not self.native:
             text += (f"\n\n(Only your first action was run; {len(dropped)} more were ignored. "
                      "Use one action per reply.)")

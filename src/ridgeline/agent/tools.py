@@ -155,6 +155,13 @@ class Workbench:
         elif res.killed_by:
             header += f" (stopped: {res.killed_by})"
         body = text if text.strip() else "(no output)"
+        if not res.timed_out and self._shell is not None and \
+                getattr(self._shell, "alive", True) is False:
+            # The command ended the shell itself (`exit`, `exec`): say so now, and start
+            # a fresh one for the next action.
+            self.close()
+            body += "\n(the shell exited; the next command starts a new shell: directory " \
+                    "and variables were reset)"
         return Observation(f"{header}\n{body}", ok=res.ok, exit_code=res.exit_code,
                            timed_out=res.timed_out, truncated=truncated or res.truncated)
 

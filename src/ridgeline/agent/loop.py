@@ -165,50 +165,55 @@ class Episode:
                             completion_token_ids=completion.token_ids,
                             logprobs=completion.logprobs)
         self.count_tokens(completion, prompt_tokens, record)
-        observations: list[Message]
-        exec_s = 0.0
-        finished = False
         try:
             actions = self.parse_action(completion)
         except ActionError as e:
-            self.n_format_errors += 1
-            record.format_error = str(e)
-            hint = fill(self.config.format_error_template, error=str(e),
-                        format_help=self.format_help)
-            if assistant.tool_calls:  # every native call must be answered by its id
-                observations = [Message(role="tool", content=hint, tool_call_id=c.id, name=c.name)
-                                for c in assistant.tool_calls]
-            else:
-                observations = [Message(role="user", content=hint)]
-            digest = f"step {self.n_steps}: format error ({one_line(str(e), 80)})"
+            observations, digest = self.format_error(e, assistant, record)
         else:
-            action = actions[0]
-            record.action = ActionRecord(tool=action.tool, args=action.args, call_id=action.call_id)
-            if action.tool == "finish":
-                finished = True
-                self.summary = action.args.get("summary") or None
-                obs = Observation("finished", ok=True)
-            else:
-                obs = self.execute_action(action)
-                exec_s = obs.duration_s
-            record.observation = ObservationRecord(**vars(obs))
-            repeated = (action.tool, action.args, obs.text) == self._previous
-            self._previous = (action.tool, action.args, obs.text)
-            observations = self.observe(action, obs, actions[1:], repeated)
-            digest = f"step {self.n_steps}: {action.describe()} -> " + (
-                "ok" if obs.ok else f"failed (exit {obs.exit_code})"
-                if obs.exit_code is not None else "failed")
-            if not obs.ok or action.tool == "read_file":
-                digest += f": {one_line(obs.text, 100)}"
+            observations, digest = self.act(actions, record)
         self.history.steps.append(HistoryStep([assistant, *observations], digest))
         record.messages = [assistant, *observations]
         total = time.perf_counter() - t0
+        exec_s = record.observation.duration_s if record.observation else 0.0
         record.timings = StepTimings(model_s=model_s, exec_s=exec_s, condense_s=condense_s,
                                      total_s=total,
                                      overhead_s=max(0.0, total - model_s - exec_s - condense_s))
         self.writer.step(record)
-        if finished:
+        if record.action is not None and record.action.tool == "finish":
             raise _EndEpisode(ExitStatus.FINISHED)
+
+    def format_error(self, error: ActionError, assistant: Message,
+                     record: StepRecord) -> tuple[list[Message], str]:
+        """A reply without a usable action: a format hint, and the loop goes on."""
+        self.n_format_errors += 1
+        record.format_error = str(error)
+        hint = fill(self.config.format_error_template, error=str(error),
+                    format_help=self.format_help)
+        if assistant.tool_calls:  # every native call must be answered by its id
+            observations = [Message(role="tool", content=hint, tool_call_id=c.id, name=c.name)
+                            for c in assistant.tool_calls]
+        else:
+            observations = [Message(role="user", content=hint)]
+        return observations, f"step {self.n_steps}: format error ({one_line(str(error), 80)})"
+
+    def act(self, actions: list[Action], record: StepRecord) -> tuple[list[Message], str]:
+        """Run the first action (or finish) and observe it."""
+        action = actions[0]
+        record.action = ActionRecord(tool=action.tool, args=action.args, call_id=action.call_id)
+        if action.tool == "finish":
+            self.summary = action.args.get("summary") or None
+            obs = Observation("finished", ok=True)
+        else:
+            obs = self.execute_action(action)
+        record.observation = ObservationRecord(**vars(obs))
+        repeated = (action.tool, action.args, obs.text) == self._previous
+        self._previous = (action.tool, action.args, obs.text)
+        digest = f"step {self.n_steps}: {action.describe()} -> " + (
+            "ok" if obs.ok else f"failed (exit {obs.exit_code})"
+            if obs.exit_code is not None else "failed")
+        if not obs.ok or action.tool == "read_file":
+            digest += f": {one_line(obs.text, 100)}"
+        return self.observe(action, obs, actions[1:], repeated), digest
 
     def query(self) -> tuple[Completion, int, float]:
         """One model call. The prompt was made to fit; if the model still finds it too

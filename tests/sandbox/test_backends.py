@@ -102,20 +102,28 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_cli_help():
+    from typer.testing import CliRunner
+
+    from ridgeline.sandbox.cli import app
     for args in ([], ["run"], ["shell"], ["bench"]):
-        r = cli(*args, "--help")
-        assert r.returncode == 0 and "Usage" in r.stdout, r.stderr
+        r = CliRunner().invoke(app, [*args, "--help"])
+        assert r.exit_code == 0 and "Usage" in r.output, r.output
 
 
 @needs_bwrap
 def test_cli_run_passes_output_and_exit_code(tmp_path):
+    from typer.testing import CliRunner
+
+    from ridgeline.sandbox.cli import app
     (tmp_path / "in.txt").write_text("from host")
-    r = cli("run", "--workspace", str(tmp_path), "--", "sh", "-c", "cat in.txt; echo e >&2; exit 5")
-    assert r.returncode == 5 and r.stdout == "from host" and r.stderr == "e\n"
-    r = cli("run", "--timeout", "0.5", "--", "sleep", "100")
-    assert r.returncode == 124 and "timed out" in r.stderr
-    r = cli("run", "--network", "bogus", "--", "true")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = CliRunner().invoke(app, ["run", "--workspace", str(tmp_path), "--", "sh",
+                                                  "-c", "cat in.txt; echo e >&2; exit 5"])
+    assert r.exit_code == 5 and r.stdout == "from host" and r.stderr.startswith("e\n")
+    r = CliRunner().invoke(app, ["run", "--timeout", "0.5", "--", "sleep", "100"])
+    assert r.exit_code == 124 and "timed out" in r.stderr
+    r = CliRunner().invoke(app, ["run", "--network", "bogus", "--", "true"])
+    assert r.exit_code == 2
+    # Through the real entry point: a user mistake is one line and exit code 2.
     r = cli("run", "--backend", "nope", "--", "true")
     assert r.returncode == 2 and "valid backends" in r.stderr and "Traceback" not in r.stderr
 

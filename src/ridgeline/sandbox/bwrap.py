@@ -61,10 +61,11 @@ BASE_ENV = {
     "HOME": "/home/sandbox", "USER": "sandbox", "LOGNAME": "sandbox",
     "SHELL": "/bin/bash", "LANG": "C.UTF-8", "TERM": "dumb",
 }
-# pid 1 is `cat` reading a pipe we hold: it ends at EOF, i.e. when we are gone. With no
-# signal handlers, pid 1 of a pid namespace cannot be signalled from inside it at all;
-# SIGCHLD ignored (inherited through exec) makes the kernel reap orphans adopted by it.
-INIT_SCRIPT = "trap '' CHLD; echo ready; exec cat >/dev/null 2>&1"  # (dash cannot ignore CHLD)
+# pid 1 is bash reading a pipe we hold: `read` fails only at EOF, i.e. when we are gone.
+# A pid namespace's init only receives signals it has handlers for from inside it, and
+# bash installs none here; SIGCHLD ignored makes the kernel reap orphans adopted by it
+# (dash cannot ignore SIGCHLD, hence bash).
+INIT_SCRIPT = "trap '' CHLD; echo ready; exec >/dev/null 2>&1; while read -r _; do :; done"
 # Out-of-memory wording of common runtimes, for when no memory cgroup is available.
 OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc",
                b"out of memory", b"Out of memory")
@@ -335,10 +336,11 @@ class BwrapSandbox(HostSandbox):
 
     def popen(self, argv: list[str], *, group: ExecGroup | None = None,
               env: dict[str, str] | None = None, cwd: str | None = None,
-              **kwargs) -> subprocess.Popen:
-        """Start `argv` inside the sandbox (in `group` when cgroups are in use)."""
+              launcher: tuple[str, ...] = (), **kwargs) -> subprocess.Popen:
+        """Start `argv` inside the sandbox (in `group` when cgroups are in use);
+        `launcher` runs on the host first (e.g. `setsid --ctty` for a terminal)."""
         self._check_running()
-        full = [*self._rlimits, *self._nsenter, *self._argv(argv, cwd)]
+        full = [*launcher, *self._rlimits, *self._nsenter, *self._argv(argv, cwd)]
         placed = self._cg.placed(group) if self._cg else contextlib.nullcontext()
         try:
             with placed:
@@ -417,11 +419,6 @@ class BwrapSandbox(HostSandbox):
                               check_open=self._check_running)
         self._shells.append(session)
         return session
-
-    def command_argv(self, argv: list[str]) -> list[str]:
-        """The host command line that runs `argv` inside (for attaching a terminal)."""
-        self._check_running()
-        return [*self._rlimits, *self._nsenter, *self._argv(argv, None)]
 
     @property
     def env(self) -> dict[str, str]:

@@ -81,12 +81,14 @@ class LocalSandbox(HostSandbox):
         return target
 
     def popen(self, argv: list[str], *, env: dict[str, str] | None = None,
-              cwd: str | None = None, **kwargs) -> subprocess.Popen:
+              cwd: str | None = None, launcher: tuple[str, ...] = (),
+              **kwargs) -> subprocess.Popen:
         self._check_open()
         if not argv:
             raise SandboxError("empty command")
         try:
-            proc = subprocess.Popen([*self._rlimits, *argv], env={**self._env, **(env or {})},
+            proc = subprocess.Popen([*launcher, *self._rlimits, *argv],
+                                    env={**self._env, **(env or {})},
                                     cwd=self._host_cwd(cwd), **kwargs)
         except OSError as e:
             raise SandboxError(f"could not start {argv[0]}: {e.strerror}") from None
@@ -133,9 +135,6 @@ class LocalSandbox(HostSandbox):
 
     def _probe_dir(self) -> str:
         return str(self.workspace_dir)
-
-    def command_argv(self, argv: list[str]) -> list[str]:
-        return [*self._rlimits, *argv]
 
     def _stop_processes(self) -> None:
         for sh in self._shells:

@@ -71,6 +71,12 @@ OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc",
                b"out of memory", b"Out of memory")
 INSTALL_HINT = "install it with `apt-get install -y bubblewrap`"
 
+#: Variables that steer the dynamic loader or libc of a process. The host-side helpers
+#: (prlimit, nsenter) run as root with the command's environment, so a command whose
+#: environment has any of these gets it from `env -i` *inside* the sandbox instead.
+LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH",
+                         "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"})
+
 T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
 
@@ -265,7 +271,11 @@ class BwrapSandbox(HostSandbox):
                          "-S", str(SANDBOX_UID), "-G", str(SANDBOX_UID), "--"]
 
     def _init_alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """pid 1 still runs (its pidfd is not readable). Checked before every nsenter,
+        whose `-t pid` must never meet a recycled pid."""
+        if self._pidfd is None or self._proc is None:
+            return False
+        return not select.select([self._pidfd], [], [], 0)[0]
 
     @property
     def alive(self) -> bool:
@@ -340,11 +350,16 @@ class BwrapSandbox(HostSandbox):
         """Start `argv` inside the sandbox (in `group` when cgroups are in use);
         `launcher` runs on the host first (e.g. `setsid --ctty` for a terminal)."""
         self._check_running()
-        full = [*launcher, *self._rlimits, *self._nsenter, *self._argv(argv, cwd)]
+        full_env = {**self._env, **(env or {})}
+        inner = self._argv(argv, cwd)
+        if not _host_safe(full_env):
+            inner = ["env", "-i", *(f"{k}={v}" for k, v in full_env.items()), *inner]
+            full_env = {"PATH": BASE_ENV["PATH"]}
+        full = [*launcher, *self._rlimits, *self._nsenter, *inner]
         placed = self._cg.placed(group) if self._cg else contextlib.nullcontext()
         try:
             with placed:
-                return subprocess.Popen(full, env={**self._env, **(env or {})}, **kwargs)
+                return subprocess.Popen(full, env=full_env, **kwargs)
         except OSError as e:
             busy = " (the sandbox is at its process limit)" if e.errno == 11 else ""
             raise SandboxError(f"could not start a command in sandbox {self.id}: "
@@ -355,6 +370,7 @@ class BwrapSandbox(HostSandbox):
             stdin: bytes | None = None) -> ExecResult:
         """Run one command to completion. Background processes it leaves keep running
         (like `docker exec`); at the timeout every process it started is killed."""
+        limit = self._timeout(timeout)
         self._check_running()
         group = self._cg.exec_group() if self._cg else None
         oom_before = self._cg.oom_kills() if self._cg else 0
@@ -379,8 +395,7 @@ class BwrapSandbox(HostSandbox):
 
         try:
             outcome = communicate(proc, stdin=stdin, max_output=self.spec.limits.max_output_bytes,
-                                  timeout=self.spec.limits.wall_timeout_s if timeout is None
-                                  else timeout, kill=kill, started=t0)
+                                  timeout=limit, kill=kill, started=t0)
         finally:
             if group is not None:
                 group.remove()
@@ -423,6 +438,15 @@ class BwrapSandbox(HostSandbox):
     @property
     def env(self) -> dict[str, str]:
         return dict(self._env)
+
+
+def _host_safe(env: dict[str, str]) -> bool:
+    """Whether this environment can be given to the host-side helpers as it is."""
+    for k, v in env.items():
+        if (k.startswith(("LD_", "GLIBC_", "MALLOC_")) or k in LOADER_VARS
+                or (k == "TZ" and v.startswith((":", "/")))):
+            return False
+    return True
 
 
 def _child_of(pid: int, timeout: float = 5.0) -> int | None:

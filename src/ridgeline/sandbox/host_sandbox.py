@@ -12,6 +12,7 @@ import atexit
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -35,12 +36,19 @@ def default_root() -> Path:
     """Where sandboxes keep their host directories: $RIDGELINE_SANDBOX_DIR, else a
     directory in the system temp dir."""
     env = os.environ.get("RIDGELINE_SANDBOX_DIR")
-    return Path(env) if env else Path(tempfile.gettempdir()) / "ridgeline-sandboxes"
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"ridgeline-sandboxes-{os.getuid()}"
 
 
 def prepare_root(root: Path) -> Path:
     """Create the root and remove directories of sandboxes whose process is gone."""
-    root.mkdir(parents=True, exist_ok=True, mode=0o711)
+    # Only root may enter: files made inside belong to the host uid that runs the
+    # sandbox, and a setuid file there must never be reachable by other host users.
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = root.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise SandboxError(f"{root} is not a directory owned by this user",
+                           hint="remove it, or set RIDGELINE_SANDBOX_DIR to another directory")
+    root.chmod(0o700)
     for child in root.iterdir():
         owner = child.name.split("-", 1)[0]
         if child.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
@@ -63,7 +71,8 @@ class HostSandbox:
         self._lock = threading.RLock()
         self._snapshots: dict[str, snapshots.Snapshot] = {}
         self._snap_seq = 0
-        self.dir.mkdir(mode=0o711)
+        self.dir.mkdir(mode=0o700)
+        self._owner_pid = os.getpid()
         try:
             ws = self.dir / "workspace"
             if spec.workspace_from is not None:
@@ -100,6 +109,14 @@ class HostSandbox:
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed", hint="create a new sandbox")
+
+    def _timeout(self, timeout: float | None) -> float:
+        """A command's timeout: the spec's default, or a positive number of seconds."""
+        if timeout is None:
+            return self.spec.limits.wall_timeout_s
+        if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
+            raise SandboxError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        return float(timeout)
 
     def __enter__(self):
         return self
@@ -256,7 +273,7 @@ class HostSandbox:
 def _close_all() -> None:
     """Sandboxes still open when the interpreter exits are closed, not leaked."""
     with _live_lock:
-        live = list(_live)
+        live = [sb for sb in _live if sb._owner_pid == os.getpid()]  # not a fork's parent's
     for sb in live:
         try:
             sb.close()

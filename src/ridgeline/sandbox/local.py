@@ -98,6 +98,7 @@ class LocalSandbox(HostSandbox):
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None) -> ExecResult:
+        limit = self._timeout(timeout)
         argv = ["bash", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         t0 = time.monotonic()
         try:
@@ -111,8 +112,7 @@ class LocalSandbox(HostSandbox):
             raise
         try:
             outcome = communicate(proc, stdin=stdin, max_output=self.spec.limits.max_output_bytes,
-                                  timeout=self.spec.limits.wall_timeout_s if timeout is None
-                                  else timeout, kill=lambda: kill_process_tree(proc.pid),
+                                  timeout=limit, kill=lambda: kill_process_tree(proc.pid),
                                   started=t0)
         finally:
             self._procs.discard(proc)

@@ -12,6 +12,7 @@ base and registers it as its clean snapshot without copying it again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import secrets
@@ -27,6 +28,7 @@ from ridgeline.sandbox.base import SandboxSpec
 from ridgeline.sandbox.host_sandbox import HostSandbox
 
 RESET_WORKERS = 2
+log = logging.getLogger(__name__)
 
 
 class SandboxPool:
@@ -166,7 +168,8 @@ class SandboxPool:
                 try:
                     sb.reset(self._clean[sb.id])
                     ok = sb.alive
-                except Exception:  # noqa: BLE001 - a sandbox that cannot reset is replaced
+                except Exception as e:  # noqa: BLE001 - a sandbox that cannot reset is replaced
+                    log.warning("sandbox pool: resetting %s failed (%s); replacing it", sb.id, e)
                     ok = False
             with self._cond:
                 self.resets += 1

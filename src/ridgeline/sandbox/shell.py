@@ -184,7 +184,10 @@ class BashSession:
             raise SandboxError(f"the shell session has ended (exit status {code})",
                                hint="open a new one with shell()")
         assert self._proc is not None and self._proc.stdin is not None
-        timeout = self.default_timeout if timeout is None else timeout
+        if timeout is None:
+            timeout = self.default_timeout
+        elif not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise SandboxError(f"timeout must be a positive number of seconds, got {timeout!r}")
         t0 = time.monotonic()
         self._out.reset()
         self._err.reset()

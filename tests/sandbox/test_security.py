@@ -177,3 +177,17 @@ def test_memory_bomb_is_killed_and_reported():
         r = sb.run(f"{PY} -c \"x = b'x' * (512 << 20)\"; echo after=$?", timeout=60)
         assert r.killed_by == "memory" or "after=137" in r.stdout
         assert sb.run("echo alive").stdout == "alive\n"
+
+
+def test_loader_variables_never_reach_host_side_helpers(sandbox):
+    # The helpers that enter the sandbox (prlimit, nsenter) run as root on the host:
+    # LD_DEBUG there would show them in the loader's output. Inside, it must still apply.
+    r = sandbox.run("echo $LD_DEBUG", env={"LD_DEBUG": "libs"})
+    assert r.stdout == "libs\n"
+    assert "nsenter" not in r.stderr and "prlimit" not in r.stderr
+    assert "bash" in r.stderr or "env" in r.stderr  # the loader did run inside
+
+
+def test_sandbox_directories_are_private_to_root(sandbox):
+    for d in (sandbox.dir.parent, sandbox.dir):
+        assert oct(d.stat().st_mode & 0o777) == "0o700"

@@ -87,7 +87,7 @@ class AgentConfig(BaseModel):
 
     action_format: ActionFormat = Field(
         "auto", description="tool_calls if the model supports them natively, else text")
-    sampling: Sampling = Field(default_factory=lambda: Sampling(temperature=0.0, max_tokens=768))
+    sampling: Sampling = Field(default_factory=lambda: Sampling(temperature=0.0, max_tokens=512))
 
     # Text format only: stop generating at the end of the first action (the closer is
     # put back into the reply), or where small models start inventing the observation.

@@ -25,7 +25,7 @@ from ridgeline.agent.trajectory import (
     StepTimings, TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
 )
 from ridgeline.errors import RidgelineError
-from ridgeline.llm.base import ChatModel, Completion, ContextLengthError, Message
+from ridgeline.llm.base import ChatModel, Completion, ContextLengthError, Message, Sampling
 from ridgeline.sandbox.base import Sandbox
 
 # Below this many tokens of room for the reply, a prompt counts as not fitting.
@@ -127,6 +127,7 @@ class Episode:
         self.prompt_tokens = self.completion_tokens = 0
         self._last_prompt_tokens = 0
         self._previous: tuple[str, dict, str] | None = None  # last action and its result
+        self._tokens_per_s: float | None = None  # the model's measured decode speed
         self.started = time.perf_counter()
         self.summary: str | None = None
 
@@ -222,13 +223,27 @@ class Episode:
             messages = self.history.messages()
             t0 = time.perf_counter()
             try:
-                completion = self.model.chat(messages, tools=self.tools, sampling=self.sampling)
-                return self._restore_closer(completion), self._last_prompt_tokens, \
-                    time.perf_counter() - t0
+                completion = self.model.chat(messages, tools=self.tools,
+                                             sampling=self.sampling_for_time_left())
+                model_s = time.perf_counter() - t0
+                if completion.usage.completion_tokens and model_s > 0:
+                    self._tokens_per_s = completion.usage.completion_tokens / model_s
+                return self._restore_closer(completion), self._last_prompt_tokens, model_s
             except ContextLengthError as e:
                 if attempt or self._condense(int(self.model.context_window * 0.5)) is None:
                     raise _EndEpisode(ExitStatus.CONTEXT_LIMIT, str(e)) from None
         raise AssertionError("unreachable")
+
+    def sampling_for_time_left(self) -> Sampling:
+        """A reply may not run far past the time limit: once the model's speed is known,
+        cap `max_tokens` at what it can generate in the time left (at least 16)."""
+        if self._tokens_per_s is None:
+            return self.sampling
+        left = self.time_limit_s - self.elapsed()
+        cap = max(16, int(left * self._tokens_per_s))
+        if cap >= self.sampling.max_tokens:
+            return self.sampling
+        return self.sampling.model_copy(update={"max_tokens": cap})
 
     def _restore_closer(self, completion: Completion) -> Completion:
         """Servers drop the stop string from the text; an action closer belongs to it."""

@@ -81,37 +81,93 @@ T = TypeVar("T")
 CLONE_NEWNET = 0x40000000
 
 
-class _Spawner:
-    """Starts sandbox inits from one thread that lives as long as the process.
-    `--die-with-parent` is PR_SET_PDEATHSIG, which fires when the *thread* that forked
-    the child exits: a sandbox started from a short-lived worker thread would die with
-    that thread."""
+class _Launcher:
+    """The sandbox's own thread, which starts every process of the sandbox.
 
-    def __init__(self) -> None:
+    Why a thread: `--die-with-parent` is PR_SET_PDEATHSIG, which fires when the *thread*
+    that forked bwrap exits, so the init must come from a thread that lives exactly as
+    long as the sandbox. And with cgroups, a child starts in its thread's groups: this
+    thread stays in the sandbox's memory and cpu groups, and waits in a fresh pids group
+    for the next command. Moving a thread between cgroups right after it forked costs
+    about a millisecond (the kernel waits for an RCU grace period); here that happens
+    after the caller already has its process, not while it waits."""
+
+    prepare_ahead = True
+
+    def __init__(self, cgroup: SandboxCgroup | None) -> None:
+        self._cg = cgroup
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._next: ExecGroup | None = None
+        self._where = "sandbox"  # which pids group this thread is in: "sandbox" or "exec"
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._loop, args=(ready,), daemon=True,
+                                        name="ridgeline-sandbox-launcher")
+        self._thread.start()
+        ready.result()
 
-    def call(self, fn: Callable[[], T]) -> T:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="ridgeline-spawner",
-                                                daemon=True)
-                self._thread.start()
+    def _loop(self, ready: Future) -> None:
+        try:
+            if self._cg is not None:
+                self._cg.adopt_current_thread()
+            ready.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - reported to the constructor
+            ready.set_exception(e)
+            return
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, fn, fut = job
+            try:
+                if kind == "init":
+                    self._enter_sandbox_group()
+                    fut.set_result(fn())
+                else:
+                    group = self._enter_exec_group()
+                    fut.set_result((fn(), group))
+                    self._next = None
+                    if self.prepare_ahead:
+                        self._enter_exec_group()  # the next one, while nobody waits
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                if not fut.done():
+                    fut.set_exception(e)
+
+    def _enter_sandbox_group(self) -> None:
+        if self._cg is not None and self._where != "sandbox":
+            self._cg.move_current_thread(None)
+            self._where = "sandbox"
+
+    def _enter_exec_group(self) -> ExecGroup | None:
+        if self._cg is None:
+            return None
+        if self._next is None:
+            self._next = self._cg.exec_group()
+            self._cg.move_current_thread(self._next)
+            self._where = "exec"
+        return self._next
+
+    def _call(self, kind: str, fn: Callable[[], T]):
+        if not self._thread.is_alive():
+            raise SandboxError("the sandbox's launcher thread has stopped")
         fut: Future = Future()
-        self._jobs.put((fn, fut))
+        self._jobs.put((kind, fn, fut))
         return fut.result()
 
-    def _loop(self) -> None:
-        while True:
-            fn, fut = self._jobs.get()
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+    def start_init(self, fn: Callable[[], T]) -> T:
+        return self._call("init", fn)
+
+    def spawn(self, fn: Callable[[], T]) -> tuple[T, ExecGroup | None]:
+        """Run `fn` (which starts a process) in a fresh exec group; returns its result
+        and that group."""
+        return self._call("exec", fn)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=10)
+        if self._next is not None:
+            self._next.remove()
 
 
-_spawner = _Spawner()
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -174,10 +230,12 @@ class BwrapSandbox(HostSandbox):
         self.namespaces: dict[str, int] = {}
         self._shells: list[BashSession] = []
         self._cg: SandboxCgroup | None = None
+        self._launcher: _Launcher | None = None
         try:
             lim = spec.limits
             if provider.cgroups is not None:
                 self._cg = provider.cgroups.create(self.id, lim.memory_bytes, lim.max_processes)
+            self._launcher = _Launcher(self._cg)
             self._env = {**BASE_ENV, **spec.env}
             self._init_cwd = self._prepare_cwd()
             tmp_size = lim.memory_bytes  # tmpfs pages count against memory anyway
@@ -235,14 +293,13 @@ class BwrapSandbox(HostSandbox):
             argv = self._bwrap_argv(info_w, own_netns)
             with open(log_path, "wb") as log:
                 def spawn() -> subprocess.Popen:
-                    placed = self._cg.placed() if self._cg else contextlib.nullcontext()
                     netns = _fresh_netns() if own_netns else contextlib.nullcontext()
-                    with placed, netns:
+                    with netns:
                         return subprocess.Popen(argv, stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=log,
                                                 pass_fds=(info_w,), env={"PATH": BASE_ENV["PATH"]})
                 try:
-                    self._proc = _spawner.call(spawn)
+                    self._proc = self._launcher.start_init(spawn)
                 except OSError as e:
                     raise SandboxError(f"could not start bwrap: {e}") from None
             os.close(info_w)
@@ -319,6 +376,8 @@ class BwrapSandbox(HostSandbox):
         try:
             self._kill_init()
         finally:
+            if self._launcher is not None:
+                self._launcher.stop()  # out of the groups before they are removed
             if self._cg is not None:
                 self._cg.destroy()
 
@@ -344,11 +403,12 @@ class BwrapSandbox(HostSandbox):
             argv = ["sh", "-c", 'cd -- "$1" && shift && exec "$@"', "sh", target, *argv]
         return argv
 
-    def popen(self, argv: list[str], *, group: ExecGroup | None = None,
-              env: dict[str, str] | None = None, cwd: str | None = None,
-              launcher: tuple[str, ...] = (), **kwargs) -> subprocess.Popen:
-        """Start `argv` inside the sandbox (in `group` when cgroups are in use);
-        `launcher` runs on the host first (e.g. `setsid --ctty` for a terminal)."""
+    def _spawn(self, argv: str | list[str], *, env: dict[str, str] | None = None,
+               cwd: str | None = None, launcher: tuple[str, ...] = (),
+               **kwargs) -> tuple[subprocess.Popen, ExecGroup | None]:
+        """Start `argv` inside the sandbox; returns the process and, with cgroups, the
+        pids group that holds everything it starts. `launcher` runs on the host first
+        (e.g. `setsid --ctty` for a terminal)."""
         self._check_running()
         full_env = {**self._env, **(env or {})}
         inner = self._argv(argv, cwd)
@@ -356,14 +416,24 @@ class BwrapSandbox(HostSandbox):
             inner = ["env", "-i", *(f"{k}={v}" for k, v in full_env.items()), *inner]
             full_env = {"PATH": BASE_ENV["PATH"]}
         full = [*launcher, *self._rlimits, *self._nsenter, *inner]
-        placed = self._cg.placed(group) if self._cg else contextlib.nullcontext()
-        try:
-            with placed:
+
+        def start() -> subprocess.Popen:
+            try:
                 return subprocess.Popen(full, env=full_env, **kwargs)
-        except OSError as e:
-            busy = " (the sandbox is at its process limit)" if e.errno == 11 else ""
-            raise SandboxError(f"could not start a command in sandbox {self.id}: "
-                               f"{e.strerror}{busy}") from None
+            except OSError as e:
+                busy = " (the sandbox is at its process limit)" if e.errno == 11 else ""
+                raise SandboxError(f"could not start a command in sandbox {self.id}: "
+                                   f"{e.strerror}{busy}") from None
+
+        if self._cg is None or self._launcher is None:
+            return start(), None
+        return self._launcher.spawn(start)
+
+    def popen(self, argv: list[str], *, env: dict[str, str] | None = None,
+              cwd: str | None = None, launcher: tuple[str, ...] = (),
+              **kwargs) -> subprocess.Popen:
+        """Start `argv` inside the sandbox, like `subprocess.Popen` (for a terminal)."""
+        return self._spawn(argv, env=env, cwd=cwd, launcher=launcher, **kwargs)[0]
 
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
@@ -372,18 +442,11 @@ class BwrapSandbox(HostSandbox):
         (like `docker exec`); at the timeout every process it started is killed."""
         limit = self._timeout(timeout)
         self._check_running()
-        group = self._cg.exec_group() if self._cg else None
         oom_before = self._cg.oom_kills() if self._cg else 0
         t0 = time.monotonic()
-        try:
-            proc = self.popen(cmd if isinstance(cmd, list) else cmd, group=group, env=env,
-                              cwd=cwd, stdin=subprocess.PIPE if stdin is not None
-                              else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, start_new_session=True)
-        except BaseException:
-            if group is not None:
-                group.remove()
-            raise
+        proc, group = self._spawn(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE if stdin
+                                  is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, start_new_session=True)
 
         def kill() -> None:
             if group is not None:
@@ -420,10 +483,9 @@ class BwrapSandbox(HostSandbox):
         self._check_running()
 
         def start(argv: list[str], cwd: str | None):
-            group = self._cg.exec_group() if self._cg else None
-            proc = self.popen(argv, group=group, cwd=cwd, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True)
+            proc, group = self._spawn(argv, cwd=cwd, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      start_new_session=True)
             bash = _child_of(proc.pid)
             if self._cg is not None and group is not None:
                 return proc, CgroupTracker(self._cg, bash or proc.pid, group, proc.pid)

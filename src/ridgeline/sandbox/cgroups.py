@@ -24,6 +24,7 @@ import contextlib
 import errno
 import itertools
 import os
+import queue
 import signal
 import threading
 import time
@@ -127,6 +128,44 @@ def remove_tree(path: Path, timeout: float = 5.0) -> bool:
     return True
 
 
+class _Janitor:
+    """Removes emptied cgroups in the background: rmdir of a cgroup waits for the kernel
+    to retire it (an RCU grace period, about a millisecond), which no command should pay.
+    A group still busy after a while (a background process lives on) is left alone; the
+    sandbox's `destroy` removes it with everything else."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Path, float]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def remove(self, path: Path, patience: float = 0.5) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="ridgeline-cgroup-janitor")
+                self._thread.start()
+        self._queue.put((path, time.monotonic() + patience))
+
+    def _loop(self) -> None:
+        while True:
+            path, until = self._queue.get()
+            while True:
+                try:
+                    for p in _tree(path):
+                        p.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY or time.monotonic() > until:
+                        break
+                    time.sleep(0.005)
+
+
+_janitor = _Janitor()
+
+
 class CgroupHost:
     """The machine's usable v1 controllers and the parent `ridgeline` group in each."""
 
@@ -207,9 +246,9 @@ class ExecGroup:
         return kill_tree(self.path, keep)
 
     def remove(self) -> None:
-        """Drop the group if nothing runs in it any more (background jobs keep it)."""
-        with contextlib.suppress(OSError):
-            self.path.rmdir()
+        """Drop the group once nothing runs in it (in the background; a group kept busy
+        by a background job stays until the sandbox is destroyed)."""
+        _janitor.remove(self.path)
 
 
 class SandboxCgroup:
@@ -239,22 +278,16 @@ class SandboxCgroup:
         path.mkdir()
         return ExecGroup(path)
 
-    @contextlib.contextmanager
-    def placed(self, group: ExecGroup | None = None) -> Iterator[None]:
-        """Children started by the current thread inside this block belong to the
-        sandbox (memory, cpu) and to `group` (pids; default: the sandbox's own)."""
-        tid = str(threading.get_native_id())
-        targets = {"memory": self.dirs["memory"], "cpu": self.dirs["cpu"],
-                   "pids": group.path if group else self.dirs["pids"]}
-        moved: list[str] = []
-        try:
-            for c, d in targets.items():
-                _write(d / "tasks", tid)
-                moved.append(c)
-            yield
-        finally:
-            for c in moved:
-                _write(self.host.own[c] / "tasks", tid)
+    def adopt_current_thread(self) -> None:
+        """Put the calling thread into the sandbox's groups: children it starts from
+        now on belong to the sandbox (cgroup v1 allows per-thread membership)."""
+        tid = threading.get_native_id()
+        for d in self.dirs.values():
+            _write(d / "tasks", tid)
+
+    def move_current_thread(self, group: ExecGroup | None) -> None:
+        """Move the calling thread to another pids group (None: the sandbox's own)."""
+        _write((group.path if group else self.dirs["pids"]) / "tasks", threading.get_native_id())
 
     def move(self, pid: int, group: ExecGroup) -> None:
         """Move a running process (not its existing children) into `group`."""
@@ -278,12 +311,13 @@ class SandboxCgroup:
         return 0
 
     def destroy(self) -> bool:
-        """Kill whatever is still in the groups and remove them."""
+        """Kill whatever is still in the groups (synchronously: nothing may outlive
+        this call) and remove them (in the background)."""
         ok = True
         for d in self.dirs.values():
             if d.exists():
                 ok &= kill_tree(d)
-                ok &= remove_tree(d)
+                _janitor.remove(d, patience=5.0)
         return ok
 
 

@@ -60,7 +60,7 @@ def _write(path: Path, value: str | int) -> None:
 def _read_pids(path: Path) -> set[int]:
     try:
         return {int(x) for x in (path / "cgroup.procs").read_text().split()}
-    except FileNotFoundError:
+    except OSError:  # removed meanwhile (ENOENT, or ENODEV while being removed)
         return set()
 
 

@@ -141,6 +141,9 @@ class Episode:
             status, error, error_type = end.status, end.detail, end.error_type
         except RidgelineError as e:  # the endpoint is down, the sandbox is gone...
             status, error, error_type = ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__
+        except BaseException:  # a bug or an interrupt: keep the steps written so far
+            self.writer.close()
+            raise
         finally:
             self.workbench.close()
         trajectory = self.writer.finish(TrajectoryResult(

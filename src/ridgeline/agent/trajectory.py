@@ -206,10 +206,13 @@ class TrajectoryWriter:
     def finish(self, result: TrajectoryResult) -> Trajectory:
         self.trajectory.result = result
         self._write(result)
+        self.close()
+        return self.trajectory
+
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-        return self.trajectory
 
     def _write(self, record: BaseModel) -> None:
         if self._file is not None:

@@ -65,3 +65,11 @@ def test_cli_json(tmp_path):
     for key in ("pass_rate", "n_tasks", "n_passed", "n_infra_error", "n_unsupported"):
         assert key in out
     assert out["n_passed"] == 1
+
+
+def test_demo_slice_covers_every_domain():
+    from ridgeline.eval.runner import DEMO_TASK_IDS, select_tasks
+
+    demo = select_tasks(EvalConfig(tasks="demo"))
+    assert sorted(t.id for t in demo) == sorted(DEMO_TASK_IDS)
+    assert {t.domain for t in demo} == {t.domain for t in load_tasks("builtin")}

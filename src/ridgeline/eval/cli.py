@@ -18,7 +18,7 @@ console = Console()
 
 
 def eval_command(
-    tasks: str = typer.Option("builtin", "--tasks", help="'builtin', 'toolbench', a task dir or a suite dir."),
+    tasks: str = typer.Option("builtin", "--tasks", help="'builtin', 'demo' (a representative slice), 'toolbench', a task dir or a suite dir."),
     agent: str = typer.Option("llm", "--agent", help="llm | oracle | null."),
     model: str = typer.Option("default", "--model", help="'default', a model path, or an OpenAI-compatible base URL."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model name sent to a URL endpoint."),

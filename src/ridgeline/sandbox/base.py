@@ -179,14 +179,36 @@ class HealthReport:
 
 @runtime_checkable
 class ShellSession(Protocol):
+    """A persistent bash: cwd, variables and background jobs survive between commands.
+    `send` returns that command's output and exit status; at `timeout` the command is
+    killed (timed_out=True, exit code 124) and the session stays usable. After the shell
+    itself exits (`exit`), `send` raises SandboxError."""
+
     def send(self, cmd: str, timeout: float | None = None) -> ExecResult: ...
     def close(self) -> None: ...
 
 
 @runtime_checkable
 class Sandbox(Protocol):
+    """An isolated machine for one agent or task. A context manager; every method but
+    `close` raises SandboxError once it is closed.
+
+    - `run`: a str runs with `bash -c`, a list is executed directly; a missing command is
+      exit code 127 in the result; `timeout` defaults to `spec.limits.wall_timeout_s`, and
+      at the timeout every process the command started is killed (exit code 124).
+    - files: paths are relative to the workspace or absolute inside it (`/app/x` when
+      `workspace_path` is `/app`); `..` or symlinks leading outside raise
+      PathEscapeError, a missing file NotFoundError. `list_files` gives the entries of a
+      directory, sorted, directories with a trailing '/'.
+    - `snapshot`/`restore`: the workspace returns byte for byte (files added, changed,
+      deleted since); processes and /tmp are not part of a snapshot.
+    - `workspace_dir`: the host directory that backs the workspace.
+    """
+
     spec: SandboxSpec
 
+    @property
+    def workspace_dir(self) -> Path: ...
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None) -> ExecResult: ...

@@ -88,11 +88,9 @@ class _Launcher:
     that forked bwrap exits, so the init must come from a thread that lives exactly as
     long as the sandbox. And with cgroups, a child starts in its thread's groups: this
     thread stays in the sandbox's memory and cpu groups, and waits in a fresh pids group
-    for the next command. Moving a thread between cgroups right after it forked costs
-    about a millisecond (the kernel waits for an RCU grace period); here that happens
-    after the caller already has its process, not while it waits."""
-
-    prepare_ahead = True
+    for the next command (prepared right after the previous one started, so a command
+    never waits for the move: moving a thread between v1 cgroups costs up to a
+    millisecond, the kernel waiting for an RCU grace period)."""
 
     def __init__(self, cgroup: SandboxCgroup | None) -> None:
         self._cg = cgroup
@@ -126,8 +124,7 @@ class _Launcher:
                     group = self._enter_exec_group()
                     fut.set_result((fn(), group))
                     self._next = None
-                    if self.prepare_ahead:
-                        self._enter_exec_group()  # the next one, while nobody waits
+                    self._enter_exec_group()  # the next one, while nobody waits
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 if not fut.done():
                     fut.set_exception(e)

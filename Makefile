@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/ridgeline sandbox bench
+	$(VENV)/bin/ridgeline eval --tasks demo --agent llm --model default --concurrency 4 --max-steps 8 --out runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow and not bench" -q $(PYTEST_ARGS)

@@ -154,7 +154,7 @@ class ExecResult:
     stderr_bytes: bytes
     duration_s: float
     timed_out: bool = False
-    killed_by: str | None = None  # "timeout", "memory", "cpu", "signal:<N>", "output" ...
+    killed_by: str | None = None  # "timeout", "memory", "cpu", "file_size", "output", "signal:<N>"
     truncated: bool = False
 
     @property

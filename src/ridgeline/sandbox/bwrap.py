@@ -50,7 +50,7 @@ from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, San
 from ridgeline.sandbox.host_sandbox import HostSandbox, default_root, prepare_root
 from ridgeline.sandbox.process import (TreeTracker, communicate, kill_process_tree,
                                        to_exec_result)
-from ridgeline.sandbox.rootfs import build_root_args
+from ridgeline.sandbox.rootfs import build_root_args, write_identity
 from ridgeline.sandbox.shell import BashSession
 
 SANDBOX_UID = 1000
@@ -210,6 +210,10 @@ class BwrapProvider:
         self.privileged = os.geteuid() == 0
         self.cgroups = CgroupHost.detect()
         self.root = prepare_root(root_dir or default_root())
+        identity = self.root / ".identity"
+        identity.mkdir(exist_ok=True)
+        self.identity = identity if write_identity(identity, SANDBOX_UID, "sandbox",
+                                                   BASE_ENV["HOME"]) else None
 
     def create(self, spec: SandboxSpec) -> "BwrapSandbox":
         return BwrapSandbox(self, spec)
@@ -237,7 +241,8 @@ class BwrapSandbox(HostSandbox):
             self._init_cwd = self._prepare_cwd()
             tmp_size = lim.memory_bytes  # tmpfs pages count against memory anyway
             self._root_args = build_root_args(spec, self.workspace_dir,
-                                              provider.root / ".empty", tmp_size)
+                                              provider.root / ".empty", tmp_size,
+                                              provider.identity)
             self._rlimits = self._rlimit_args()
             self._start_init()
         except BaseException:

@@ -118,8 +118,27 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.split("/") if p]
 
 
+def write_identity(directory: Path, uid: int, name: str, home: str) -> bool:
+    """passwd and group files for the sandbox: the host's, with `uid` named `name` (the
+    host may have a real user with that uid). False if the host has no /etc/passwd."""
+    entries = {"passwd": f"{name}:x:{uid}:{uid}:sandbox user:{home}:/bin/bash",
+               "group": f"{name}:x:{uid}:"}
+    try:
+        for fname, entry in entries.items():
+            kept = [ln for ln in Path("/etc", fname).read_text().splitlines()
+                    if ln.count(":") >= 2 and ln.split(":")[2] != str(uid)
+                    and ln.split(":")[0] != name]
+            tmp = directory / f".{fname}.tmp"
+            tmp.write_text("\n".join([*kept, entry]) + "\n")
+            tmp.chmod(0o644)
+            tmp.replace(directory / fname)
+    except OSError:
+        return False
+    return True
+
+
 def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
-                    tmp_size: int | None) -> list[str]:
+                    tmp_size: int | None, identity_dir: Path | None = None) -> list[str]:
     """bwrap arguments that build the whole root: system dirs, masks, the sandbox's own
     /proc, /dev, /tmp, /run, /home, /var, the workspace and the spec's mounts."""
     plan = plan_root(str(spec.tools_root))
@@ -148,6 +167,9 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
         args += ["--symlink", target, "/" + name]
     exploded: list[str] = []
     _emit(top, "", args, exploded)
+    if plan.root == "/" and identity_dir is not None and _visible(top, "/etc/passwd"):
+        for fname in ("passwd", "group"):
+            args += ["--ro-bind", str(identity_dir / fname), f"/etc/{fname}"]
     if plan.root == "/":
         for f in plan.masked_files:
             if _visible(top, f):

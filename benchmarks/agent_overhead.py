@@ -24,7 +24,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 from datetime import date
 from pathlib import Path

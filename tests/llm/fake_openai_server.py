@@ -5,7 +5,6 @@ a JSON body, optional headers and an optional delay, and records every request."
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field

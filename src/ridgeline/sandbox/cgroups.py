@@ -20,6 +20,7 @@ back to rlimits and process-group kills.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import itertools
@@ -47,6 +48,12 @@ def _own_cgroups() -> dict[str, str]:
             if c:
                 paths[c] = path
     return paths
+
+
+def _make_parent(controller: str, parent: Path) -> None:
+    parent.mkdir(exist_ok=True)
+    if controller == "cpu":
+        _write(parent / "cpu.shares", ALL_SANDBOXES_CPU_SHARES)
 
 
 def _write(path: Path, value: str | int) -> None:
@@ -204,15 +211,24 @@ class CgroupHost:
                 return None
             parent = base / "ridgeline"
             try:
-                parent.mkdir(exist_ok=True)
-                if c == "cpu":
-                    _write(parent / "cpu.shares", ALL_SANDBOXES_CPU_SHARES)
+                _make_parent(c, parent)
             except OSError:
                 return None
             parents[c], own[c] = parent, base
         host = cls(parents, own)
         host.sweep_stale()
+        atexit.register(host.remove_parents)
         return host
+
+    def remove_parents(self) -> None:
+        """At exit: drop the `ridgeline` groups if no other process uses them, so the
+        groups we were started in can be removed by whoever made them."""
+        for parent in self.parents.values():
+            with contextlib.suppress(OSError):
+                for child in parent.iterdir():
+                    if child.is_dir():
+                        child.rmdir()
+                parent.rmdir()
 
     def sweep_stale(self) -> None:
         """Remove groups left by processes that died without closing their sandboxes."""
@@ -260,8 +276,12 @@ class SandboxCgroup:
         self.dirs = {c: p / name for c, p in host.parents.items()}
         self._seq = itertools.count()
         try:
-            for d in self.dirs.values():
-                d.mkdir()
+            for c, d in self.dirs.items():
+                try:
+                    d.mkdir()
+                except FileNotFoundError:  # another process removed the empty parent
+                    _make_parent(c, d.parent)
+                    d.mkdir()
             if memory_bytes is not None:
                 _write(self.dirs["memory"] / "memory.limit_in_bytes", memory_bytes)
                 # No swapping around the limit: a memory bomb must be killed, not paged.

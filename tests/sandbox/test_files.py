@@ -82,3 +82,35 @@ def test_huge_file_is_refused_with_the_limit_named():
             sb.write_file("big.bin", b"\0" * (2 << 20))
         assert not (sb.workspace_dir / "big.bin").exists()
         sb.write_file("ok.bin", b"\0" * (1 << 20))
+
+
+def test_random_paths_never_leave_the_workspace(tmp_path):
+    """Whatever mix of names, '..', '.', '/' and symlinks: a write lands inside the
+    workspace or is refused; nothing outside is ever touched."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ridgeline.sandbox.workspace import Workspace
+
+    ws_dir = tmp_path / "ws"
+    ws_dir.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (ws_dir / "in").mkdir()
+    os.symlink("../outside", ws_dir / "up")          # relative, leads out
+    os.symlink(str(outside), ws_dir / "abs")         # absolute host path
+    os.symlink("/app/in", ws_dir / "inner")          # absolute sandbox path, inside
+    ws = Workspace(ws_dir, "/app", max_file_size=None)
+    parts = st.sampled_from(["..", ".", "a", "in", "up", "abs", "inner", "", "app"])
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(parts, min_size=1, max_size=6), st.booleans())
+    def check(components, absolute):
+        path = ("/app/" if absolute else "") + "/".join(components)
+        try:
+            ws.write_file(path, "x")
+        except (PathEscapeError, SandboxError, NotFoundError, IsADirectoryError):
+            pass
+        assert list(outside.iterdir()) == []
+
+    check()

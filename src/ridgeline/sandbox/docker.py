@@ -234,7 +234,7 @@ class DockerSandbox(HostSandbox):
         session = BashSession(start, max_output=self.spec.limits.max_output_bytes,  # type: ignore[arg-type]
                               default_timeout=self.spec.limits.wall_timeout_s,
                               check_open=self._check_open)
-        self._shells.append(session)
+        self._shells = [sh for sh in self._shells if not sh.closed] + [session]
         return session
 
     def popen(self, argv: list[str], *, env: dict[str, str] | None = None,

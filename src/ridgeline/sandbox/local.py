@@ -130,7 +130,7 @@ class LocalSandbox(HostSandbox):
         session = BashSession(start, max_output=self.spec.limits.max_output_bytes,
                               default_timeout=self.spec.limits.wall_timeout_s,
                               check_open=self._check_open)
-        self._shells.append(session)
+        self._shells = [sh for sh in self._shells if not sh.closed] + [session]
         return session
 
     def _probe_dir(self) -> str:

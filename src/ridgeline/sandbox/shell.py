@@ -158,6 +158,10 @@ class BashSession:
             self._kill()
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 

@@ -9,10 +9,12 @@ host processes, so the host stays responsive whatever runs inside.
 
 Each sandbox gets `<controller>/<our cgroup>/ridgeline/<pid>-<id>`; every command run
 in it gets its own pids sub-group, so a timeout kills exactly that command's processes
-(also the ones that called setsid or were re-parented). A process is placed by moving
-the *spawning thread* into the groups around `Popen` (cgroup v1 allows per-thread
-membership, and a child starts in its parent thread's groups): no wrapper process, and
-`subprocess` keeps its fast vfork path.
+(also the ones that called setsid or were re-parented). A process is placed by the
+thread that starts it: each sandbox has a launcher thread that lives in the sandbox's
+groups (cgroup v1 allows per-thread membership, and a child starts in the groups of the
+thread that forked it), so there is no wrapper process and `subprocess` keeps its fast
+vfork path. The OOM killer only picks thread-group leaders, never that thread's host
+process.
 
 Without root or without v1 controllers (`CgroupHost.detect()` is None) the backends fall
 back to rlimits and process-group kills.
@@ -31,7 +33,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "pids", "cpu")

@@ -163,6 +163,21 @@ def test_endpoint_failure_ends_with_error_and_keeps_the_steps(sandbox, tmp_path:
     assert len(loaded.steps) == 1 and loaded.result.status is ExitStatus.ERROR
 
 
+def test_a_down_endpoint_from_the_start_is_an_error_result(sandbox, tmp_path: Path) -> None:
+    import socket
+
+    from ridgeline.llm import OpenAIClient
+
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = OpenAIClient(f"http://127.0.0.1:{port}/v1", max_retries=1, backoff_s=0.01)
+    result = run_agent(TASK, sandbox, model, trajectory_path=tmp_path / "t.jsonl")
+    assert result.status is ExitStatus.ERROR and result.error_type == "ModelEndpointError"
+    assert "failed after 2 attempts" in result.error and result.steps == 0
+    assert Trajectory.load(tmp_path / "t.jsonl").result.error_type == "ModelEndpointError"
+
+
 def test_text_format_stops_at_the_action_and_restores_its_closer(sandbox) -> None:
     # What an engine returns when generation hits the stop string "</bash>": the text
     # without it (the model would otherwise go on to invent the command's output).

@@ -79,6 +79,7 @@ def test_text_tool_calls_when_the_server_has_no_tool_parser(openai_server: FakeO
 def test_model_and_context_window_discovered_from_models(openai_server: FakeOpenAIServer) -> None:
     openai_server.models = [{"id": "served-model", "max_model_len": 2048}]
     c = client(openai_server)
+    assert c.name == openai_server.url and not openai_server.requests  # no network yet
     assert c.model == "served-model" and c.context_window == 2048
     assert c.name == f"served-model@{openai_server.url}"
 

@@ -33,8 +33,10 @@ def make_agent(agent: ChatModel | EpisodeRunner | str,
             raise ConfigError(f"unknown agent {agent!r}",
                               hint=f"use one of {', '.join(SCRIPTED_AGENTS)}, or pass a ChatModel")
         return SCRIPTED_AGENTS[agent]()
-    if isinstance(agent, ChatModel):
-        return Agent(agent, config)
+    # Duck-typed, not isinstance(ChatModel): a runtime protocol check reads every
+    # attribute, and a client's `context_window` may ask its server.
+    if callable(getattr(agent, "chat", None)):
+        return Agent(agent, config)  # type: ignore[arg-type]
     if callable(getattr(agent, "run", None)):
         return agent
     raise ConfigError(f"cannot make an agent of {type(agent).__name__}",

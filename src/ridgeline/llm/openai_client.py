@@ -82,7 +82,8 @@ class OpenAIClient:
 
     @property
     def name(self) -> str:
-        return f"{self.model}@{self.base_url}"
+        # No network here: the name is read when an episode starts, before any call.
+        return f"{self._model}@{self.base_url}" if self._model else self.base_url
 
     @property
     def context_window(self) -> int:

@@ -6,8 +6,8 @@
 Workload: episodes of a replay model that answers instantly (every reply a short thought
 and one action, cycling bash / write_file / read_file / edit, both action formats), in a
 real sandbox, with the JSONL trajectory written after every step. The model reports
-prompt token ids as long as its prompt (up to ~6k tokens), as a real engine does, so the
-trajectory writes are realistically large; its context window (8192) forces periodic
+prompt token ids as long as its prompt (up to ~3k tokens), as a real engine does, so the
+trajectory writes are realistically large; its context window (4096) forces periodic
 condensation. Per step, `overhead = total - model call - action execution - condensation`
 (the loop's parsing, observation formatting, history upkeep, token counting, record
 building and writing). Baseline in the same run: the execution time of the cheapest
@@ -51,7 +51,7 @@ NATIVE_ACTIONS = [
 class ReplayModel:
     """Answers at once from a cycle of replies; counts 4 characters as a token."""
 
-    def __init__(self, steps: int, native: bool, context_window: int = 8192) -> None:
+    def __init__(self, steps: int, native: bool, context_window: int = 4096) -> None:
         self.steps = steps
         self.native = native
         self.supports_tools = native

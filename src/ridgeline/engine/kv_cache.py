@@ -4,6 +4,8 @@ this one class without touching the models or the attention path."""
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 
@@ -42,10 +44,13 @@ class KVCache:
         if self.k:
             return
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        for _ in range(self.num_layers):
-            # zeros, not empty: padding in batched attention reads the (null) block 0.
-            self.k.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-            self.v.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        per_tensor = self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        # zeros, not garbage: padding reads the null block and unwritten slots of partial
+        # blocks, which are masked, but 0 * NaN would still poison the output
+        flat = _zeros(2 * self.num_layers * per_tensor, self.dtype, self.device)
+        for i in range(2 * self.num_layers):
+            t = flat[i * per_tensor:(i + 1) * per_tensor].view(shape)
+            (self.k if i % 2 == 0 else self.v).append(t)
 
     def release(self) -> None:
         self.k.clear()
@@ -71,3 +76,13 @@ class KVCache:
         for layer in range(self.num_layers):
             self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
             self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed buffer. On CPU an anonymous mapping: the kernel hands out zero pages that
+    become resident only when written, so an idle or lightly used pool costs no RAM, and
+    releasing it returns the memory to the OS (sleep/wake)."""
+    if device.type != "cpu" or numel == 0:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, numel * dtype.itemsize)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)

@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/ridgeline eval --tasks demo --agent llm --model default --concurrency 4 --max-steps 8 --out runs/demo
+	$(VENV)/bin/ridgeline eval --tasks demo --agent llm --model default --concurrency 4 --max-steps 8 --max-tokens 256 --out runs/demo
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow and not bench" -q $(PYTEST_ARGS)

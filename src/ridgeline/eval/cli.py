@@ -29,6 +29,7 @@ def eval_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default runs/eval-...)."),
     backend: str = typer.Option("bwrap", "--backend", help="Sandbox backend: bwrap | local | docker."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Agent step limit."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Max tokens per model reply."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Run an agent on a task suite and grade it with the tasks' tests."""
@@ -38,7 +39,11 @@ def eval_command(
 
     if agent not in ("llm", "oracle", "null"):
         raise ConfigError(f"unknown agent {agent!r}", hint="use llm, oracle or null")
-    agent_config = AgentConfig() if max_steps is None else AgentConfig(step_limit=max_steps)
+    agent_config = AgentConfig()
+    if max_steps is not None:
+        agent_config.step_limit = max_steps
+    if max_tokens is not None:
+        agent_config.sampling = agent_config.sampling.model_copy(update={"max_tokens": max_tokens})
     config = EvalConfig(tasks=tasks, agent=agent, model=model, model_name=model_name,
                         concurrency=concurrency, samples=samples, limit=limit, task_ids=task_id,
                         out=out, backend=backend, agent_config=agent_config)

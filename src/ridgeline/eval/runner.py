@@ -79,7 +79,8 @@ def make_model(config: EvalConfig) -> ChatModel:
     if config.model.startswith(("http://", "https://")):
         from ridgeline.llm import OpenAIClient
 
-        return OpenAIClient(config.model, model=config.model_name or "default", api_key=config.api_key)
+        # model=None lets the client discover the served model's name and context window.
+        return OpenAIClient(config.model, model=config.model_name, api_key=config.api_key)
     from ridgeline.llm import EngineClient
 
     return EngineClient(config.model)

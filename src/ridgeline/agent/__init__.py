@@ -21,11 +21,15 @@ Public API::
   them, else text (a fenced bash block or `<bash>`, `<write_file path=..>`, `<read_file
   path=../>`, `<edit path=..><old>..</old><new>..</new></edit>`, `<finish/>`);
   `AgentConfig.action_format` forces one.
+- Other tool environments: `Agent.run(task, env)` with any `ToolEnvironment` (tools,
+  validate, execute, close) runs the same loop on its tools; in the text format the
+  prompt lists them and actions are `<tool_call>{"name":..,"arguments":{..}}</tool_call>`.
 - Malformed actions get a format hint and count in `n_format_errors`; long outputs keep
   head and tail; near the context window old steps are condensed into a summary.
 """
 
 from ridgeline.agent.config import AgentConfig, load_agent_config
+from ridgeline.agent.environment import ToolEnvironment
 from ridgeline.agent.loop import Agent, TaskLike
 from ridgeline.agent.run import EpisodeRunner, make_agent, run_agent
 from ridgeline.agent.scripted import NullAgent, OracleAgent
@@ -37,6 +41,6 @@ from ridgeline.agent.trajectory import (
 
 __all__ = [
     "TOOLS", "Agent", "AgentConfig", "AgentResult", "EpisodeRunner", "ExitStatus", "NullAgent",
-    "OracleAgent", "StepRecord", "TaskLike", "Trajectory", "TrajectoryHeader",
+    "OracleAgent", "StepRecord", "TaskLike", "ToolEnvironment", "Trajectory", "TrajectoryHeader",
     "TrajectoryResult", "Turn", "attach_verdict", "load_agent_config", "make_agent", "run_agent",
 ]

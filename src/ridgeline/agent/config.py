@@ -42,6 +42,17 @@ TOOL_FORMAT_HELP = """\
 Act by calling exactly one tool per reply: bash (a persistent shell), read_file,
 write_file, edit (exact string replace) or finish (when the task is done)."""
 
+# For environments other than the sandbox: {tools} lists each tool with its parameters.
+TOOL_CALL_FORMAT_HELP = """\
+Act by calling exactly one tool per reply, written as
+<tool_call>{"name": "TOOL", "arguments": {"PARAMETER": VALUE}}</tool_call>
+Tools:
+{tools}
+When the task is done, reply with <finish/>."""
+
+NATIVE_TOOL_FORMAT_HELP = """\
+Act by calling exactly one of your tools per reply; call finish when the task is done."""
+
 INSTANCE_TEMPLATE = """\
 Task:
 {instruction}
@@ -79,6 +90,10 @@ class AgentConfig(BaseModel):
     instance_template: str = INSTANCE_TEMPLATE
     text_format_help: str = TEXT_FORMAT_HELP
     tool_format_help: str = TOOL_FORMAT_HELP
+    tool_call_format_help: str = Field(
+        TOOL_CALL_FORMAT_HELP, description="text format help for a non-sandbox environment")
+    native_tool_format_help: str = Field(
+        NATIVE_TOOL_FORMAT_HELP, description="tool-call format help for a non-sandbox environment")
     format_error_template: str = FORMAT_ERROR_TEMPLATE
     failure_nudge: str = FAILURE_NUDGE
     repeat_nudge: str = REPEAT_NUDGE

@@ -18,8 +18,9 @@ from typing import Protocol
 
 from ridgeline.agent.action_parser import parse_actions
 from ridgeline.agent.config import AgentConfig, fill
+from ridgeline.agent.environment import ToolEnvironment, describe_tools
 from ridgeline.agent.history import History, HistoryStep, condense
-from ridgeline.agent.tools import TOOLS, Action, ActionError, Observation, Workbench, one_line
+from ridgeline.agent.tools import Action, ActionError, Observation, Workbench, one_line
 from ridgeline.agent.trajectory import (
     ActionRecord, AgentResult, CondenseRecord, ExitStatus, ObservationRecord, StepRecord,
     StepTimings, TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
@@ -91,25 +92,36 @@ class Agent:
             return self.config.action_format
         return "tool_calls" if getattr(self.model, "supports_tools", False) else "text"
 
-    def run(self, task: TaskLike | str, sandbox: Sandbox,
+    def run(self, task: TaskLike | str, sandbox: Sandbox | ToolEnvironment,
             trajectory_path: str | Path | None = None) -> AgentResult:
-        return Episode(self, TaskInfo.of(task, sandbox), sandbox, trajectory_path).run()
+        """One episode in a sandbox (bash and file tools) or any other `ToolEnvironment`."""
+        if isinstance(sandbox, ToolEnvironment):
+            env: ToolEnvironment = sandbox
+            info = TaskInfo.of(task, getattr(env, "sandbox", None))
+        else:
+            env = Workbench(sandbox, self.config.observation_max_bytes)
+            info = TaskInfo.of(task, sandbox)
+        return Episode(self, info, env, trajectory_path).run()
 
 
 class Episode:
-    def __init__(self, agent: Agent, task: TaskInfo, sandbox: Sandbox,
+    def __init__(self, agent: Agent, task: TaskInfo, env: ToolEnvironment,
                  trajectory_path: str | Path | None) -> None:
         self.model = agent.model
         self.config = cfg = agent.config
         self.task = task
+        self.env = env
         self.native = agent.action_format() == "tool_calls"
-        self.tools = TOOLS if self.native else None
-        self.format_help = cfg.tool_format_help if self.native else cfg.text_format_help
+        self.tools = env.tools if self.native else None
+        if isinstance(env, Workbench):
+            self.format_help = cfg.tool_format_help if self.native else cfg.text_format_help
+        else:  # the prompt must teach tools it does not know of
+            self.format_help = cfg.native_tool_format_help if self.native else \
+                fill(cfg.tool_call_format_help, tools=describe_tools(env.tools))
         self.sampling = cfg.sampling
         if not self.native:
             stops = list(dict.fromkeys([*cfg.sampling.stop, *cfg.action_closers, *cfg.extra_stop]))
             self.sampling = cfg.sampling.model_copy(update={"stop": stops})
-        self.workbench = Workbench(sandbox, cfg.observation_max_bytes)
         self.time_limit_s = min(cfg.time_limit_s, task.timeout_s or cfg.time_limit_s)
         head = [Message(role="system", content=fill(cfg.system_template,
                                                     format_help=self.format_help)),
@@ -145,7 +157,7 @@ class Episode:
             self.writer.close()
             raise
         finally:
-            self.workbench.close()
+            self.env.close()
         trajectory = self.writer.finish(TrajectoryResult(
             status=status, steps=self.n_steps, n_format_errors=self.n_format_errors,
             n_condensations=self.n_condensations, prompt_tokens=self.prompt_tokens,
@@ -257,14 +269,14 @@ class Episode:
         return completion.model_copy(update={"text": completion.text + closer})
 
     def parse_action(self, completion: Completion) -> list[Action]:
-        return parse_actions(completion)
+        return parse_actions(completion, self.env)
 
     def execute_action(self, action: Action) -> Observation:
         remaining = self.time_limit_s - self.elapsed()
         timeout = max(1.0, min(self.config.command_timeout_s, remaining))
         try:
-            return self.workbench.execute(action, timeout)
-        except RidgelineError as e:  # no shell could be started: nothing more can be done
+            return self.env.execute(action, timeout)
+        except RidgelineError as e:  # e.g. no shell could be started: nothing more can be done
             raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__) from None
 
     def observe(self, action: Action, obs: Observation, dropped: list[Action],

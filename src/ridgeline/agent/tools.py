@@ -9,6 +9,7 @@ command, a shell it killed) comes back as an observation, never as an exception.
 from __future__ import annotations
 
 import base64
+import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -66,7 +67,9 @@ class Action:
             return f"bash: {one_line(self.args['command'], 120)}"
         if self.tool == "finish":
             return "finish"
-        return f"{self.tool} {self.args.get('path', '')}"
+        if "path" in self.args:
+            return f"{self.tool} {self.args['path']}"
+        return f"{self.tool} {one_line(json.dumps(self.args, default=str), 100)}"
 
 
 @dataclass
@@ -98,18 +101,24 @@ def validate_action(tool: str, args: dict[str, Any], call_id: str | None = None)
 
 
 class Workbench:
-    """Executes actions in one sandbox through its persistent shell session.
+    """The sandbox `ToolEnvironment`: executes actions in one sandbox through its
+    persistent shell session.
 
     The file tools run in the same shell as `bash` (file contents travel base64-encoded),
     so a relative path means what it means to the model's shell after a `cd`, paths
     outside the workspace behave as they do for bash, and rewriting a file keeps its
     mode (an edited script stays executable)."""
 
+    tools: list[ToolSpec] = TOOLS
+
     def __init__(self, sandbox: Sandbox, max_bytes: int, file_timeout_s: float = 30.0) -> None:
         self.sandbox = sandbox
         self.max_bytes = max_bytes
         self.file_timeout_s = file_timeout_s
         self._shell: ShellSession | None = None
+
+    def validate(self, tool: str, args: dict[str, Any], call_id: str | None = None) -> Action:
+        return validate_action(tool, args, call_id)
 
     def execute(self, action: Action, timeout: float) -> Observation:
         """Run one action. Raises `SandboxError` only when no shell can be started."""

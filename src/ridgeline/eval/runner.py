@@ -33,6 +33,7 @@ from ridgeline.tasks import (
 )
 
 AgentKind = Literal["llm", "oracle", "null"]
+Job = tuple[Any, int]  # (task, sample)
 
 #: `--tasks demo`: a representative slice of the built-in suite (each domain, mostly easy
 #: tasks) that the default 135M model finishes in minutes on 2 cores; used by `make demo`.
@@ -155,6 +156,66 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     return res, agent_result
 
 
+def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
+    """The run's description that results.json and the report carry."""
+    return {"agent": config.agent, "tasks": config.tasks, "model": model_label,
+            "samples": config.samples, "concurrency": config.concurrency,
+            "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def run_jobs(jobs: list[Job], run_one: Callable[[Job], EpisodeResult], concurrency: int,
+             on_result: Callable[[EpisodeResult], None] | None = None,
+             ) -> tuple[list[EpisodeResult], str | None]:
+    """Run `run_one` over `jobs`, `concurrency` at once, in completion order. A result of
+    class `model_error` stops starting new jobs (the endpoint is down; the results so far
+    are kept). Returns the results and that endpoint error, if any."""
+    results: list[EpisodeResult] = []
+    stop = threading.Event()
+    endpoint_error: str | None = None
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval") as pool:
+        pending: dict[Future, Job] = {}
+        it = iter(jobs)
+
+        def submit_next() -> bool:
+            if stop.is_set():
+                return False
+            job = next(it, None)
+            if job is None:
+                return False
+            pending[pool.submit(run_one, job)] = job
+            return True
+
+        for _ in range(concurrency):
+            if not submit_next():
+                break
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                pending.pop(fut)
+                res = fut.result()
+                results.append(res)
+                if on_result is not None:
+                    on_result(res)
+                if res.failure_class == "model_error":
+                    stop.set()
+                    endpoint_error = res.detail
+                submit_next()
+    return results, endpoint_error
+
+
+def finish_run(config: EvalConfig, out_dir: Path, results: list[EpisodeResult], n_jobs: int,
+               wall_s: float, meta: dict[str, Any], endpoint_error: str | None) -> EvalRun:
+    """Summarise and write the report; then raise if the endpoint went down."""
+    summary = summarize(results, samples=config.samples, wall_s=wall_s)
+    files = write_report(out_dir, results, summary, meta)
+    if endpoint_error is not None:
+        raise ModelEndpointError(
+            f"the model endpoint failed after retries ({endpoint_error}); "
+            f"{len(results)} of {n_jobs} episodes were run and saved to {files['results']}",
+            hint="check that the server is up, then run again")
+    return EvalRun(results, summary, out_dir, files, meta)
+
+
 def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | None = None,
              model: ChatModel | None = None,
              on_start: Callable[[int], None] | None = None) -> EvalRun:
@@ -171,51 +232,14 @@ def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | No
     else:
         agent_factory = lambda: config.agent  # noqa: E731
         model_label = "-"
-    meta = {"agent": config.agent, "tasks": config.tasks, "model": model_label,
-            "samples": config.samples, "concurrency": config.concurrency,
-            "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
+    meta = run_meta(config, model_label)
 
-    results: list[EpisodeResult] = []
-    stop = threading.Event()
-    endpoint_error: str | None = None
     t0 = time.perf_counter()
     jobs = [(t, s) for s in range(config.samples) for t in tasks]
     if on_start is not None:
         on_start(len(jobs))
-    with ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="eval") as pool:
-        pending: dict[Future, tuple[Task, int]] = {}
-        it = iter(jobs)
-
-        def submit_next() -> bool:
-            if stop.is_set():
-                return False
-            job = next(it, None)
-            if job is None:
-                return False
-            pending[pool.submit(run_episode, job[0], job[1], agent_factory, config, traj_dir)] = job
-            return True
-
-        for _ in range(config.concurrency):
-            if not submit_next():
-                break
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                pending.pop(fut)
-                res, _agent = fut.result()
-                results.append(res)
-                if on_result is not None:
-                    on_result(res)
-                if res.failure_class == "model_error":
-                    stop.set()  # the endpoint is down: stop starting episodes, keep results
-                    endpoint_error = res.detail
-                submit_next()
-
-    summary = summarize(results, samples=config.samples, wall_s=time.perf_counter() - t0)
-    files = write_report(out_dir, results, summary, meta)
-    if endpoint_error is not None:
-        raise ModelEndpointError(
-            f"the model endpoint failed after retries ({endpoint_error}); "
-            f"{len(results)} of {len(jobs)} episodes were run and saved to {files['results']}",
-            hint="check that the server is up, then run again")
-    return EvalRun(results, summary, out_dir, files, meta)
+    results, endpoint_error = run_jobs(
+        jobs, lambda job: run_episode(job[0], job[1], agent_factory, config, traj_dir)[0],
+        config.concurrency, on_result)
+    return finish_run(config, out_dir, results, len(jobs), time.perf_counter() - t0, meta,
+                      endpoint_error)

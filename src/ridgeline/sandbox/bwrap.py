@@ -490,7 +490,7 @@ class BwrapSandbox(HostSandbox):
                                       start_new_session=True)
             bash = _child_of(proc.pid)
             if self._cg is not None and group is not None:
-                return proc, CgroupTracker(self._cg, bash or proc.pid, group, proc.pid)
+                return proc, CgroupTracker(group, bash or proc.pid, proc.pid)
             return proc, TreeTracker(bash or proc.pid, session_pid=proc.pid)
 
         session = BashSession(start, max_output=self.spec.limits.max_output_bytes,

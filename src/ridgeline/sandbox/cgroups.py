@@ -58,6 +58,9 @@ def _make_parent(controller: str, parent: Path) -> None:
 
 
 def _write(path: Path, value: str | int) -> None:
+    # Moving a thread by writing "0" (the writer itself) to `tasks` skips the kernel's
+    # global threadgroup lock, whose write side waits for an RCU grace period and
+    # stalls every fork on the machine meanwhile (milliseconds under load).
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, str(value).encode())
@@ -302,17 +305,12 @@ class SandboxCgroup:
     def adopt_current_thread(self) -> None:
         """Put the calling thread into the sandbox's groups: children it starts from
         now on belong to the sandbox (cgroup v1 allows per-thread membership)."""
-        tid = threading.get_native_id()
         for d in self.dirs.values():
-            _write(d / "tasks", tid)
+            _write(d / "tasks", "0")
 
     def move_current_thread(self, group: ExecGroup | None) -> None:
         """Move the calling thread to another pids group (None: the sandbox's own)."""
-        _write((group.path if group else self.dirs["pids"]) / "tasks", threading.get_native_id())
-
-    def move(self, pid: int, group: ExecGroup) -> None:
-        """Move a running process (not its existing children) into `group`."""
-        _write(group.path / "cgroup.procs", pid)
+        _write((group.path if group else self.dirs["pids"]) / "tasks", "0")
 
     def pids(self) -> set[int]:
         out: set[int] = set()
@@ -343,31 +341,31 @@ class SandboxCgroup:
 
 
 class CgroupTracker:
-    """Shell tracker with cgroups: each command gets a fresh pids group and bash is
-    moved into it, so everything the command starts (also daemons) is in that group,
-    while background jobs of earlier commands stay in theirs."""
+    """Shell tracker with cgroups: the session has one pids group; a command's processes
+    are the ones in it that were not there when the command began (earlier background
+    jobs survive an interrupt). Nothing is moved between groups per command: moving
+    another process takes the kernel's global threadgroup lock."""
 
-    def __init__(self, cgroup: SandboxCgroup, bash_pid: int, first: ExecGroup,
-                 launcher_pid: int) -> None:
-        self.cgroup = cgroup
+    def __init__(self, group: ExecGroup, bash_pid: int, launcher_pid: int) -> None:
+        self.group = group
         self.bash_pid = bash_pid
         self.launcher_pid = launcher_pid  # nsenter, outside: it reaps bash and exits
-        self.groups = [first]
+        self._before: set[int] = set()
 
     def begin(self) -> None:
-        group = self.cgroup.exec_group()
-        self.cgroup.move(self.bash_pid, group)
-        previous = self.groups[-1]
-        self.groups.append(group)
-        if not previous.pids():
-            previous.remove()
-            self.groups.remove(previous)
+        self._before = self.group.pids()
 
     def interrupt(self) -> None:
-        self.groups[-1].kill(keep=frozenset({self.bash_pid}))
+        keep = self._before | {self.bash_pid, self.launcher_pid, os.getpid()}
+        for _ in range(1000):  # a fork racing the kill is caught by the next pass
+            victims = self.group.pids() - keep
+            if not victims:
+                return
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001)
 
     def kill_all(self) -> None:
-        for g in self.groups:
-            g.kill(keep=frozenset({self.launcher_pid}))
-        for g in self.groups:
-            g.remove()
+        self.group.kill(keep=frozenset({self.launcher_pid}))
+        self.group.remove()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import queue
 import secrets
 import shutil
 import stat
@@ -32,6 +33,37 @@ _live: "weakref.WeakSet[HostSandbox]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
+class _Trash:
+    """Deletes directories in the background: a closed sandbox's directory is renamed
+    away at once (one metadata operation) and its tree removed off the caller's path."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Path] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def discard(self, path: Path) -> None:
+        trash = path.with_name(f".trash-{path.name}")
+        try:
+            os.rename(path, trash)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="ridgeline-sandbox-trash")
+                self._thread.start()
+        self._queue.put(trash)
+
+    def _loop(self) -> None:
+        while True:
+            shutil.rmtree(self._queue.get(), ignore_errors=True)
+
+
+_trash = _Trash()
+
+
 def default_root() -> Path:
     """Where sandboxes keep their host directories: $RIDGELINE_SANDBOX_DIR, else a
     directory in the system temp dir."""
@@ -50,7 +82,7 @@ def prepare_root(root: Path) -> Path:
                            hint="remove it, or set RIDGELINE_SANDBOX_DIR to another directory")
     root.chmod(0o700)
     for child in root.iterdir():
-        owner = child.name.split("-", 1)[0]
+        owner = child.name.removeprefix(".trash-").split("-", 1)[0]
         if child.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
             shutil.rmtree(child, ignore_errors=True)
     (root / ".empty").mkdir(exist_ok=True, mode=0o555)
@@ -264,7 +296,7 @@ class HostSandbox:
         try:
             self._close_processes()
         finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            _trash.discard(self.dir)
             with _live_lock:
                 _live.discard(self)
 

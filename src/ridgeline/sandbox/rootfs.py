@@ -178,11 +178,12 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
             if _visible(top, d):
                 args += ["--ro-bind", str(empty_dir), d]
     size = ["--size", str(tmp_size)] if tmp_size else []
+    # Each tmpfs is capped at the memory limit (its pages count as memory anyway).
     args += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--tmpfs", "/dev/shm",
+             "--perms", "1777", *size, "--tmpfs", "/dev/shm",
              "--perms", "1777", *size, "--tmpfs", "/tmp",
-             "--perms", "0755", "--tmpfs", "/run",
-             "--perms", "0755", "--tmpfs", "/home", "--dir", "/home/sandbox",
+             "--perms", "0755", *size, "--tmpfs", "/run",
+             "--perms", "0755", *size, "--tmpfs", "/home", "--dir", "/home/sandbox",
              "--dir", "/var", "--symlink", "../tmp", "/var/tmp",
              "--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
     for target, source, writable in targets:

@@ -10,7 +10,6 @@ import pytest
 from ridgeline.config import load_model
 from ridgeline.errors import ConfigError, NotFoundError, SandboxError
 from ridgeline.sandbox import Limits, Mount, SandboxSpec, create_sandbox, get_provider
-from ridgeline.sandbox.host_sandbox import default_root
 
 from sandbox_helpers import needs_bwrap
 
@@ -61,16 +60,13 @@ def test_paths_are_normalised():
 
 @needs_bwrap
 def test_missing_mount_source_and_seed_leave_nothing_behind(tmp_path):
-    def sandbox_dirs() -> set[str]:  # dot-entries: shared files, trash being deleted
-        root = default_root()
-        return {x for x in os.listdir(root) if not x.startswith(".")} if root.exists() else set()
-
-    before = sandbox_dirs()
+    provider = get_provider("bwrap", root_dir=tmp_path / "root")  # a root of its own
     with pytest.raises(NotFoundError, match="does not exist"):
-        create_sandbox(SandboxSpec(mounts=[Mount(source=tmp_path / "nope", target="/tests")]))
+        provider.create(SandboxSpec(mounts=[Mount(source=tmp_path / "nope", target="/tests")]))
     with pytest.raises(NotFoundError):
-        create_sandbox(SandboxSpec(workspace_from=tmp_path / "nope"))
-    assert sandbox_dirs() <= before
+        provider.create(SandboxSpec(workspace_from=tmp_path / "nope"))
+    left = [x for x in os.listdir(tmp_path / "root") if not x.startswith(".")]
+    assert left == []  # dot-entries: shared files, and trash being deleted
 
 
 @needs_bwrap

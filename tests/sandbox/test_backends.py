@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -23,10 +25,11 @@ def test_local_backend_warns_loudly_and_works(caplog):
         assert sb.run("pwd").stdout.strip() == str(sb.workspace_dir)
         assert sb.run("exit 4").exit_code == 4
         assert sb.run(["no-such-command-xyz"]).exit_code == 127
-        r = sb.run("sleep 1000 & sleep 1001", timeout=0.5)
+        tag = f"{os.getpid()}.{time.time_ns() % 10**6}"  # sleeps no one else runs
+        r = sb.run(f"sleep 1{tag} & sleep 2{tag}", timeout=0.5)
         assert r.timed_out
-        assert "sleep 100" not in subprocess.run(["pgrep", "-af", "sleep 100[01]"],
-                                                 capture_output=True, text=True).stdout
+        left = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout
+        assert "sleep" not in left
         sb.write_file("a/b.txt", "x")
         assert sb.run("cat a/b.txt").stdout == "x"
         sh = sb.shell()

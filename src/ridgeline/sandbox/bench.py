@@ -90,16 +90,17 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
     create_sandbox(spec, backend=cfg.backend).close()  # warm caches: root layout, cgroups
     res: dict = {"backend": cfg.backend}
 
-    tick = progress("subprocess baseline", cfg.cold_starts)
-    base = _timed(cfg.cold_starts, lambda: subprocess.run(["true"], check=True), tick)
-
     def cold() -> None:
         with create_sandbox(spec, backend=cfg.backend) as sb:
             if sb.run(["true"]).exit_code != 0:
                 raise RuntimeError("`true` failed in a fresh sandbox")
 
-    tick = progress("cold start", cfg.cold_starts)
-    cold_ms = _timed(cfg.cold_starts, cold, tick)
+    # Baseline and cold start interleaved, so that both see the same machine load.
+    tick = progress("cold start (and subprocess baseline)", cfg.cold_starts)
+    base, cold_ms = [], []
+    for _ in range(cfg.cold_starts):
+        base += _timed(1, lambda: subprocess.run(["true"], check=True), lambda: None)
+        cold_ms += _timed(1, cold, tick)
     res.update(cold_start_p50_ms=statistics.median(cold_ms), cold_start_p95_ms=_pct(cold_ms, 0.95),
                cold_starts=cfg.cold_starts, subprocess_p50_ms=statistics.median(base),
                subprocess_p95_ms=_pct(base, 0.95))

@@ -30,6 +30,8 @@ SCENARIOS = {
     "bs16-chunked": dict(max_num_seqs=16, block_size=8, max_num_batched_tokens=24),
     # batches of 16, chunked prefill off
     "bs16-nochunk": dict(max_num_seqs=16, block_size=16, enable_chunked_prefill=False),
+    # decode attention in PyTorch (grouped gather) instead of the C kernel
+    "bs16-torch-attention": dict(max_num_seqs=16, block_size=16, attention_backend="torch"),
 }
 
 
@@ -89,12 +91,15 @@ def test_top_logprobs_match_transformers() -> None:
             ids.append(out.token_ids[step])
 
 
-def test_multi_token_decode_matches_one_by_one() -> None:
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_multi_token_decode_matches_one_by_one(use_kernel: bool) -> None:
     """The forward accepts several new tokens per sequence after a cached context (what
     speculative decoding verifies): their logits equal decoding them one at a time."""
-    from ridgeline.engine import LLMEngine
+    from ridgeline.engine import LLMEngine, cpu_kernels
     from ridgeline.engine.sequence import Sequence
 
+    if use_kernel and not cpu_kernels.available():
+        pytest.skip("no C compiler")
     model = cached_model("qwen3")
     engine = LLMEngine.from_hf_model(model, num_kv_blocks=64, block_size=4)
     prompt, extra = PROMPTS[0][:13], [7, 99, 123, 45]
@@ -119,8 +124,9 @@ def test_multi_token_decode_matches_one_by_one() -> None:
         ids += seq.token_ids[seq.num_computed_tokens:]
         pos += list(range(seq.num_computed_tokens, seq.num_tokens))
         meta_in.append((seq.block_table, seq.num_computed_tokens, n))
-    meta = build_attention_metadata(meta_in, 4, 4, 2, torch.device("cpu"))
-    assert meta.groups and not meta.chunks and not meta.fresh  # the batched path
+    meta = build_attention_metadata(meta_in, 4, 4, 2, torch.device("cpu"), use_kernel)
+    assert not meta.chunks and not meta.fresh  # the short-query path
+    assert (meta.kernel is not None) == use_kernel and bool(meta.groups) != use_kernel
     with torch.inference_mode():
         hidden = engine.model(torch.tensor(ids), torch.tensor(pos), engine.kv_cache, meta)
         logits = engine.model.compute_logits(hidden)

@@ -7,9 +7,11 @@ sequences, each with the cheapest kernel we found on CPU:
 - fresh: no KV before this step (a prompt, or its first chunk). Causal attention over the
   fresh keys/values themselves; the cache is only written.
 - short queries over cached context (decode: 1 token; speculative verification: a few).
-  Batched: sequences of similar length are grouped, their blocks gathered into a padded
-  [n, L] layout (padding reads the null block) and masked. Grouped-query heads are folded
-  into the query axis, so keys/values are never repeated per head.
+  With the C kernel (`cpu_kernels`, float32 on CPU) all of them in one call that reads
+  the blocks in place. Otherwise batched in PyTorch: sequences of similar length are
+  grouped, their blocks gathered into a padded [n, L] layout (padding reads the null
+  block) and masked; grouped-query heads are folded into the query axis, so keys/values
+  are never repeated per head.
 - long queries over cached context (later prefill chunks, prefix-cache hits): one masked
   attention per sequence over its gathered blocks.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ridgeline.engine import cpu_kernels
 from ridgeline.engine.kv_cache import KVCache
 
 #: Sequences with at most this many new tokens (and some cached context) are batched.
@@ -38,17 +41,28 @@ class DecodeGroup:
 
 
 @dataclass
+class KernelBatch:
+    """Short-query sequences for the C kernel: everything it needs, as int64 tensors."""
+
+    block_table: torch.Tensor  # [n, max blocks], padded with the null block
+    q_start: torch.Tensor  # [n] first row of each sequence in the flat batch
+    q_len: torch.Tensor  # [n]
+    ctx_len: torch.Tensor  # [n] context including the new tokens
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, length)
     # (start, length, context length, block ids covering the context, causal mask [n, ctx])
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     groups: list[DecodeGroup] = field(default_factory=list)
+    kernel: KernelBatch | None = None
 
 
 def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size: int,
-                             num_heads: int, num_kv_heads: int,
-                             device: torch.device) -> AttentionMetadata:
+                             num_heads: int, num_kv_heads: int, device: torch.device,
+                             use_kernel: bool = False) -> AttentionMetadata:
     """`batch`: per sequence (block table, tokens already computed, new tokens), in the
     order their tokens appear in the flat batch."""
     bs = block_size
@@ -78,10 +92,27 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         fresh=fresh, chunks=chunks)
+    if short and use_kernel:
+        meta.kernel = _kernel_batch(short, bs)
+        return meta
     group_size = num_heads // num_kv_heads
     for members in _bucket_by_length(short, bs):
         meta.groups.append(_decode_group(members, bs, group_size, device))
     return meta
+
+
+def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int) -> KernelBatch:
+    nb = max(-(-ctx // bs) for _, _, ctx, _ in short)
+    flat: list[int] = []
+    for _, _, ctx, table in short:
+        used = -(-ctx // bs)
+        flat += table[:used]
+        flat += [0] * (nb - used)
+    return KernelBatch(
+        block_table=torch.tensor(flat, dtype=torch.long).view(len(short), nb),
+        q_start=torch.tensor([s[0] for s in short], dtype=torch.long),
+        q_len=torch.tensor([s[1] for s in short], dtype=torch.long),
+        ctx_len=torch.tensor([s[2] for s in short], dtype=torch.long))
 
 
 def _bucket_by_length(short: list[tuple[int, int, int, list[int]]],
@@ -146,7 +177,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
     cache.write(layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    if meta.kernel is not None:
+        raw = cache.raw_blocks(layer)
+        assert raw is not None, "the C kernel needs a plain float32 CPU cache"
+        kb = meta.kernel
+        cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table, kb.q_start,
+                                           kb.q_len, kb.ctx_len, out)
 
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).

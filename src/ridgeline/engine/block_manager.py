@@ -110,6 +110,19 @@ class BlockManager:
         seq.block_table.clear()
         seq.num_registered_blocks = 0
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks beyond the first `num_tokens` tokens of `seq` (slots reserved
+        for speculative tokens that were rejected). They were never cached, so they go to
+        the front of the free queue: reused before any cached block is evicted."""
+        keep = -(-num_tokens // self.block_size)
+        assert keep >= seq.num_registered_blocks, "cannot free a cached block of a live seq"
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.key is None, block
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after the weights changed)."""
         for block_id in self.cache.values():

@@ -11,6 +11,60 @@ from ridgeline.errors import ConfigError
 
 DType = Literal["float32", "bfloat16", "float16"]
 
+#: Accepted values of `EngineConfig.kv_cache_dtype`: "auto" stores K/V in the model dtype,
+#: a float name in that dtype, "int8" and "fp8" (= "fp8_e4m3") quantize (see kv_quant).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp8_e4m3")
+
+
+def normalize_kv_cache_dtype(name: str) -> str:
+    """The canonical name of a KV cache dtype; `ConfigError` naming the valid ones."""
+    key = str(name).strip().lower()
+    if key not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {name!r}",
+                          hint=f"use one of: {', '.join(KV_CACHE_DTYPES)}")
+    return "fp8_e4m3" if key == "fp8" else key
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens
+    of a request, the model checks them all in one forward pass and keeps the longest
+    prefix that rejection sampling accepts (outputs keep the model's distribution exactly;
+    greedy outputs equal plain decoding).
+
+    `method`: "ngram" looks the last `ngram_max`..`ngram_min` tokens up earlier in the
+    prompt and output and proposes what followed (no extra model); "draft" runs
+    `draft_model`, a smaller model with the same tokenizer. With `adaptive`, each request's
+    k follows its recent acceptance. Speculation is skipped in steps with more than
+    `max_batch_size` running sequences (there the batch is compute-bound and rejected
+    tokens cost real time), and by a request whose estimated acceptance falls below
+    `min_acceptance` (it retries after `cooldown_steps`)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    method: Literal["none", "ngram", "draft"] = "none"
+    num_speculative_tokens: int = Field(5, ge=1, le=16, description="most tokens proposed")
+    draft_model: str | None = Field(None, description="registry name or path (method=draft)")
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    adaptive: bool = True
+    max_batch_size: int = Field(8, ge=1)
+    min_acceptance: float = Field(0.2, ge=0.0, le=1.0)
+    cooldown_steps: int = Field(16, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ConfigError(f"speculative.ngram_min={self.ngram_min} exceeds "
+                              f"ngram_max={self.ngram_max}")
+        if self.draft_model is not None and self.method != "draft":
+            raise ConfigError("speculative.draft_model is set but method is "
+                              f"{self.method!r}", hint="set method: draft")
+        return self
+
 
 class EngineConfig(BaseModel):
     """How to load the model and size the engine.
@@ -34,6 +88,9 @@ class EngineConfig(BaseModel):
     num_kv_blocks: int | None = Field(None, ge=2)
     kv_cache_memory_mb: float = Field(1024.0, gt=0)
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = Field("auto", description="one of KV_CACHE_DTYPES")
+
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 
     # Scheduler
     max_num_seqs: int = Field(64, ge=1)
@@ -42,6 +99,10 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1)
 
     # CPU performance knobs
+    attention_backend: Literal["auto", "torch", "kernel"] = Field(
+        "auto", description="decode attention: 'kernel' is the C kernel over the paged "
+        "pool (CPU, float32; compiled on first use), 'torch' the pure PyTorch path, "
+        "'auto' the kernel when it can be built")
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     tune_malloc: bool = Field(
         True, description="keep freed memory in the heap (glibc mallopt) so large per-step "
@@ -57,8 +118,20 @@ class EngineConfig(BaseModel):
 
         return load_model(cls, fields, source="engine config")
 
+    def fast_variant(self) -> EngineConfig:
+        """The high-speed variant on the same weights: n-gram speculation (unless this
+        config already speculates) and an int8 KV cache (unless already quantized)."""
+        spec = self.speculative
+        if not spec.enabled:
+            spec = SpeculativeConfig(method="ngram", num_speculative_tokens=7)
+        kv = normalize_kv_cache_dtype(self.kv_cache_dtype)
+        if kv not in ("int8", "fp8_e4m3"):
+            kv = "int8"
+        return self.model_copy(update={"speculative": spec, "kv_cache_dtype": kv})
+
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_num_batched_tokens < self.block_size and not self.enable_chunked_prefill:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
         if not self.device.startswith(("cpu", "cuda")):

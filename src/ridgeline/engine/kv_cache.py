@@ -71,6 +71,14 @@ class KVCache:
         return k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads,
                                                                     self.head_dim)
 
+    def raw_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K and V block tensors themselves, for kernels that read blocks where they
+        lie; None when the storage is not plain values of a supported dtype (a
+        quantized cache must be read through gather())."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        return self.k[layer], self.v[layer]
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write)."""
         for layer in range(self.num_layers):

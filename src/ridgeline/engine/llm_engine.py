@@ -23,7 +23,7 @@ import torch
 from ridgeline.engine.block_manager import BlockManager
 from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.detokenizer import detokenize_step, init_offsets
-from ridgeline.engine.kv_cache import KVCache
+from ridgeline.engine.kv_quant import kv_bytes_per_token, make_kv_cache
 from ridgeline.engine.loader import InMemorySource, ModelSource, open_source
 from ridgeline.engine.model_runner import ModelRunner
 from ridgeline.engine.models import build_model
@@ -33,6 +33,9 @@ from ridgeline.engine.sampler import Sampler
 from ridgeline.engine.sampling_params import SamplingParams
 from ridgeline.engine.scheduler import Scheduler
 from ridgeline.engine.sequence import Request, Sequence
+from ridgeline.engine.speculative import (
+    DraftProposer, Emitted, NgramProposer, Speculator, open_draft_source,
+)
 from ridgeline.errors import ConfigError, EngineError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,13 @@ class EngineStats:
     num_steps: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+    kv_cache_dtype: str = "auto"
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds
+    # speculative decoding (None / 0 when the engine does not speculate)
+    spec_acceptance_rate: float | None = None  # accepted / proposed tokens
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0  # steps that verified proposals
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -88,7 +98,7 @@ def _tune_malloc() -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, source: ModelSource | None = None,
-                 **overrides: Any) -> None:
+                 draft_source: ModelSource | None = None, **overrides: Any) -> None:
         config = config or EngineConfig()
         if overrides:
             config = EngineConfig.build(**{**config.model_dump(), **overrides})
@@ -110,10 +120,16 @@ class LLMEngine:
         cfg = source.config
         self.model_config = cfg
 
-        # KV pool and context length
+        draft_source = open_draft_source(config.speculative, source, draft_source,
+                                         cache_dir=config.cache_dir)
+
+        # KV pool and context length (a draft model keeps its own KV for the same blocks)
         bs = config.block_size
-        self.kv_bytes_per_token = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads,
-                                                          cfg.head_dim, dtype)
+        self.kv_bytes_per_token = sum(
+            kv_bytes_per_token(config.kv_cache_dtype, num_layers=c.num_layers,
+                               num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                               model_dtype=dtype)
+            for c in [cfg] + ([draft_source.config] if draft_source else []))
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = 1 + int(config.kv_cache_memory_mb * 2**20
@@ -150,9 +166,10 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
-        self.kv_cache = KVCache(num_layers=cfg.num_layers, num_blocks=num_blocks, block_size=bs,
-                                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                dtype=dtype, device=self.device)
+        self.kv_cache = make_kv_cache(config.kv_cache_dtype, num_layers=cfg.num_layers,
+                                      num_blocks=num_blocks, block_size=bs,
+                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                      model_dtype=dtype, device=self.device)
         self.block_manager = BlockManager(num_blocks, bs)
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
@@ -160,7 +177,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device,
+                                  use_kernel=self._use_kernel(config))
+        self.speculator = self._build_speculator(draft_source, num_blocks, budget, dtype)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted/failed requests
@@ -170,12 +189,63 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
 
+    def _build_speculator(self, draft_source: ModelSource | None, num_blocks: int,
+                          budget: int, dtype: torch.dtype) -> Speculator | None:
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        proposer: NgramProposer | DraftProposer
+        if draft_source is None:
+            proposer = NgramProposer(spec)
+        else:
+            dcfg = draft_source.config
+            draft = build_model(dcfg, max_len=self.max_model_len, dtype=dtype,
+                                device=self.config.device)
+            missing = draft.expected_weights() - draft.load_weights(draft_source.weights())
+            if missing:
+                raise ModelLoadError(f"draft {draft_source.name}: {len(missing)} weights "
+                                     f"missing from the checkpoint, e.g. {sorted(missing)[:3]}")
+            cache = make_kv_cache(self.config.kv_cache_dtype, num_layers=dcfg.num_layers,
+                                  num_blocks=num_blocks, block_size=self.config.block_size,
+                                  num_kv_heads=dcfg.num_kv_heads, head_dim=dcfg.head_dim,
+                                  model_dtype=dtype, device=self.device)
+            proposer = DraftProposer(draft, cache, self.block_manager, self.device,
+                                     self.model_config.vocab_size)
+        return Speculator(spec, model=self.model, cache=self.kv_cache,
+                          block_manager=self.block_manager, device=self.device,
+                          max_model_len=self.max_model_len, max_num_batched_tokens=budget,
+                          proposer=proposer,
+                          use_kernel=getattr(self.runner, "use_kernel", False))
+
+    def _use_kernel(self, config: EngineConfig) -> bool:
+        from ridgeline.engine import cpu_kernels
+        from ridgeline.engine.attention import MAX_BATCHED_QUERY
+
+        if config.attention_backend == "torch":
+            return False
+        cfg = self.model_config
+        fits = (self.kv_cache.raw_blocks(0) is not None and cpu_kernels.supports(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+            MAX_BATCHED_QUERY))
+        if config.attention_backend == "kernel":
+            if not fits:
+                raise ConfigError("attention_backend='kernel' needs float32 on CPU, head_dim "
+                                  "a multiple of 8 and at most 256",
+                                  hint="use attention_backend='auto'")
+            if not cpu_kernels.available():
+                raise ConfigError("the C attention kernel could not be compiled",
+                                  hint="install a C compiler or use attention_backend='auto'")
+            return True
+        return fits and cpu_kernels.available()
+
     @classmethod
-    def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None,
-                      **overrides: Any) -> LLMEngine:
-        """An engine over a transformers model in memory (its weights are copied)."""
+    def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None, *,
+                      draft_model: Any | None = None, **overrides: Any) -> LLMEngine:
+        """An engine over a transformers model in memory (its weights are copied);
+        `draft_model`, another one, is the proposer of `speculative.method="draft"`."""
+        draft = None if draft_model is None else InMemorySource(draft_model, tokenizer)
         return cls(EngineConfig.build(model="<in-memory>", **overrides),
-                   source=InMemorySource(hf_model, tokenizer))
+                   source=InMemorySource(hf_model, tokenizer), draft_source=draft)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -284,21 +354,34 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens -
                                                        seq.num_computed_tokens)
 
-        samplers, logits = self.runner.execute(sched.scheduled)
+        proposals = (self.speculator.propose(sched.scheduled, self.sampler)
+                     if self.speculator is not None else None)
+        emitted: list[Emitted]
+        if proposals:  # a multi-token decode for the speculating sequences
+            assert self.speculator is not None
+            samplers, emitted = self.speculator.verify(sched.scheduled, proposals,
+                                                       self.sampler)
+        else:
+            samplers, logits = self.runner.execute(sched.scheduled)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         self.num_steps += 1
         touched: dict[str, Request] = {}
         if samplers:
-            assert logits is not None
-            result = self.sampler(logits, samplers)
+            if not proposals:
+                assert logits is not None
+                result = self.sampler(logits, samplers)
+                emitted = [[(result.token_ids[i], result.logprobs[i], result.top_logprobs[i])]
+                           for i in range(len(samplers))]
             now = time.monotonic()
             for i, seq in enumerate(samplers):
                 req = self.requests[seq.request_id]
                 touched[req.request_id] = req
                 try:
-                    self._append_token(seq, result.token_ids[i], result.logprobs[i],
-                                       result.top_logprobs[i])
+                    for token, logprob, top in emitted[i]:
+                        self._append_token(seq, token, logprob, top)
+                        if seq.is_finished:  # the rest of an accepted run is dropped
+                            break
                 except Exception as e:  # a bug in one request's postprocessing
                     log.exception("request %s failed", req.request_id)
                     self._fail(req, f"{type(e).__name__}: {e}")
@@ -426,7 +509,17 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_hits, num_evictions=bm.num_evictions,
             num_steps=self.num_steps,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
-            num_generated_tokens=self.num_generated_tokens)
+            num_generated_tokens=self.num_generated_tokens,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_capacity_tokens=(bm.num_blocks - 1) * bm.block_size,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, Any]:
+        sp = self.speculator
+        if sp is None:
+            return {}
+        return dict(spec_acceptance_rate=sp.acceptance_rate, spec_proposed_tokens=sp.num_proposed,
+                    spec_accepted_tokens=sp.num_accepted, spec_steps=sp.num_spec_steps)
 
 
 def _find_stop(text: str, stops: list[str], reported: int) -> tuple[int, str] | None:

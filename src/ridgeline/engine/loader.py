@@ -43,8 +43,9 @@ class ModelSource:
 
 
 def default_cache_dir() -> Path:
+    """Converted models live under $RIDGELINE_CACHE_DIR (default ~/.cache/ridgeline)."""
     env = os.environ.get("RIDGELINE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "ridgeline" / "converted"
+    return (Path(env) if env else Path.home() / ".cache" / "ridgeline") / "converted"
 
 
 def open_source(entry: ModelEntry, *, tokenizer: str | None = None,

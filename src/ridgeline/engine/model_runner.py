@@ -12,10 +12,12 @@ from ridgeline.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: DecoderForCausalLM, kv_cache: KVCache, device: torch.device,
+                 use_kernel: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.use_kernel = use_kernel  # decode attention through cpu_kernels
 
     def execute(self, scheduled: list[tuple[Sequence, int]]
                 ) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -36,7 +38,7 @@ class ModelRunner:
                 samplers.append(seq)
         cfg = self.model.cfg
         meta = build_attention_metadata(batch, self.kv_cache.block_size, cfg.num_heads,
-                                        cfg.num_kv_heads, self.device)
+                                        cfg.num_kv_heads, self.device, self.use_kernel)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids_t, pos_t, self.kv_cache, meta)

@@ -1,0 +1,246 @@
+"""A C kernel for decode attention straight over the paged KV pool (CPU, float32).
+
+In PyTorch alone, attending a batch of decoding sequences to their paged context means
+gathering every sequence's blocks into a padded copy first, then running attention over
+the copy: the KV is read twice and written once per layer and step, and the fused CPU
+attention kernel is built for long queries, not for one token per sequence. This kernel
+reads each block once, where it lies, with an online softmax; one work item is one
+(sequence, KV head) pair, so grouped-query heads share each key and value they load.
+
+It is compiled on first use with the system C compiler (about a second) into
+`~/.cache/ridgeline/kernels/` and called through ctypes, which releases the GIL, so work
+items are split over a few Python threads. Without a compiler the engine falls back to
+the PyTorch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_QUERY_VECTORS = 64  # query heads per KV head x new tokens per sequence
+MAX_HEAD_DIM = 256
+MAX_BLOCK_SIZE = 256
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+
+#define MAXQV %(maxqv)d
+#define MAXD %(maxd)d
+#define MAXBS %(maxbs)d
+
+/* Items [item_begin, item_end): item = sequence * kvh + kv head. For each of the g query
+   heads of that KV head and each new query row r of the sequence (row r sees positions
+   < ctx - (q_len - 1 - r)), softmax(q k^T * scale) v over the context, block by block. */
+int paged_attention_f32(
+    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const float* k_cache, const float* v_cache,
+    const int64_t* block_table, int64_t table_stride,
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+    float* out, int64_t out_row_stride,
+    int64_t item_begin, int64_t item_end,
+    int kvh, int g, int d, int bs, float scale) {
+  if (d > MAXD || bs > MAXBS || d %% 8 != 0) return -1;
+  float m[MAXQV], l[MAXQV], p[MAXBS];
+  float s[MAXQV][MAXBS];
+  float acc[MAXQV][MAXD];
+  const float* qp[MAXQV];
+  int64_t lim[MAXQV];
+  const int64_t tok_stride = (int64_t)kvh * d;
+  for (int64_t item = item_begin; item < item_end; ++item) {
+    const int64_t i = item / kvh, j = item %% kvh;
+    const int ql = (int)q_len[i];
+    const int nq = g * ql;
+    if (nq > MAXQV) return -2;
+    const int64_t ctx = ctx_len[i];
+    for (int a = 0; a < nq; ++a) {
+      const int gi = a / ql, r = a %% ql;
+      qp[a] = q + (q_start[i] + r) * q_row_stride + (j * g + gi) * q_head_stride;
+      lim[a] = ctx - (ql - 1 - r);
+      m[a] = -INFINITY;
+      l[a] = 0.f;
+      for (int x = 0; x < d; ++x) acc[a][x] = 0.f;
+    }
+    const int64_t nblocks = (ctx + bs - 1) / bs;
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t blk = block_table[i * table_stride + b];
+      const int64_t t0 = b * bs;
+      const float* kb = k_cache + (blk * bs * kvh + j) * d;
+      const float* vb = v_cache + (blk * bs * kvh + j) * d;
+      int64_t nt = ctx - t0;
+      if (nt > bs) nt = bs;
+      for (int t = 0; t < nt; ++t) {
+        const float* kr = kb + t * tok_stride;
+        for (int a = 0; a < nq; ++a) {
+          const float* qa = qp[a];
+          float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int x = 0; x < d; x += 8)
+            for (int u = 0; u < 8; ++u) s8[u] += qa[x + u] * kr[x + u];
+          s[a][t] = (((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7])))
+                    * scale;
+        }
+      }
+      for (int a = 0; a < nq; ++a) {
+        int64_t valid = lim[a] - t0;
+        if (valid > nt) valid = nt;
+        if (valid <= 0) continue;
+        float bm = m[a];
+        for (int t = 0; t < valid; ++t) bm = s[a][t] > bm ? s[a][t] : bm;
+        const float corr = expf(m[a] - bm); /* 0 on the first block: m is -inf */
+        float psum = 0.f;
+        for (int t = 0; t < valid; ++t) { p[t] = expf(s[a][t] - bm); psum += p[t]; }
+        l[a] = l[a] * corr + psum;
+        float* ac = acc[a];
+        for (int x = 0; x < d; ++x) ac[x] *= corr;
+        for (int t = 0; t < valid; ++t) {
+          const float* vr = vb + t * tok_stride;
+          const float pt = p[t];
+          for (int x = 0; x < d; ++x) ac[x] += pt * vr[x];
+        }
+        m[a] = bm;
+      }
+    }
+    for (int a = 0; a < nq; ++a) {
+      const int gi = a / ql, r = a %% ql;
+      float* o = out + (q_start[i] + r) * out_row_stride + (j * g + gi) * d;
+      const float inv = 1.f / l[a];
+      for (int x = 0; x < d; ++x) o[x] = acc[a][x] * inv;
+    }
+  }
+  return 0;
+}
+""" % {"maxqv": MAX_QUERY_VECTORS, "maxd": MAX_HEAD_DIM, "maxbs": MAX_BLOCK_SIZE}
+
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("RIDGELINE_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "ridgeline") / "kernels"
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: decode attention uses the PyTorch path")
+        return None
+    key = hashlib.sha256((SOURCE + " ".join(_FLAGS) + compiler + _cpu_signature())
+                         .encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if not target.is_file():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / "paged_attention.c"
+                src.write_text(SOURCE)
+                so = Path(tmp) / "out.so"
+                subprocess.run([compiler, *_FLAGS, "-o", str(so), str(src), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(so, target)  # atomic: concurrent builders race harmlessly
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("could not compile the decode attention kernel (%s); using the "
+                        "PyTorch path", e)
+            return None
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_attention_f32
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
+                   c_int, c_int, c_int, c_int, ctypes.c_float]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_pool: ThreadPoolExecutor | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None when it cannot be built here."""
+    global _lib, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _build()
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             max_query_len: int) -> bool:
+    return (head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0 and block_size <= MAX_BLOCK_SIZE
+            and (num_heads // num_kv_heads) * max_query_len <= MAX_QUERY_VECTORS)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, q_start: torch.Tensor,
+                           q_len: torch.Tensor, ctx_len: torch.Tensor,
+                           out: torch.Tensor) -> None:
+    """out[rows of each sequence] = attention of q's rows over the paged context.
+
+    q, out: [T, heads, d] float32 with unit stride on d (rows may be strided);
+    k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d];
+    block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n]."""
+    lib = load()
+    assert lib is not None
+    n = block_table.shape[0]
+    _, bs, kvh, d = k_cache.shape
+    g = q.shape[1] // kvh
+    items = n * kvh
+    args = (q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
+            q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
+    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))
+    threads = min(torch.get_num_threads(), items)
+    work = int(ctx_len.sum()) * kvh
+    if threads <= 1 or work < 4096:  # too little to be worth a thread hand-off
+        rc = lib.paged_attention_f32(*args, 0, items, *tail)
+        if rc != 0:
+            raise RuntimeError(f"paged attention kernel failed ({rc})")
+        return
+    global _pool
+    if _pool is None or _pool._max_workers < threads:  # noqa: SLF001
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="ridgeline-attn")
+    # split by work (context length), not by item count
+    costs = ctx_len.repeat_interleave(kvh).cumsum(0).tolist()
+    total = costs[-1]
+    cuts = [0]
+    for t in range(1, threads):
+        target = total * t / threads
+        lo = cuts[-1]
+        while lo < items and costs[lo] < target:
+            lo += 1
+        cuts.append(lo)
+    cuts.append(items)
+    futures = [_pool.submit(lib.paged_attention_f32, *args, cuts[t], cuts[t + 1], *tail)
+               for t in range(threads) if cuts[t] < cuts[t + 1]]
+    for f in futures:
+        if f.result() != 0:
+            raise RuntimeError("paged attention kernel failed")

@@ -1,0 +1,451 @@
+"""Speculative decoding inside continuous batching.
+
+Each step, after the scheduler has picked the batch, the `Speculator`:
+
+1. plans: every decoding sequence (one new token, no penalties) gets a k from its own
+   recent acceptance; nobody speculates in a step with more than `max_batch_size`
+   sequences (a large CPU batch is compute-bound, so rejected tokens cost real time),
+   nor while a request's acceptance is too low to pay for its verification;
+2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
+   output, the draft proposer runs a small model k times;
+3. reserves KV slots for the proposals (`allocate_slots` on top of the scheduled token;
+   when the pool is short the sequence just decodes normally);
+4. verifies: one forward pass of the target over the whole batch, where a speculating
+   sequence contributes its last token plus its proposals (a multi-token decode over
+   the paged KV) and every other sequence what the scheduler gave it;
+5. accepts by rejection sampling (`rejection_sampler`), and rolls back the rest: the
+   sequence's `num_computed_tokens` counts only the kept tokens, and blocks that now hold
+   only rejected positions go back to the pool.
+
+Unverified tokens never enter `Sequence.token_ids` before acceptance, so the prefix cache
+(which hashes only full blocks of `token_ids`) never registers a block holding them.
+
+The draft model has its own paged cache with the same block ids as the target's: block
+tables, preemption and prefix sharing need no second bookkeeping. The draft computes
+lazily (only when its sequence speculates, catching up from where it stopped), and a
+map of blocks whose draft KV is complete lets a sequence that hit the prefix cache skip
+those blocks in the draft too.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ridgeline.engine.attention import build_attention_metadata
+from ridgeline.engine.config import SpeculativeConfig
+from ridgeline.engine.kv_cache import KVCache
+from ridgeline.engine.rejection_sampler import rejection_sample
+from ridgeline.engine.sampler import Sampler
+from ridgeline.engine.sequence import Sequence
+from ridgeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ridgeline.engine.block_manager import BlockKey, BlockManager
+    from ridgeline.engine.loader import ModelSource
+    from ridgeline.engine.models import DecoderForCausalLM
+
+#: Propose the j-th token only while the chance it is accepted (acceptance ** j) is at
+#: least this: on CPU a verified token costs a small fraction of a forward pass.
+MARGINAL_ACCEPTANCE = 0.1
+#: Weight of older rounds in a request's acceptance estimate, per round.
+DECAY = 0.8
+#: The estimate starts as if 4 of 5 proposed tokens had been accepted.
+PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0
+
+#: What a step samples for one sequence: (token, logprob, top logprobs) per new token.
+Emitted = list[tuple[int, float, "dict[int, float] | None"]]
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None = None  # q as [len(token_ids), vocab]; None for one-hot
+
+
+@dataclass
+class SpecState:
+    """Per sequence: its acceptance estimate (decayed counts of accepted and rejected
+    proposals, a geometric model: each proposal is accepted with the same chance) and
+    the draft model's progress through it."""
+
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
+    cooldown: int = 0  # candidate steps left without speculating
+    num_proposed: int = 0
+    num_accepted: int = 0
+    draft_computed: int = 0  # leading tokens whose draft KV is in the draft cache
+    draft_marked: int = 0  # leading blocks recorded as complete in the draft cache
+    preemptions_seen: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def next_k(self, cfg: SpeculativeConfig) -> int:
+        if not cfg.adaptive:
+            return cfg.num_speculative_tokens
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return 0
+        alpha = self.acceptance
+        if alpha < cfg.min_acceptance:
+            # switch off for a while, then probe again with a fresh estimate
+            self.cooldown = cfg.cooldown_steps
+            self.accepted, self.rejected = PRIOR_ACCEPTED / 4, PRIOR_REJECTED / 4
+            return 0
+        if alpha >= 1.0:
+            return cfg.num_speculative_tokens
+        k = int(math.log(MARGINAL_ACCEPTANCE) / math.log(alpha))
+        return max(1, min(cfg.num_speculative_tokens, k))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_proposed += proposed
+        self.num_accepted += accepted
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1 if accepted < proposed else 0)
+
+
+# ---- proposers --------------------------------------------------------------------------
+
+
+def ngram_lookup(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the sequence's
+    last n tokens, for the longest n in [ngram_min, ngram_max] that occurs; [] if none."""
+    length = len(tokens)
+    if length < 2 or k <= 0:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
+        # windows starting at 0..length-1-n: they end before the last token, so every
+        # match has at least one token after it
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[length - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup: no model, so its q is one-hot (deterministic proposals)."""
+
+    allocates_first = False
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.ngram_min = cfg.ngram_min
+        self.ngram_max = cfg.ngram_max
+
+    def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
+                sampler: Sampler) -> list[Proposal]:
+        return [Proposal(ngram_lookup(seq.token_ids, k, self.ngram_min, self.ngram_max))
+                for seq, k in items]
+
+    def on_verified(self, seq: Sequence, state: SpecState, num_tokens: int, k: int,
+                    accepted: int) -> None:
+        pass
+
+
+class DraftProposer:
+    """A smaller model with the target's tokenizer, run autoregressively k times over its
+    own paged cache (same block ids as the target's)."""
+
+    allocates_first = True  # the draft writes KV at the proposals' slots
+
+    def __init__(self, model: DecoderForCausalLM, cache: KVCache, block_manager: BlockManager,
+                 device: torch.device, target_vocab: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_manager = block_manager
+        self.device = device
+        self.target_vocab = target_vocab
+        # block id -> the prefix-cache key it had when its draft KV was completed
+        self.complete: dict[int, BlockKey] = {}
+
+    def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
+                sampler: Sampler) -> list[Proposal]:
+        bs = self.cache.block_size
+        blocks = self.block_manager.blocks
+        first: list[tuple[list[int], int, list[int], int]] = []
+        for seq, _ in items:
+            st = states[seq]
+            if st.preemptions_seen != seq.num_preemptions:  # its blocks were all freed
+                st.preemptions_seen = seq.num_preemptions
+                st.draft_computed = st.draft_marked = 0
+            self._mark_complete(seq, st)
+            last = seq.num_tokens - 1
+            c = st.draft_computed
+            # skip blocks whose draft KV another sequence (or this one) completed
+            while c % bs == 0 and c + bs <= last:
+                b = seq.block_table[c // bs]
+                key = blocks[b].key
+                if key is None or self.complete.get(b) != key:
+                    break
+                c += bs
+            c = min(c, last)
+            first.append((seq.block_table, c, seq.token_ids[c:], 1))
+            st.draft_computed = seq.num_tokens
+        seqs = [seq for seq, _ in items]
+        tokens, probs = self._pick(run_forward(self.model, self.cache, self.device, first),
+                                   seqs, sampler)
+        drafts = [[t] for t in tokens]
+        qs: list[list[torch.Tensor]] = [[] if p is None else [p] for p in probs]
+        for j in range(1, max(k for _, k in items)):
+            live = [i for i, (_, k) in enumerate(items) if k > j]
+            batch = []
+            for i in live:
+                seq = items[i][0]
+                pos = seq.num_tokens - 1 + j  # the previous proposal's position
+                self.complete.pop(seq.block_table[pos // bs], None)  # unverified KV
+                batch.append((seq.block_table, pos, [drafts[i][-1]], 1))
+            tokens, probs = self._pick(run_forward(self.model, self.cache, self.device, batch),
+                                       [seqs[i] for i in live], sampler)
+            for i, t, p in zip(live, tokens, probs):
+                drafts[i].append(t)
+                if p is not None:
+                    qs[i].append(p)
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, qs)]
+
+    def on_verified(self, seq: Sequence, state: SpecState, num_tokens: int, k: int,
+                    accepted: int) -> None:
+        # the draft saw the proposals up to d_{k-1}; those accepted are now real tokens
+        state.draft_computed = num_tokens + min(accepted, k - 1)
+
+    def _mark_complete(self, seq: Sequence, st: SpecState) -> None:
+        blocks = self.block_manager.blocks
+        for i in range(st.draft_marked, st.draft_computed // self.cache.block_size):
+            b = seq.block_table[i]
+            key = blocks[b].key
+            if key is None:  # not in the prefix cache (yet): nobody else can hit it
+                break
+            self.complete[b] = key
+            st.draft_marked = i + 1
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """The draft's token for each row, and q (the distribution it was drawn from) for
+        rows that sample."""
+        v = self.target_vocab
+        if logits.shape[1] > v:  # tokens the target cannot emit are never proposed
+            logits = logits[:, :v]
+        elif logits.shape[1] < v:
+            pad = logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))
+            logits = torch.cat([logits, pad], dim=1)
+        tokens = logits.argmax(dim=-1)
+        probs: list[torch.Tensor | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            row_seqs = [seqs[i] for i in rows]
+            q = sampler._filtered_probs(logits[idx], row_seqs)
+            tokens[idx] = sampler._draw(q, row_seqs)
+            for j, i in enumerate(rows):
+                probs[i] = q[j]
+        return tokens.tolist(), probs
+
+
+def run_forward(model: DecoderForCausalLM, cache: KVCache, device: torch.device,
+                items: list[tuple[list[int], int, list[int], int]],
+                use_kernel: bool = False) -> torch.Tensor:
+    """One forward pass over a flat batch. Each item: (block table, position of its first
+    token, its token ids, how many of its last tokens need logits). Returns those logits,
+    in item order. `use_kernel`: short queries through the C attention kernel, as the
+    engine's `ModelRunner` does."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    batch: list[tuple[list[int], int, int]] = []
+    rows: list[int] = []
+    for table, start, tokens, num_rows in items:
+        end = len(input_ids) + len(tokens)
+        input_ids.extend(tokens)
+        positions.extend(range(start, start + len(tokens)))
+        batch.append((table, start, len(tokens)))
+        rows.extend(range(end - num_rows, end))
+    cfg = model.cfg
+    meta = build_attention_metadata(batch, cache.block_size, cfg.num_heads, cfg.num_kv_heads,
+                                    device, use_kernel=use_kernel)
+    hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device),
+                   torch.tensor(positions, dtype=torch.long, device=device), cache, meta)
+    return model.compute_logits(hidden.index_select(
+        0, torch.tensor(rows, dtype=torch.long, device=device)))
+
+
+# ---- the orchestrator -------------------------------------------------------------------
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig, *, model: DecoderForCausalLM, cache: KVCache,
+                 block_manager: BlockManager, device: torch.device, max_model_len: int,
+                 max_num_batched_tokens: int, proposer: NgramProposer | DraftProposer,
+                 use_kernel: bool = False) -> None:
+        self.cfg = cfg
+        self.use_kernel = use_kernel
+        self.model = model
+        self.cache = cache
+        self.block_manager = block_manager
+        self.device = device
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.proposer = proposer
+        self.states: weakref.WeakKeyDictionary[Sequence, SpecState] = weakref.WeakKeyDictionary()
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_spec_steps = 0  # steps that verified proposals
+        self.num_emitted = 0  # tokens those sequences emitted in those steps
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_proposed if self.num_proposed else None
+
+    def state(self, seq: Sequence) -> SpecState:
+        st = self.states.get(seq)
+        if st is None:
+            st = self.states[seq] = SpecState(preemptions_seen=seq.num_preemptions)
+        return st
+
+    # ---- 1-3: plan, propose, reserve slots ------------------------------------------
+
+    def propose(self, scheduled: list[tuple[Sequence, int]],
+                sampler: Sampler) -> dict[Sequence, Proposal]:
+        """Proposals for the sequences that speculate this step (empty: plain step)."""
+        items = self._plan(scheduled)
+        if not items:
+            return {}
+        bm = self.block_manager
+        if self.proposer.allocates_first:
+            items = [(seq, k) for seq, k in items if bm.allocate_slots(seq, 1 + k)]
+            if not items:
+                return {}
+        states = {seq: self.state(seq) for seq, _ in items}
+        proposals = self.proposer.propose(items, states, sampler)
+        out: dict[Sequence, Proposal] = {}
+        for (seq, _), prop in zip(items, proposals):
+            if not prop.token_ids:
+                continue
+            if self.proposer.allocates_first or bm.allocate_slots(seq, 1 + len(prop.token_ids)):
+                out[seq] = prop
+        for seq, _ in items:  # reserved but nothing to verify: give the slots back
+            if seq not in out:
+                bm.free_tail(seq, seq.num_tokens)
+        return out
+
+    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        cfg = self.cfg
+        if len(scheduled) > cfg.max_batch_size:
+            return []
+        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
+        items = []
+        for seq, n in scheduled:
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # a prefill chunk: nothing to guess yet
+            if seq.params.uses_penalties:
+                continue  # penalties change with every accepted token
+            k = self.state(seq).next_k(cfg)
+            if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
+                k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(k, self.max_model_len - seq.num_tokens, budget)
+            if k > 0:
+                items.append((seq, k))
+                budget -= k
+        return items
+
+    # ---- 4-5: verify, accept, roll back ---------------------------------------------
+
+    def verify(self, scheduled: list[tuple[Sequence, int]], proposals: dict[Sequence, Proposal],
+               sampler: Sampler) -> tuple[list[Sequence], list[Emitted]]:
+        """Run the batch with the proposals; return the sequences that emit tokens and
+        what each emits. A speculating sequence's `num_computed_tokens` grows here by its
+        accepted proposals (the caller adds the scheduled tokens, as for any sequence)."""
+        items = []
+        samplers: list[Sequence] = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start:start + n]
+            prop = proposals.get(seq)
+            if prop is not None:
+                items.append((seq.block_table, start, tokens + prop.token_ids,
+                              1 + len(prop.token_ids)))
+                samplers.append(seq)
+            elif start + n == seq.num_tokens:
+                items.append((seq.block_table, start, tokens, 1))
+                samplers.append(seq)
+            else:
+                items.append((seq.block_table, start, tokens, 0))
+        if not samplers:  # cannot happen: proposals come from sampling sequences
+            return [], []
+        logits = run_forward(self.model, self.cache, self.device, items, self.use_kernel)
+
+        spec_rows: list[int] = []
+        plain_rows: list[int] = []
+        row = 0
+        for seq in samplers:
+            prop = proposals.get(seq)
+            width = 1 + (len(prop.token_ids) if prop is not None else 0)
+            (spec_rows if prop is not None else plain_rows).extend(range(row, row + width))
+            row += width
+        emitted: dict[Sequence, Emitted] = {}
+        plain = [s for s in samplers if s not in proposals]
+        if plain:
+            res = sampler(logits[torch.tensor(plain_rows, device=logits.device)], plain)
+            for i, seq in enumerate(plain):
+                emitted[seq] = [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
+        spec = [s for s in samplers if s in proposals]
+        results = rejection_sample(logits[torch.tensor(spec_rows, device=logits.device)],
+                                   spec, [proposals[s].token_ids for s in spec],
+                                   [proposals[s].probs for s in spec], sampler)
+        self.num_spec_steps += 1
+        for seq, res in zip(spec, results):
+            k, a = len(proposals[seq].token_ids), res.num_accepted
+            st = self.state(seq)
+            st.record(k, a)
+            self.proposer.on_verified(seq, st, seq.num_tokens, k, a)
+            self.num_proposed += k
+            self.num_accepted += a
+            self.num_emitted += len(res.token_ids)
+            # roll back: keep the KV of the last token and the accepted proposals only
+            seq.num_computed_tokens += a
+            self.block_manager.free_tail(seq, seq.num_computed_tokens + 1)
+            emitted[seq] = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
+        return samplers, [emitted[s] for s in samplers]
+
+
+# ---- construction -----------------------------------------------------------------------
+
+
+def open_draft_source(cfg: SpeculativeConfig, target: ModelSource,
+                      draft: ModelSource | None, *, cache_dir: str | None) -> ModelSource | None:
+    """The draft model's source (method "draft"), checked against the target's tokenizer."""
+    if cfg.method != "draft":
+        return None
+    if draft is None:
+        if cfg.draft_model is None:
+            raise ConfigError("speculative.method is 'draft' but no draft model is given",
+                              hint="set speculative.draft_model to a model name or path")
+        from ridgeline.engine.loader import open_source
+        from ridgeline.engine.registry import resolve_model
+
+        draft = open_source(resolve_model(cfg.draft_model), cache_dir=cache_dir)
+    check_same_tokenizer(target, draft)
+    return draft
+
+
+def check_same_tokenizer(target: ModelSource, draft: ModelSource) -> None:
+    """Proposals are token ids: the draft must spell every token as the target does."""
+    hint = "use a draft model from the target's family (same tokenizer)"
+    t_tok, d_tok = target.tokenizer(), draft.tokenizer()
+    if t_tok is not None and d_tok is not None:
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=str)[:3]
+            raise ConfigError(
+                f"draft model {draft.name!r} has another tokenizer than {target.name!r} "
+                f"({len(d_vocab)} vs {len(t_vocab)} tokens; e.g. {differ} differ)", hint=hint)
+    elif draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(
+            f"draft model {draft.name!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+            f"the target {target.name!r} {target.config.vocab_size}", hint=hint)

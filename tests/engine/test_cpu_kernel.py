@@ -1,0 +1,61 @@
+"""The C decode-attention kernel equals PyTorch attention over the same paged context."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ridgeline.engine import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="no C compiler to build the kernel")
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads) -> None:
+    rng = random.Random(heads * 100 + block_size)
+    torch.manual_seed(0)
+    g = heads // kv_heads
+    n = 7
+    q_lens = [rng.randint(1, min(8, 64 // g)) for _ in range(n)]
+    ctx = [rng.randint(q, 120) for q in q_lens]
+    num_blocks = 1 + sum(-(-c // block_size) for c in ctx) + 10
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    tables = []
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    for c in ctx:
+        nb = -(-c // block_size)
+        tables.append([free.pop() for _ in range(nb)])
+    total = sum(q_lens)
+    # a strided q, as the model passes a slice of the fused qkv projection
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim)
+    q = qkv[:, :heads]
+    starts = [sum(q_lens[:i]) for i in range(n)]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    out = torch.full((total, heads, head_dim), float("nan"))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(starts),
+                                           torch.tensor(q_lens), torch.tensor(ctx), out)
+    finally:
+        torch.set_num_threads(old)
+    for i in range(n):
+        kc = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:ctx[i]]
+        vc = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:ctx[i]]
+        ql = q_lens[i]
+        mask = torch.arange(ctx[i])[None, :] <= torch.arange(ql)[:, None] + ctx[i] - ql
+        ref = F.scaled_dot_product_attention(
+            q[starts[i]:starts[i] + ql].transpose(0, 1)[None],
+            kc.transpose(0, 1).repeat_interleave(g, 0)[None],
+            vc.transpose(0, 1).repeat_interleave(g, 0)[None], attn_mask=mask[None, None])
+        got = out[starts[i]:starts[i] + ql]
+        assert torch.allclose(got, ref[0].transpose(0, 1), atol=2e-5), i

@@ -51,20 +51,26 @@ def one_layer_draft() -> torch.nn.Module:
     return draft
 
 
-@lru_cache(maxsize=None)
 def plain_outputs(n_prompts: int, max_tokens: int) -> tuple[tuple[int, ...], ...]:
-    llm = LLM.from_hf_model(model(), num_kv_blocks=400, block_size=4)
-    outs = llm.generate(PROMPTS[:n_prompts], SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                            ignore_eos=True))
+    """Plain decoding's greedy outputs of the first prompts (one batched run)."""
+    return _plain_outputs(max_tokens)[:n_prompts]
+
+
+@lru_cache(maxsize=None)
+def _plain_outputs(max_tokens: int) -> tuple[tuple[int, ...], ...]:
+    llm = LLM.from_hf_model(model(), num_kv_blocks=400, block_size=4, max_num_seqs=16)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True))
     return tuple(tuple(o.outputs[0].token_ids) for o in outs)
 
 
 def spec_llm(method: str, **overrides) -> LLM:
-    spec = dict(method=method, num_speculative_tokens=4, max_batch_size=64,
-                **overrides.pop("spec", {}))
-    kw = dict(num_kv_blocks=400, block_size=4, speculative=spec, **overrides)
+    spec = {"method": method, "num_speculative_tokens": 4, "max_batch_size": 64,
+            **overrides.pop("spec", {})}
+    draft = overrides.pop("draft", None)
+    kw = dict({"num_kv_blocks": 400, "block_size": 4, "speculative": spec}, **overrides)
     if method == "draft":
-        kw["draft_model"] = overrides.pop("draft", None) or one_layer_draft()
+        kw["draft_model"] = draft if draft is not None else one_layer_draft()
     return LLM.from_hf_model(model(), **kw)
 
 
@@ -75,7 +81,7 @@ def assert_all_blocks_returned(llm: LLM) -> None:
 
 
 SCENARIOS = {
-    "bs1": dict(max_num_seqs=1),
+    "bs1": dict(max_num_seqs=1),  # on the first 4 prompts
     "batch-prefix-chunked": dict(max_num_seqs=10, max_num_batched_tokens=24),
     "batch-nocache": dict(max_num_seqs=10, enable_prefix_caching=False),
 }
@@ -85,8 +91,9 @@ SCENARIOS = {
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_identical_to_plain_decoding(method: str, scenario: str) -> None:
     llm = spec_llm(method, **SCENARIOS[scenario])
-    outs = llm.generate(PROMPTS, GREEDY)
-    expected = plain_outputs(len(PROMPTS), 40)
+    prompts = PROMPTS[:4] if scenario == "bs1" else PROMPTS
+    outs = llm.generate(prompts, GREEDY)
+    expected = plain_outputs(len(prompts), 40)
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert tuple(out.outputs[0].token_ids) == ref, f"prompt {i} diverged"
     stats = llm.engine.stats()
@@ -143,7 +150,8 @@ def test_logprobs_stop_and_max_tokens_match_plain_decoding() -> None:
     """Tokens emitted by verification carry the model's logprobs and top logprobs; a
     stop token or max_tokens inside an accepted run ends the output exactly there."""
     ref = plain_outputs(len(PROMPTS), 40)
-    stop = ref[0][17]  # a token the first output produces
+    # a token the second output produces first after 10 tokens: it must stop there
+    stop = next(t for j, t in enumerate(ref[1]) if j >= 10 and t not in ref[1][:j])
     params = [SamplingParams(temperature=0, max_tokens=23, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop],
                              ignore_eos=True)]
@@ -161,7 +169,8 @@ def test_logprobs_stop_and_max_tokens_match_plain_decoding() -> None:
     for tx, ty in zip(x.top_logprobs, y.top_logprobs):
         assert tx.keys() == ty.keys()
         assert max(abs(tx[t] - ty[t]) for t in tx) < 1e-4
-    assert outs["ngram"][1].outputs[0].stop_reason == stop
+    y = outs["ngram"][1].outputs[0]
+    assert y.stop_reason == stop and len(y.token_ids) == ref[1].index(stop) + 1
 
 
 def test_requests_without_proposals_decode_in_the_same_steps() -> None:
@@ -180,8 +189,10 @@ def test_requests_without_proposals_decode_in_the_same_steps() -> None:
 def test_speculation_is_off_for_large_batches() -> None:
     llm = spec_llm("ngram", max_num_seqs=10, spec=dict(max_batch_size=3))
     engine = llm.engine
-    for i, p in enumerate(PROMPTS[:6]):
-        engine.add_request(str(i), prompt_token_ids=p, params=GREEDY)
+    for i, p in enumerate(PROMPTS[:6]):  # the batch shrinks as they finish
+        engine.add_request(str(i), prompt_token_ids=p,
+                           params=SamplingParams(temperature=0, max_tokens=8 + 10 * i,
+                                                 ignore_eos=True))
     while engine.has_unfinished_requests():
         running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         before = engine.stats().spec_proposed_tokens

@@ -131,7 +131,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        normalize_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_num_batched_tokens < self.block_size and not self.enable_chunked_prefill:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
         if not self.device.startswith(("cpu", "cuda")):

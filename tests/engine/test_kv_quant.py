@@ -77,42 +77,47 @@ def test_bytes_per_token_and_capacity_under_one_budget() -> None:
                               model_dtype=torch.float32) == 2 * 2 * 2 * 16 * 2
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_outputs_stay_close_to_the_full_precision_cache(kind: str) -> None:
+@pytest.mark.parametrize("kind,tol", [("int8", 0.03), ("fp8", 0.2)])
+def test_outputs_stay_close_to_the_full_precision_cache(kind: str, tol: float) -> None:
+    """Same greedy tokens with logprobs within `tol`, up to the first divergence, which
+    may only happen where the full-precision model nearly ties its top two tokens."""
     model = cached_model("llama")
     ref = LLM.from_hf_model(model, num_kv_blocks=200, max_num_seqs=8)
     quant = LLM.from_hf_model(model, num_kv_blocks=200, max_num_seqs=8, kv_cache_dtype=kind)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    a = ref.generate(PROMPTS, params)
-    b = quant.generate(PROMPTS, params)
-    agree = total = 0
-    for x, y in zip(a, b):
-        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        agree += sum(p == q for p, q in zip(tx, ty))
-        total += len(tx)
-        # the first token's logprob is computed over the quantized prompt cache
-        assert abs(x.outputs[0].logprobs[0] - y.outputs[0].logprobs[0]) < 0.05
-    assert agree / total >= 0.9
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    compared = 0
+    for x, y in zip(ref.generate(PROMPTS, params), quant.generate(PROMPTS, params)):
+        a, b = x.outputs[0], y.outputs[0]
+        same = next((i for i, (p, q) in enumerate(zip(a.token_ids, b.token_ids)) if p != q),
+                    len(a.token_ids))
+        for i in range(same):
+            assert abs(a.logprobs[i] - b.logprobs[i]) < tol
+        compared += same
+        if same < len(a.token_ids):
+            top2 = sorted(a.top_logprobs[same].values())[-2:]
+            assert top2[1] - top2[0] < 2 * tol, "diverged where the model was sure"
+    assert compared >= 0.4 * 12 * len(PROMPTS)  # random tiny models have many near-ties
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_preemption_by_recomputation_with_a_quantized_cache(kind: str) -> None:
     model = cached_model("llama")
-    roomy = LLM.from_hf_model(model, num_kv_blocks=300, block_size=4, max_num_seqs=8,
+    roomy = LLM.from_hf_model(model, num_kv_blocks=300, block_size=4, max_num_seqs=6,
                               kv_cache_dtype=kind)
-    tight = LLM.from_hf_model(model, num_kv_blocks=48, block_size=4, max_num_seqs=8,
+    tight = LLM.from_hf_model(model, num_kv_blocks=60, block_size=4, max_num_seqs=6,
                               max_num_batched_tokens=64, kv_cache_dtype=kind)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    a = roomy.generate(PROMPTS, params)
-    b = tight.generate(PROMPTS, params)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    a = roomy.generate(PROMPTS[:6], params)
+    b = tight.generate(PROMPTS[:6], params)
     assert tight.engine.num_preemptions > 0 and roomy.engine.num_preemptions == 0
+    assert all(len(o.outputs[0].token_ids) == 40 for o in b)
     agree = sum(p == q for x, y in zip(a, b)
                 for p, q in zip(x.outputs[0].token_ids, y.outputs[0].token_ids))
-    assert all(len(o.outputs[0].token_ids) == 64 for o in b)
     # recomputed prompts attend to their own keys unquantized, as at admission, so a
-    # preempted sequence may round differently, but not drift away
-    assert agree / (64 * len(PROMPTS)) >= 0.9
+    # preempted sequence may round differently near a tie, but does not drift away
+    assert agree / (40 * 6) >= 0.8
     tight.engine.block_manager.check_invariants([])
+    assert tight.engine.stats().num_free_blocks == 59
 
 
 def test_sleep_and_wake_with_a_quantized_cache() -> None:

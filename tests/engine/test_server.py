@@ -550,7 +550,7 @@ def test_serve_command_serves_a_model_directory(tmp_path: Any, random_model: Any
                 return False
 
         assert wait_for(up, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert [m.id for m in client.models.list().data] == ["tiny", "tiny:fast"]
         r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
         assert r.usage.completion_tokens == 3
     finally:

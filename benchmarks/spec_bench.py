@@ -1,0 +1,305 @@
+"""Speed of the high-speed variant (`<model>:fast`: n-gram speculative decoding + int8 KV)
+against the standard one, on SmolLM2-135M-Instruct, one request at a time.
+
+    .venv/bin/python benchmarks/spec_bench.py --json            # the full run (~10 min)
+    .venv/bin/python benchmarks/spec_bench.py --quick --json    # a smoke run
+
+Workloads (chat-templated, greedy, up to --max-tokens new tokens, EOS ends a reply):
+- repetitive: code edits ("here is a file, rewrite it with one change") and agent traces
+  (a log of tool calls the model is asked to repeat with a change): output that copies
+  its context, where prompt lookup shines;
+- chat: plain questions, where proposals come only from the reply repeating itself.
+
+Engines, built from the same EngineConfig in the same process: `standard`,
+`fast` (= `EngineConfig.fast_variant()`), and `spec_only` (the same speculation over a
+full-precision KV cache, whose greedy output must equal the standard one token for
+token; the fast variant's int8 cache may flip near-ties). Prompts alternate between the
+engines so that load on this shared machine hits both alike, and all engines run on one
+worker thread (torch matmuls issued from the main thread have been measured much slower
+here). Output speed is tokens per second after the first token (as "output speed" is
+usually quoted); end-to-end numbers include prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from datetime import date
+from typing import Any
+
+import torch
+
+FILES = {
+    "config.py": '''import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DatabaseConfig:
+    host: str = "localhost"
+    port: int = 5432
+    user: str = "app"
+    password: str = ""
+    name: str = "app"
+
+    def url(self) -> str:
+        return f"postgresql://{self.user}:{self.password}@{self.host}:{self.port}/{self.name}"
+
+
+@dataclass
+class AppConfig:
+    debug: bool = False
+    workers: int = 4
+    database: DatabaseConfig = field(default_factory=DatabaseConfig)
+
+
+def load_config() -> AppConfig:
+    config = AppConfig()
+    config.debug = os.environ.get("APP_DEBUG", "0") == "1"
+    config.workers = int(os.environ.get("APP_WORKERS", "4"))
+    config.database.host = os.environ.get("DB_HOST", "localhost")
+    config.database.port = int(os.environ.get("DB_PORT", "5432"))
+    return config
+''',
+    "users.py": '''def load_users(db, limit=10):
+    rows = db.execute("SELECT id, name, email FROM users LIMIT ?", (limit,))
+    return [dict(id=r[0], name=r[1], email=r[2]) for r in rows]
+
+
+def find_user(db, user_id):
+    rows = db.execute("SELECT id, name, email FROM users WHERE id = ?", (user_id,))
+    for r in rows:
+        return dict(id=r[0], name=r[1], email=r[2])
+    return None
+
+
+def delete_user(db, user_id):
+    db.execute("DELETE FROM users WHERE id = ?", (user_id,))
+    db.commit()
+
+
+def count_users(db):
+    rows = db.execute("SELECT COUNT(*) FROM users")
+    return rows[0][0]
+''',
+    "stack.py": '''class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from an empty stack")
+        return self.items.pop()
+
+    def peek(self):
+        if not self.items:
+            raise IndexError("peek at an empty stack")
+        return self.items[-1]
+
+    def is_empty(self):
+        return len(self.items) == 0
+
+    def size(self):
+        return len(self.items)
+''',
+    "retry.py": '''import time
+
+
+def retry(func, attempts=3, delay=1.0):
+    last_error = None
+    for attempt in range(attempts):
+        try:
+            return func()
+        except Exception as error:
+            last_error = error
+            time.sleep(delay)
+    raise last_error
+
+
+def fetch(url, session, attempts=3):
+    def get():
+        response = session.get(url, timeout=10)
+        response.raise_for_status()
+        return response.json()
+    return retry(get, attempts=attempts)
+''',
+}
+EDITS = {
+    "config.py": "change the default number of workers from 4 to 8",
+    "users.py": "rename the function load_users to fetch_users",
+    "stack.py": "rename the method peek to top",
+    "retry.py": "change the default delay from 1.0 to 0.5 seconds",
+}
+TRACES = [
+    ("$ ls src\napp.py  models.py  utils.py\n$ grep -n \"def \" src/app.py\n3:def main():\n"
+     "12:def parse_args():\n27:def run(config):\n$ python -m pytest tests -q\n"
+     "....F.\nFAILED tests/test_app.py::test_run - AssertionError: expected 3, got 2\n"
+     "$ sed -n 27,40p src/app.py\ndef run(config):\n    total = 0\n    for item in "
+     "config.items:\n        total += 1\n    return total - 1\n",
+     "Repeat exactly the same sequence of commands, each on its own line starting with $, "
+     "but run pytest with -x instead of -q."),
+    ("Step 1: read_file(path=\"README.md\") -> 42 lines\nStep 2: read_file(path=\"setup.py\")"
+     " -> 30 lines\nStep 3: run(cmd=\"pip install -e .\") -> ok\nStep 4: run(cmd=\"pytest\") "
+     "-> 2 failed, 10 passed\nStep 5: read_file(path=\"tests/test_io.py\") -> 88 lines\n"
+     "Step 6: edit_file(path=\"src/io.py\", line=14) -> ok\nStep 7: run(cmd=\"pytest\") -> "
+     "12 passed\n",
+     "Write the same list of steps again, numbered the same way, but with the file "
+     "src/io.py replaced by src/reader.py everywhere."),
+]
+CHAT = [
+    "What are three good habits for staying healthy?",
+    "Explain what a hash table is to a beginner.",
+    "Write a short story about a robot who learns to paint.",
+    "What is the difference between weather and climate?",
+    "Give me some tips for learning a new language.",
+    "Why is the sky blue?",
+]
+
+
+def prompts(quick: bool) -> dict[str, list[list[dict[str, str]]]]:
+    edits = [[{"role": "user", "content": f"Here is the file {name}:\n\n```python\n{src}```\n\n"
+                                          f"Rewrite the whole file with one change: "
+                                          f"{EDITS[name]}. Output only the code."}]
+             for name, src in FILES.items()]
+    traces = [[{"role": "user", "content": f"Here is a log of an agent's actions:\n\n{log}\n"
+                                           f"{ask}"}] for log, ask in TRACES]
+    chat = [[{"role": "user", "content": c}] for c in CHAT]
+    if quick:
+        return {"repetitive": edits[:1] + traces[:1], "chat": chat[:2]}
+    return {"repetitive": edits + traces, "chat": chat}
+
+
+def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    from ridgeline.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    rid = f"r{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(rid, prompt_token_ids=ids, params=params)
+    first = None
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+            final = out
+    end = time.perf_counter()
+    tokens = list(final.outputs[0].token_ids)
+    return {"tokens": tokens, "seconds": end - start, "decode_seconds": end - (first or end)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--quick", action="store_true", help="a small smoke run")
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--kv-cache-mb", type=float, default=256)
+    args = ap.parse_args()
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    max_tokens = args.max_tokens or (64 if args.quick else 160)
+    result: dict[str, Any] = {}
+    error: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            result.update(bench(args, max_tokens, log))
+        except BaseException as e:  # re-raised on the main thread
+            error.append(e)
+
+    worker = threading.Thread(target=work, name="spec-bench")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    from ridgeline.engine import EngineConfig, LLMEngine
+
+    base = EngineConfig.build(model=args.model, num_threads=args.threads,
+                              kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8)
+    fast_cfg = base.fast_variant()
+    spec_only_cfg = fast_cfg.model_copy(update={"kv_cache_dtype": base.kv_cache_dtype})
+    engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
+               "spec_only": LLMEngine(spec_only_cfg)}
+    tok = engines["standard"].tokenizer
+    work = {kind: [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)) for m in msgs]
+            for kind, msgs in prompts(args.quick).items()}
+    for engine in engines.values():  # first-call overheads
+        run_one(engine, work["chat"][0][:8], 4)
+
+    load_start = os.getloadavg()[0]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {k: {e: [] for e in engines} for k in work}
+    order = list(engines)
+    for kind, items in work.items():
+        for i, ids in enumerate(items):
+            # alternate which engine goes first, so drifting load hits all alike
+            for name in order[i % 3:] + order[:i % 3]:
+                r = run_one(engines[name], ids, max_tokens)
+                runs[kind][name].append(r)
+                log(f"{kind}[{i}] {name}: {len(r['tokens'])} tokens, "
+                    f"{len(r['tokens']) / r['seconds']:.1f} tok/s end to end")
+
+    out: dict[str, Any] = {
+        "model": args.model, "threads": args.threads, "quick": args.quick,
+        "max_tokens": max_tokens,
+        "fast_config": {"speculative": fast_cfg.speculative.model_dump(),
+                        "kv_cache_dtype": fast_cfg.kv_cache_dtype},
+        "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
+        "date": date.today().isoformat(), "torch": torch.__version__,
+    }
+    identical = {"fast": True, "spec_only": True}
+    agree = total = 0
+    for kind, by_engine in runs.items():
+        std = by_engine["standard"]
+        for name in engines:
+            rs = by_engine[name]
+            toks = sum(len(r["tokens"]) - 1 for r in rs)
+            dec = sum(r["decode_seconds"] for r in rs)
+            e2e_toks = sum(len(r["tokens"]) for r in rs)
+            out[f"{name}_{kind}_output_tok_s"] = round(toks / dec, 2) if dec else None
+            out[f"{name}_{kind}_e2e_tok_s"] = round(e2e_toks / sum(r["seconds"] for r in rs), 2)
+            out[f"{name}_{kind}_output_tokens"] = e2e_toks
+        for name in identical:
+            same = [a["tokens"] == b["tokens"] for a, b in zip(std, by_engine[name])]
+            identical[name] = identical[name] and all(same)
+            out[f"{name}_{kind}_identical_outputs"] = f"{sum(same)}/{len(same)}"
+        for a, b in zip(std, by_engine["fast"]):
+            agree += sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+            total += max(len(a["tokens"]), len(b["tokens"]))
+        for name, key in (("fast", "speedup"), ("spec_only", "spec_only_speedup")):
+            s, f = out[f"standard_{kind}_output_tok_s"], out[f"{name}_{kind}_output_tok_s"]
+            out[f"{key}_{kind}"] = round(f / s, 2) if s and f else None
+            out[f"{key}_{kind}_e2e"] = round(out[f"{name}_{kind}_e2e_tok_s"]
+                                             / out[f"standard_{kind}_e2e_tok_s"], 2)
+    fast_stats = engines["fast"].stats()
+    out["acceptance_rate"] = (round(fast_stats.spec_acceptance_rate, 3)
+                              if fast_stats.spec_acceptance_rate is not None else None)
+    out["proposed_tokens"] = fast_stats.spec_proposed_tokens
+    out["accepted_tokens"] = fast_stats.spec_accepted_tokens
+    out["greedy_identical"] = identical["fast"]
+    out["greedy_identical_spec_only"] = identical["spec_only"]
+    out["fast_vs_standard_token_agreement"] = round(agree / total, 4) if total else None
+    for name in ("standard", "fast"):
+        s = engines[name].stats()
+        out[f"{name}_kv_bytes_per_token"] = s.kv_bytes_per_token
+        out[f"{name}_kv_capacity_tokens"] = s.kv_capacity_tokens
+    out["load_avg"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
+    return out
+
+
+if __name__ == "__main__":
+    main()

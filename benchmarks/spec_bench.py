@@ -32,7 +32,13 @@ import time
 from datetime import date
 from typing import Any
 
-import torch
+# Idle OpenMP workers sleep instead of spinning. On this shared 2-core machine a spinning
+# worker that loses its core stalls every multi-row matmul for a scheduler time slice
+# (~24 ms, measured), which made 2..8-token forward passes 100x slower than 1-token ones
+# and would hide what speculation does. Set before torch loads; the same for both sides.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 FILES = {
     "config.py": '''import os
@@ -260,6 +266,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
                         "kv_cache_dtype": fast_cfg.kv_cache_dtype},
         "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
         "date": date.today().isoformat(), "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     identical = {"fast": True, "spec_only": True}
     agree = total = 0

@@ -16,7 +16,7 @@ from ridgeline.engine.config import SpeculativeConfig
 from ridgeline.engine.rejection_sampler import rejection_sample
 from ridgeline.engine.sampler import Sampler
 from ridgeline.engine.sequence import Sequence
-from ridgeline.engine.speculative import SpecState, ngram_lookup
+from ridgeline.engine.speculative import SpecState, StepCost, ngram_lookup
 from ridgeline.errors import ConfigError
 
 VOCAB = 96
@@ -65,8 +65,9 @@ def _plain_outputs(max_tokens: int) -> tuple[tuple[int, ...], ...]:
 
 
 def spec_llm(method: str, **overrides) -> LLM:
+    # a fixed k: these tests are about correctness, not about when speculation pays
     spec = {"method": method, "num_speculative_tokens": 4, "max_batch_size": 64,
-            **overrides.pop("spec", {})}
+            "adaptive": False, "ngram_min": 1, "ngram_max": 4, **overrides.pop("spec", {})}
     draft = overrides.pop("draft", None)
     kw = dict({"num_kv_blocks": 400, "block_size": 4, "speculative": spec}, **overrides)
     if method == "draft":
@@ -251,6 +252,23 @@ def test_adaptive_k_follows_acceptance_and_switches_off() -> None:
     assert k_low < 6
     fixed = SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False)
     assert st.next_k(fixed) == 5
+
+
+def test_step_cost_model_switches_speculation_off_for_compute_bound_batches() -> None:
+    cost = StepCost()
+    assert cost.best_k(0.9, 7) > 0  # the prior: verification is cheap at batch 1
+    # measured: 10 ms fixed + 10 ms per token (a CPU where tokens cost as much as weights)
+    for tokens in (1, 4, 8, 16, 2, 32, 1, 9):
+        cost.observe(tokens, 0.010 + 0.010 * tokens)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.010)
+    assert cost.best_k(0.9, 7, batch=1) >= 3  # one sequence: proposals are worth it
+    assert cost.best_k(0.3, 7, batch=1) == 0  # too few accepted to pay the extra tokens
+    assert cost.best_k(0.9, 7, batch=32) == 0  # a big batch is compute-bound: off
+    assert cost.best_k(0.99, 7, batch=1) == 7
+    # a draft model's own passes count against it
+    cost.observe_draft(0.030)
+    assert cost.best_k(0.9, 7, batch=1) < 3
 
 
 def test_configuration_errors() -> None:

@@ -80,7 +80,7 @@ def spec_llm(target: torch.nn.Module, method: str, draft: torch.nn.Module | None
         target, draft_model=draft, num_kv_blocks=N_SAMPLES * 5, block_size=4,
         max_num_seqs=N_SAMPLES, max_num_batched_tokens=N_SAMPLES * 2, seed=3,
         speculative=dict(method=method, num_speculative_tokens=2, max_batch_size=N_SAMPLES,
-                         adaptive=False))
+                         adaptive=False, ngram_min=1, ngram_max=3))
 
 
 @pytest.mark.parametrize("method,top_p", [("ngram", 1.0), ("draft", 1.0), ("draft", 0.9)])

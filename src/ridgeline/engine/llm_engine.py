@@ -362,7 +362,10 @@ class LLMEngine:
             samplers, emitted = self.speculator.verify(sched.scheduled, proposals,
                                                        self.sampler)
         else:
+            start = time.perf_counter()
             samplers, logits = self.runner.execute(sched.scheduled)
+            if self.speculator is not None:  # its cost model learns from plain steps too
+                self.speculator.observe_step(sched.scheduled, time.perf_counter() - start)
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
         self.num_steps += 1

@@ -2,10 +2,12 @@
 
 Each step, after the scheduler has picked the batch, the `Speculator`:
 
-1. plans: every decoding sequence (one new token, no penalties) gets a k from its own
-   recent acceptance; nobody speculates in a step with more than `max_batch_size`
-   sequences (a large CPU batch is compute-bound, so rejected tokens cost real time),
-   nor while a request's acceptance is too low to pay for its verification;
+1. plans: every decoding sequence (one new token, no penalties) gets the k that
+   maximizes the batch's expected tokens per second, from its own recent acceptance and
+   the measured cost of a forward pass (`StepCost`: seconds = a + b * tokens, fit over
+   recent steps). On a small batch a verified token costs a fraction of a step; on a
+   large, compute-bound one as much as a decoded token, so there k falls to 0 and
+   speculation switches itself off. Never more than `max_batch_size` sequences;
 2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
    output, the draft proposer runs a small model k times;
 3. reserves KV slots for the proposals (`allocate_slots` on top of the scheduled token;
@@ -29,8 +31,9 @@ those blocks in the draft too.
 
 from __future__ import annotations
 
-import math
+import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -50,13 +53,15 @@ if TYPE_CHECKING:
     from ridgeline.engine.loader import ModelSource
     from ridgeline.engine.models import DecoderForCausalLM
 
-#: Propose the j-th token only while the chance it is accepted (acceptance ** j) is at
-#: least this: on CPU a verified token costs a small fraction of a forward pass.
-MARGINAL_ACCEPTANCE = 0.1
+#: Before any measurement: one more token in a forward pass costs this fraction of the
+#: pass's fixed cost (about what a 2-core CPU shows for SmolLM2 at 1-8 tokens).
+PRIOR_TOKEN_COST = 0.4
 #: Weight of older rounds in a request's acceptance estimate, per round.
 DECAY = 0.8
-#: The estimate starts as if 4 of 5 proposed tokens had been accepted.
+#: The estimate starts as if 4 of 5 proposed tokens had been accepted; after a pause it
+#: restarts from a weaker guess (a probe with a small k).
 PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0
+PROBE_ACCEPTED, PROBE_REJECTED = 1.0, 0.5
 
 #: What a step samples for one sequence: (token, logprob, top logprobs) per new token.
 Emitted = list[tuple[int, float, "dict[int, float] | None"]]
@@ -87,28 +92,83 @@ class SpecState:
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def next_k(self, cfg: SpeculativeConfig) -> int:
+    def next_k(self, cfg: SpeculativeConfig,
+               best_k: Callable[[float, int], int] | None = None) -> int:
+        """How many tokens to propose now; `best_k(acceptance, k_max)` weighs them
+        against the step's cost (default: a batch of one at the prior cost)."""
         if not cfg.adaptive:
             return cfg.num_speculative_tokens
         if self.cooldown > 0:
             self.cooldown -= 1
             return 0
         alpha = self.acceptance
-        if alpha < cfg.min_acceptance:
-            # switch off for a while, then probe again with a fresh estimate
+        choose = best_k or StepCost().best_k
+        k = 0 if alpha < cfg.min_acceptance else choose(alpha, cfg.num_speculative_tokens)
+        if k == 0:  # not worth it: pause, then probe again with a fresh estimate
             self.cooldown = cfg.cooldown_steps
-            self.accepted, self.rejected = PRIOR_ACCEPTED / 4, PRIOR_REJECTED / 4
-            return 0
-        if alpha >= 1.0:
-            return cfg.num_speculative_tokens
-        k = int(math.log(MARGINAL_ACCEPTANCE) / math.log(alpha))
-        return max(1, min(cfg.num_speculative_tokens, k))
+            self.accepted, self.rejected = PROBE_ACCEPTED, PROBE_REJECTED
+        return k
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (1 if accepted < proposed else 0)
+
+
+class StepCost:
+    """Seconds of a decoding forward pass as `a + b * tokens`, fit by least squares over
+    recent steps (older ones weigh less), so the choice of k follows the machine: its
+    load, its thread count, the batch size. Until steps of different sizes have been
+    seen, `b / a` is PRIOR_TOKEN_COST."""
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, y, x^2, x*y
+        self.draft_seconds = 0.0  # one draft forward pass (EMA), 0 without a draft model
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        w, x, y, xx, xy = self._sums
+        self._sums = (d * w + 1, d * x + tokens, d * y + seconds, d * xx + tokens * tokens,
+                      d * xy + tokens * seconds)
+
+    def observe_draft(self, seconds: float) -> None:
+        self.draft_seconds = seconds if not self.draft_seconds else (
+            0.9 * self.draft_seconds + 0.1 * seconds)
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): in seconds once anything was measured, else in units of a."""
+        w, x, y, xx, xy = self._sums
+        if w > 0:
+            spread = w * xx - x * x
+            if w >= 4 and spread >= 0.25 * w * w:  # token counts really differ
+                b = (w * xy - x * y) / spread
+                a = (y - b * x) / w
+                if a > 0 and b > 0:
+                    return a, b
+                if b <= 0:  # extra tokens are free (latency-bound)
+                    return y / w, 1e-6 * y / w
+                return 1e-6 * y / w, y / x  # all cost is per token (compute-bound)
+            a = (y / w) / (1 + PRIOR_TOKEN_COST * x / w)  # the prior, at the measured scale
+            return a, PRIOR_TOKEN_COST * a
+        return 1.0, PRIOR_TOKEN_COST
+
+    def best_k(self, alpha: float, k_max: int, batch: int = 1, planned: int = 0) -> int:
+        """The k that maximizes the batch's expected tokens per second when one of its
+        `batch` sequences, accepting each proposal with chance `alpha`, proposes k more
+        tokens on top of `planned` already proposed by others (0: do not speculate)."""
+        a, b = self.coefficients()
+        d = self.draft_seconds if self._sums[0] > 0 else 0.0
+        base = a + b * (batch + planned)
+        best, best_rate = 0, batch / base
+        emitted = 1.0  # expected tokens this sequence emits: 1 + alpha + ... + alpha^k
+        for k in range(1, k_max + 1):
+            emitted += alpha ** k
+            rate = (emitted + batch - 1) / (base + (b + d) * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
 
 # ---- proposers --------------------------------------------------------------------------
@@ -159,6 +219,7 @@ class DraftProposer:
 
     def __init__(self, model: DecoderForCausalLM, cache: KVCache, block_manager: BlockManager,
                  device: torch.device, target_vocab: int) -> None:
+        self.cost: StepCost | None = None  # set by the Speculator: draft passes cost too
         self.model = model
         self.cache = cache
         self.block_manager = block_manager
@@ -203,8 +264,11 @@ class DraftProposer:
                 pos = seq.num_tokens - 1 + j  # the previous proposal's position
                 self.complete.pop(seq.block_table[pos // bs], None)  # unverified KV
                 batch.append((seq.block_table, pos, [drafts[i][-1]], 1))
-            tokens, probs = self._pick(run_forward(self.model, self.cache, self.device, batch),
-                                       [seqs[i] for i in live], sampler)
+            start = time.perf_counter()
+            logits = run_forward(self.model, self.cache, self.device, batch)
+            if self.cost is not None:
+                self.cost.observe_draft(time.perf_counter() - start)
+            tokens, probs = self._pick(logits, [seqs[i] for i in live], sampler)
             for i, t, p in zip(live, tokens, probs):
                 drafts[i].append(t)
                 if p is not None:
@@ -297,6 +361,9 @@ class Speculator:
         self.num_accepted = 0
         self.num_spec_steps = 0  # steps that verified proposals
         self.num_emitted = 0  # tokens those sequences emitted in those steps
+        self.cost = StepCost()
+        if isinstance(proposer, DraftProposer):
+            proposer.cost = self.cost
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -336,23 +403,34 @@ class Speculator:
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         cfg = self.cfg
-        if len(scheduled) > cfg.max_batch_size:
+        batch = len(scheduled)
+        if batch > cfg.max_batch_size:
             return []
-        budget = self.max_num_batched_tokens - sum(n for _, n in scheduled)
-        items = []
+        num_tokens = sum(n for _, n in scheduled)
+        budget = self.max_num_batched_tokens - num_tokens
+        items: list[tuple[Sequence, int]] = []
+        planned = num_tokens - batch  # prefill tokens beyond one per sequence
         for seq, n in scheduled:
             if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
                 continue  # a prefill chunk: nothing to guess yet
             if seq.params.uses_penalties:
                 continue  # penalties change with every accepted token
-            k = self.state(seq).next_k(cfg)
+            k = self.state(seq).next_k(
+                cfg, lambda alpha, k_max: self.cost.best_k(alpha, k_max, batch, planned))
             if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(k, self.max_model_len - seq.num_tokens, budget)
             if k > 0:
                 items.append((seq, k))
                 budget -= k
+                planned += k
         return items
+
+    def observe_step(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
+        """The time of a plain step's forward pass (decode-only steps inform the cost
+        model; prefill chunks cost differently per token)."""
+        if all(n == 1 for _, n in scheduled):
+            self.cost.observe(len(scheduled), seconds)
 
     # ---- 4-5: verify, accept, roll back ---------------------------------------------
 
@@ -378,7 +456,10 @@ class Speculator:
                 items.append((seq.block_table, start, tokens, 0))
         if not samplers:  # cannot happen: proposals come from sampling sequences
             return [], []
+        start = time.perf_counter()
         logits = run_forward(self.model, self.cache, self.device, items, self.use_kernel)
+        if all(n == 1 for _, n in scheduled):
+            self.cost.observe(sum(len(it[2]) for it in items), time.perf_counter() - start)
 
         spec_rows: list[int] = []
         plain_rows: list[int] = []

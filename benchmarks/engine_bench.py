@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import platform
 import random
 import statistics
@@ -193,6 +194,7 @@ def main() -> None:
     run_ridgeline(llm, warm)
     run_hf_static(hf_model, warm, 2, pad_id)
 
+    loads: dict[str, float] = {"start": round(os.getloadavg()[0], 2)}
     result: dict = {"model": args.model, "dtype": "float32", "threads": args.threads,
                     "requests": n, "prompt_tokens": sum(len(p) for p, _ in reqs),
                     "output_tokens": sum(o for _, o in reqs), "quick": args.quick,
@@ -200,6 +202,7 @@ def main() -> None:
                                f"{torch.get_num_threads()} threads",
                     "date": date.today().isoformat(), "torch": torch.__version__}
     ours = run_ridgeline(llm, reqs)
+    loads["after_ridgeline"] = round(os.getloadavg()[0], 2)
     log("ridgeline", ours)
     result["ridgeline_output_tok_s"] = round(ours["tok_s"], 2)
     result["ridgeline_seconds"] = round(ours["seconds"], 2)
@@ -211,6 +214,7 @@ def main() -> None:
     if "static" not in skip:
         bs = args.hf_batch_size or (8 if args.quick else 16)
         static = run_hf_static(hf_model, reqs, bs, pad_id)
+        loads["after_hf_static"] = round(os.getloadavg()[0], 2)
         log("hf static", static)
         result["hf_output_tok_s"] = round(static["tok_s"], 2)
         result["hf_seconds"] = round(static["seconds"], 2)
@@ -222,6 +226,7 @@ def main() -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             cb = run_hf_cb(hf_model, reqs, blocks, page,
                            engine.scheduler.max_num_batched_tokens)
+        loads["after_hf_cb"] = round(os.getloadavg()[0], 2)
         log("hf continuous batching", cb)
         result["hf_cb_output_tok_s"] = round(cb["tok_s"], 2)
         result["hf_cb_seconds"] = round(cb["seconds"], 2)
@@ -238,6 +243,8 @@ def main() -> None:
         result["ttft_cached_prefix_ms"] = round(cached, 1)
         result["ttft_uncached_ms"] = round(uncached, 1)
         result["ttft_ratio"] = round(uncached / cached, 1)
+    # 1-minute load averages: other work on the machine makes every number slower
+    result["load_avg"] = loads
     print(json.dumps(result, indent=None if args.json else 2))
 
 

@@ -31,7 +31,10 @@ import sys
 import time
 from datetime import date
 
-import torch
+# the engine's setting (see ridgeline/__init__.py), made before torch loads: same for both
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 
 def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int,

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32)])
+    (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32),
+    (2, 1, 8, 8), (4, 2, 40, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads) -> None:
     rng = random.Random(heads * 100 + block_size)

@@ -39,10 +39,20 @@ SOURCE = r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAXQV %(maxqv)d
 #define MAXD %(maxd)d
 #define MAXBS %(maxbs)d
+
+/* 8 floats in one register on AVX (two on SSE/NEON): GCC and Clang vector extensions, so
+   the loops below are vectorised on any target without intrinsics. memcpy = unaligned. */
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld8(const float* p) { v8 r; memcpy(&r, p, sizeof r); return r; }
+static inline void st8(float* p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
 
 /* kept out of line so the compiler vectorises it (with glibc's vector expf) */
 __attribute__((noinline)) static void exp_inplace(float* p, int n) {
@@ -51,7 +61,9 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
 
 /* Items [item_begin, item_end): item = sequence * kvh + kv head. For each of the g query
    heads of that KV head and each new query row r of the sequence (row r sees positions
-   < ctx - (q_len - 1 - r)), softmax(q k^T * scale) v over the context, block by block. */
+   < ctx - (q_len - 1 - r)), softmax(q k^T * scale) v over the context, block by block:
+   each key row is loaded once for all query vectors, the next block is prefetched (it
+   lies anywhere in the pool), and values accumulate 32 channels at a time in registers. */
 int paged_attention_f32(
     const float* q, int64_t q_row_stride, int64_t q_head_stride,
     const float* k_cache, const float* v_cache,
@@ -61,10 +73,10 @@ int paged_attention_f32(
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
   if (d > MAXD || bs > MAXBS || d %% 8 != 0) return -1;
-  float m[MAXQV], l[MAXQV], p[MAXBS];
+  float m[MAXQV], l[MAXQV];
   float s[MAXQV][MAXBS];
+  float qs[MAXQV][MAXD];
   float acc[MAXQV][MAXD];
-  const float* qp[MAXQV];
   int64_t lim[MAXQV];
   const int64_t tok_stride = (int64_t)kvh * d;
   for (int64_t item = item_begin; item < item_end; ++item) {
@@ -75,11 +87,11 @@ int paged_attention_f32(
     const int64_t ctx = ctx_len[i];
     for (int a = 0; a < nq; ++a) {
       const int gi = a / ql, r = a %% ql;
-      qp[a] = q + (q_start[i] + r) * q_row_stride + (j * g + gi) * q_head_stride;
+      const float* src = q + (q_start[i] + r) * q_row_stride + (j * g + gi) * q_head_stride;
+      for (int x = 0; x < d; ++x) { qs[a][x] = src[x] * scale; acc[a][x] = 0.f; }
       lim[a] = ctx - (ql - 1 - r);
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
       l[a] = 0.f;
-      for (int x = 0; x < d; ++x) acc[a][x] = 0.f;
     }
     const int64_t nblocks = (ctx + bs - 1) / bs;
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -87,40 +99,75 @@ int paged_attention_f32(
       const int64_t t0 = b * bs;
       const float* kb = k_cache + (blk * bs * kvh + j) * d;
       const float* vb = v_cache + (blk * bs * kvh + j) * d;
-      int64_t nt = ctx - t0;
-      if (nt > bs) nt = bs;
+      const int nt = (int)(ctx - t0 < bs ? ctx - t0 : bs);
+      if (b + 1 < nblocks) {
+        const int64_t nblk = block_table[i * table_stride + b + 1];
+        const float* nk = k_cache + (nblk * bs * kvh + j) * d;
+        const float* nv = v_cache + (nblk * bs * kvh + j) * d;
+        for (int t = 0; t < bs; ++t)
+          for (int x = 0; x < d; x += 16) {
+            __builtin_prefetch(nk + t * tok_stride + x);
+            __builtin_prefetch(nv + t * tok_stride + x);
+          }
+      }
       for (int t = 0; t < nt; ++t) {
         const float* kr = kb + t * tok_stride;
-        for (int a = 0; a < nq; ++a) {
-          const float* qa = qp[a];
-          float s8[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-          for (int x = 0; x < d; x += 8)
-            for (int u = 0; u < 8; ++u) s8[u] += qa[x + u] * kr[x + u];
-          s[a][t] = (((s8[0] + s8[4]) + (s8[1] + s8[5])) + ((s8[2] + s8[6]) + (s8[3] + s8[7])))
-                    * scale;
+        int a = 0;
+        for (; a + 1 < nq; a += 2) {
+          v8 s0 = {0}, s1 = {0};
+          for (int x = 0; x < d; x += 8) {
+            const v8 kv = ld8(kr + x);
+            s0 += ld8(qs[a] + x) * kv;
+            s1 += ld8(qs[a + 1] + x) * kv;
+          }
+          s[a][t] = hsum8(s0);
+          s[a + 1][t] = hsum8(s1);
+        }
+        if (a < nq) {
+          v8 s0 = {0}, s1 = {0};
+          int x = 0;
+          for (; x + 16 <= d; x += 16) {
+            s0 += ld8(qs[a] + x) * ld8(kr + x);
+            s1 += ld8(qs[a] + x + 8) * ld8(kr + x + 8);
+          }
+          if (x < d) s0 += ld8(qs[a] + x) * ld8(kr + x);
+          s[a][t] = hsum8(s0 + s1);
         }
       }
       for (int a = 0; a < nq; ++a) {
-        int64_t lv = lim[a] - t0;
+        const int64_t lv = lim[a] - t0;
         const int valid = (int)(lv > nt ? nt : lv);
         if (valid <= 0) continue;
-        const float* sa = s[a];
+        float* sa = s[a];
         float bm = m[a];
         for (int t = 0; t < valid; ++t) bm = sa[t] > bm ? sa[t] : bm;
         const float corr = expf(m[a] - bm); /* 0 on the first block */
-        for (int t = 0; t < valid; ++t) p[t] = sa[t] - bm;
-        exp_inplace(p, valid);
+        for (int t = 0; t < valid; ++t) sa[t] -= bm;
+        exp_inplace(sa, valid);
         float psum = 0.f;
-        for (int t = 0; t < valid; ++t) psum += p[t];
+        for (int t = 0; t < valid; ++t) psum += sa[t];
         l[a] = l[a] * corr + psum;
-        float* ac = acc[a];
-        for (int x = 0; x < d; ++x) ac[x] *= corr;
-        for (int t = 0; t < valid; ++t) {
-          const float* vr = vb + t * tok_stride;
-          const float pt = p[t];
-          for (int x = 0; x < d; ++x) ac[x] += pt * vr[x];
-        }
         m[a] = bm;
+        float* ac = acc[a];
+        int x = 0;
+        for (; x + 32 <= d; x += 32) {
+          v8 c0 = ld8(ac + x) * corr, c1 = ld8(ac + x + 8) * corr;
+          v8 c2 = ld8(ac + x + 16) * corr, c3 = ld8(ac + x + 24) * corr;
+          for (int t = 0; t < valid; ++t) {
+            const float* vr = vb + t * tok_stride + x;
+            const float p = sa[t];
+            c0 += p * ld8(vr);
+            c1 += p * ld8(vr + 8);
+            c2 += p * ld8(vr + 16);
+            c3 += p * ld8(vr + 24);
+          }
+          st8(ac + x, c0); st8(ac + x + 8, c1); st8(ac + x + 16, c2); st8(ac + x + 24, c3);
+        }
+        for (; x < d; x += 8) {
+          v8 c0 = ld8(ac + x) * corr;
+          for (int t = 0; t < valid; ++t) c0 += sa[t] * ld8(vb + t * tok_stride + x);
+          st8(ac + x, c0);
+        }
       }
     }
     for (int a = 0; a < nq; ++a) {
@@ -139,6 +186,7 @@ int paged_attention_f32(
 _FLAG_SETS = [
     ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-lmvec", "-lm"],
     ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-lm"],
+    ["-O3", "-fno-math-errno", "-shared", "-fPIC", "-lm"],  # compilers without -march
 ]
 
 
@@ -247,8 +295,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise RuntimeError(f"paged attention kernel failed ({rc})")
         return
     global _pool
-    if _pool is None or _pool._max_workers < threads:  # noqa: SLF001
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="ridgeline-attn")
+    if _pool is None or _pool._max_workers < threads - 1:  # noqa: SLF001
+        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ridgeline-attn")
     # split by work (context length), not by item count
     costs = ctx_len.repeat_interleave(kvh).cumsum(0).tolist()
     total = costs[-1]
@@ -260,8 +308,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             lo += 1
         cuts.append(lo)
     cuts.append(items)
+    # the calling thread takes the last share: one hand-off fewer, one thread fewer
     futures = [_pool.submit(lib.paged_attention_f32, *args, cuts[t], cuts[t + 1], *tail)
-               for t in range(threads) if cuts[t] < cuts[t + 1]]
-    for f in futures:
-        if f.result() != 0:
-            raise RuntimeError("paged attention kernel failed")
+               for t in range(threads - 1) if cuts[t] < cuts[t + 1]]
+    rcs = [lib.paged_attention_f32(*args, cuts[-2], cuts[-1], *tail)]
+    rcs += [f.result() for f in futures]
+    if any(rcs):
+        raise RuntimeError(f"paged attention kernel failed ({rcs})")

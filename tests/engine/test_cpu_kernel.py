@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ridgeline.engine import cpu_kernels
+from ridgeline.engine.kv_quant import dequantize, quantize
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
     (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32),
     (2, 1, 8, 8), (4, 2, 40, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads) -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads,
+                                  int8) -> None:
     rng = random.Random(heads * 100 + block_size)
     torch.manual_seed(0)
     g = heads // kv_heads
@@ -28,6 +31,12 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
     num_blocks = 1 + sum(-(-c // block_size) for c in ctx) + 10
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    scales: dict[str, torch.Tensor] = {}
+    if int8:  # the kernel reads codes + scales; the reference their dequantized values
+        (kq, ks), (vq, vs) = quantize(k_cache, "int8"), quantize(v_cache, "int8")
+        k_cache, v_cache = (dequantize(kq, ks, "int8", torch.float32),
+                            dequantize(vq, vs, "int8", torch.float32))
+        scales = {"k_scale": ks, "v_scale": vs}
     tables = []
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -45,8 +54,9 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cpu_kernels.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(starts),
-                                           torch.tensor(q_lens), torch.tensor(ctx), out)
+        cpu_kernels.paged_decode_attention(q, kq if int8 else k_cache, vq if int8 else v_cache,
+                                           table, torch.tensor(starts), torch.tensor(q_lens),
+                                           torch.tensor(ctx), out, **scales)
     finally:
         torch.set_num_threads(old)
     for i in range(n):

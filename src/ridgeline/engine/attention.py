@@ -7,8 +7,8 @@ sequences, each with the cheapest kernel we found on CPU:
 - fresh: no KV before this step (a prompt, or its first chunk). Causal attention over the
   fresh keys/values themselves; the cache is only written.
 - short queries over cached context (decode: 1 token; speculative verification: a few).
-  With the C kernel (`cpu_kernels`, float32 on CPU) all of them in one call that reads
-  the blocks in place. Otherwise batched in PyTorch: sequences of similar length are
+  With the C kernel (`cpu_kernels`, float32 model on CPU, float32 or int8 cache) all of
+  them in one call that reads the blocks in place. Otherwise batched in PyTorch: sequences of similar length are
   grouped, their blocks gathered into a padded [n, L] layout (padding reads the null
   block) and masked; grouped-query heads are folded into the query axis, so keys/values
   are never repeated per head.
@@ -180,11 +180,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
     if meta.kernel is not None:
-        raw = cache.raw_blocks(layer)
-        assert raw is not None, "the C kernel needs a plain float32 CPU cache"
         kb = meta.kernel
-        cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table, kb.q_start,
-                                           kb.q_len, kb.ctx_len, out)
+        raw = cache.raw_blocks(layer)
+        if raw is not None:
+            cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table,
+                                               kb.q_start, kb.q_len, kb.ctx_len, out)
+        else:
+            codes = cache.int8_blocks(layer)
+            assert codes is not None, "the C kernel needs a float32 or int8 CPU cache"
+            cpu_kernels.paged_decode_attention(q, codes[0], codes[1], kb.block_table,
+                                               kb.q_start, kb.q_len, kb.ctx_len, out,
+                                               k_scale=codes[2], v_scale=codes[3])
 
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).

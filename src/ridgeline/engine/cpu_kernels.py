@@ -50,6 +50,10 @@ SOURCE = r"""
 typedef float v8 __attribute__((vector_size(32)));
 static inline v8 ld8(const float* p) { v8 r; memcpy(&r, p, sizeof r); return r; }
 static inline void st8(float* p, v8 v) { memcpy(p, &v, sizeof v); }
+typedef signed char c8 __attribute__((vector_size(8)));
+static inline v8 ldq8(const signed char* p) {
+  c8 r; memcpy(&r, p, sizeof r); return __builtin_convertvector(r, v8);
+}
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -63,15 +67,20 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
    heads of that KV head and each new query row r of the sequence (row r sees positions
    < ctx - (q_len - 1 - r)), softmax(q k^T * scale) v over the context, block by block:
    each key row is loaded once for all query vectors, the next block is prefetched (it
-   lies anywhere in the pool), and values accumulate 32 channels at a time in registers. */
-int paged_attention_f32(
+   lies anywhere in the pool), and values accumulate 32 channels at a time in registers.
+   QUANT (a compile-time constant after inlining): K/V are int8 codes with a float scale
+   per (slot, head), dequantized as they are loaded (scale folded into score and weight). */
+#define LOADK(ptr, x) (QUANT ? ldq8((const signed char*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
+static inline __attribute__((always_inline)) int attention_body(
+    const int QUANT,
     const float* q, int64_t q_row_stride, int64_t q_head_stride,
-    const float* k_cache, const float* v_cache,
+    const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
     const int64_t* block_table, int64_t table_stride,
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     float* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
+  const int64_t esize = QUANT ? 1 : 4;
   if (d > MAXD || bs > MAXBS || d %% 8 != 0) return -1;
   float m[MAXQV], l[MAXQV];
   float s[MAXQV][MAXBS];
@@ -97,41 +106,44 @@ int paged_attention_f32(
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t blk = block_table[i * table_stride + b];
       const int64_t t0 = b * bs;
-      const float* kb = k_cache + (blk * bs * kvh + j) * d;
-      const float* vb = v_cache + (blk * bs * kvh + j) * d;
+      const char* kb = (const char*)k_cache + (blk * bs * kvh + j) * d * esize;
+      const char* vb = (const char*)v_cache + (blk * bs * kvh + j) * d * esize;
+      const float* ksb = QUANT ? k_scale + blk * bs * kvh + j : 0;
+      const float* vsb = QUANT ? v_scale + blk * bs * kvh + j : 0;
       const int nt = (int)(ctx - t0 < bs ? ctx - t0 : bs);
       if (b + 1 < nblocks) {
         const int64_t nblk = block_table[i * table_stride + b + 1];
-        const float* nk = k_cache + (nblk * bs * kvh + j) * d;
-        const float* nv = v_cache + (nblk * bs * kvh + j) * d;
+        const char* nk = (const char*)k_cache + (nblk * bs * kvh + j) * d * esize;
+        const char* nv = (const char*)v_cache + (nblk * bs * kvh + j) * d * esize;
         for (int t = 0; t < bs; ++t)
-          for (int x = 0; x < d; x += 16) {
-            __builtin_prefetch(nk + t * tok_stride + x);
-            __builtin_prefetch(nv + t * tok_stride + x);
+          for (int64_t x = 0; x < d * esize; x += 64) {
+            __builtin_prefetch(nk + t * tok_stride * esize + x);
+            __builtin_prefetch(nv + t * tok_stride * esize + x);
           }
       }
       for (int t = 0; t < nt; ++t) {
-        const float* kr = kb + t * tok_stride;
+        const char* kr = kb + t * tok_stride * esize;
+        const float ksc = QUANT ? ksb[t * kvh] : 1.f;
         int a = 0;
         for (; a + 1 < nq; a += 2) {
           v8 s0 = {0}, s1 = {0};
           for (int x = 0; x < d; x += 8) {
-            const v8 kv = ld8(kr + x);
+            const v8 kv = LOADK(kr, x);
             s0 += ld8(qs[a] + x) * kv;
             s1 += ld8(qs[a + 1] + x) * kv;
           }
-          s[a][t] = hsum8(s0);
-          s[a + 1][t] = hsum8(s1);
+          s[a][t] = hsum8(s0) * ksc;
+          s[a + 1][t] = hsum8(s1) * ksc;
         }
         if (a < nq) {
           v8 s0 = {0}, s1 = {0};
           int x = 0;
           for (; x + 16 <= d; x += 16) {
-            s0 += ld8(qs[a] + x) * ld8(kr + x);
-            s1 += ld8(qs[a] + x + 8) * ld8(kr + x + 8);
+            s0 += ld8(qs[a] + x) * LOADK(kr, x);
+            s1 += ld8(qs[a] + x + 8) * LOADK(kr, x + 8);
           }
-          if (x < d) s0 += ld8(qs[a] + x) * ld8(kr + x);
-          s[a][t] = hsum8(s0 + s1);
+          if (x < d) s0 += ld8(qs[a] + x) * LOADK(kr, x);
+          s[a][t] = hsum8(s0 + s1) * ksc;
         }
       }
       for (int a = 0; a < nq; ++a) {
@@ -148,24 +160,26 @@ int paged_attention_f32(
         for (int t = 0; t < valid; ++t) psum += sa[t];
         l[a] = l[a] * corr + psum;
         m[a] = bm;
+        if (QUANT)  /* fold each value row's scale into its weight */
+          for (int t = 0; t < valid; ++t) sa[t] *= vsb[t * kvh];
         float* ac = acc[a];
         int x = 0;
         for (; x + 32 <= d; x += 32) {
           v8 c0 = ld8(ac + x) * corr, c1 = ld8(ac + x + 8) * corr;
           v8 c2 = ld8(ac + x + 16) * corr, c3 = ld8(ac + x + 24) * corr;
           for (int t = 0; t < valid; ++t) {
-            const float* vr = vb + t * tok_stride + x;
+            const char* vr = vb + t * tok_stride * esize;
             const float p = sa[t];
-            c0 += p * ld8(vr);
-            c1 += p * ld8(vr + 8);
-            c2 += p * ld8(vr + 16);
-            c3 += p * ld8(vr + 24);
+            c0 += p * LOADK(vr, x);
+            c1 += p * LOADK(vr, x + 8);
+            c2 += p * LOADK(vr, x + 16);
+            c3 += p * LOADK(vr, x + 24);
           }
           st8(ac + x, c0); st8(ac + x + 8, c1); st8(ac + x + 16, c2); st8(ac + x + 24, c3);
         }
         for (; x < d; x += 8) {
           v8 c0 = ld8(ac + x) * corr;
-          for (int t = 0; t < valid; ++t) c0 += sa[t] * ld8(vb + t * tok_stride + x);
+          for (int t = 0; t < valid; ++t) c0 += sa[t] * LOADK(vb + t * tok_stride * esize, x);
           st8(ac + x, c0);
         }
       }
@@ -178,6 +192,33 @@ int paged_attention_f32(
     }
   }
   return 0;
+}
+
+int paged_attention_f32(
+    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const float* k_cache, const float* v_cache,
+    const int64_t* block_table, int64_t table_stride,
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+    float* out, int64_t out_row_stride,
+    int64_t item_begin, int64_t item_end,
+    int kvh, int g, int d, int bs, float scale) {
+  return attention_body(0, q, q_row_stride, q_head_stride, k_cache, v_cache, 0, 0,
+                        block_table, table_stride, q_start, q_len, ctx_len, out,
+                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
+}
+
+int paged_attention_i8(
+    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const signed char* k_cache, const signed char* v_cache,
+    const float* k_scale, const float* v_scale,
+    const int64_t* block_table, int64_t table_stride,
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+    float* out, int64_t out_row_stride,
+    int64_t item_begin, int64_t item_end,
+    int kvh, int g, int d, int bs, float scale) {
+  return attention_body(1, q, q_row_stride, q_head_stride, k_cache, v_cache, k_scale,
+                        v_scale, block_table, table_stride, q_start, q_len, ctx_len, out,
+                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
 }
 """ % {"maxqv": MAX_QUERY_VECTORS, "maxd": MAX_HEAD_DIM, "maxbs": MAX_BLOCK_SIZE}
 
@@ -239,6 +280,10 @@ def _build() -> ctypes.CDLL | None:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
                    c_int, c_int, c_int, c_int, ctypes.c_float]
     fn.restype = ctypes.c_int
+    fn = lib.paged_attention_i8
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
+                   i64, c_int, c_int, c_int, c_int, ctypes.c_float]
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -271,11 +316,13 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, q_start: torch.Tensor,
                            q_len: torch.Tensor, ctx_len: torch.Tensor,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
     """out[rows of each sequence] = attention of q's rows over the paged context.
 
     q, out: [T, heads, d] float32 with unit stride on d (rows may be strided);
-    k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d];
+    k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d], float32, or int8 codes
+    with `k_scale`/`v_scale` contiguous float32 [blocks, block_size, kv_heads];
     block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n]."""
     lib = load()
     assert lib is not None
@@ -283,14 +330,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
     items = n * kvh
-    args = (q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+    if k_scale is None:
+        kernel = lib.paged_attention_f32
+        caches: tuple[int, ...] = (k_cache.data_ptr(), v_cache.data_ptr())
+    else:
+        assert v_scale is not None and k_cache.dtype == torch.int8
+        kernel = lib.paged_attention_i8
+        caches = (k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
+                  v_scale.data_ptr())
+    args = (q.data_ptr(), q.stride(0), q.stride(1), *caches,
             block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
     tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))
     threads = min(torch.get_num_threads(), items)
     work = int(ctx_len.sum()) * kvh
     if threads <= 1 or work < 4096:  # too little to be worth a thread hand-off
-        rc = lib.paged_attention_f32(*args, 0, items, *tail)
+        rc = kernel(*args, 0, items, *tail)
         if rc != 0:
             raise RuntimeError(f"paged attention kernel failed ({rc})")
         return
@@ -309,9 +364,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cuts.append(lo)
     cuts.append(items)
     # the calling thread takes the last share: one hand-off fewer, one thread fewer
-    futures = [_pool.submit(lib.paged_attention_f32, *args, cuts[t], cuts[t + 1], *tail)
+    futures = [_pool.submit(kernel, *args, cuts[t], cuts[t + 1], *tail)
                for t in range(threads - 1) if cuts[t] < cuts[t + 1]]
-    rcs = [lib.paged_attention_f32(*args, cuts[-2], cuts[-1], *tail)]
+    rcs = [kernel(*args, cuts[-2], cuts[-1], *tail)]
     rcs += [f.result() for f in futures]
     if any(rcs):
         raise RuntimeError(f"paged attention kernel failed ({rcs})")

@@ -79,6 +79,11 @@ class KVCache:
             return None
         return self.k[layer], self.v[layer]
 
+    def int8_blocks(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """(K codes, V codes, K scales, V scales) of an int8 cache, for kernels that
+        dequantize as they read; None for every other storage."""
+        return None
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write)."""
         for layer in range(self.num_layers):

@@ -146,6 +146,11 @@ class QuantizedKVCache(KVCache):
     def raw_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None  # codes are not values: kernels must read through gather()
 
+    def int8_blocks(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        if self.kind != "int8" or self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        return self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         for tensors in (self.k, self.v, self.k_scale, self.v_scale):
             for t in tensors:

@@ -224,12 +224,15 @@ class LLMEngine:
         if config.attention_backend == "torch":
             return False
         cfg = self.model_config
-        fits = (self.kv_cache.raw_blocks(0) is not None and cpu_kernels.supports(
+        readable = (self.kv_cache.raw_blocks(0) is not None
+                    or self.kv_cache.int8_blocks(0) is not None)
+        fits = (readable and cpu_kernels.supports(
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, config.block_size,
             MAX_BATCHED_QUERY))
         if config.attention_backend == "kernel":
             if not fits:
-                raise ConfigError("attention_backend='kernel' needs float32 on CPU, head_dim "
+                raise ConfigError("attention_backend='kernel' needs a float32 model on CPU, "
+                                  "a float32 or int8 KV cache, head_dim "
                                   "a multiple of 8 and at most 256",
                                   hint="use attention_backend='auto'")
             if not cpu_kernels.available():

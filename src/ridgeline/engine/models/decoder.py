@@ -18,7 +18,8 @@ from torch import nn
 from ridgeline.engine.attention import AttentionMetadata, paged_attention
 from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
-from ridgeline.engine.models.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from ridgeline.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                            linear)
 from ridgeline.errors import ModelLoadError
 
 
@@ -111,7 +112,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     # ---- weights ----------------------------------------------------------------------
 

@@ -9,6 +9,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+#: On CPU, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's kernel for
+#: a short x and a wide W runs at a fraction of memory bandwidth, while W x^T (many rows,
+#: few columns) streams W once. Measured on 2 cores, SmolLM2-135M, all matmuls of a step:
+#: 4 rows 83 -> 44 ms, 16 rows 132 -> 97 ms, 64 rows 231 -> 196 ms; from 128 rows the
+#: plain product is faster.
+SMALL_BATCH_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """F.linear for a flat batch [T, in] -> [T, out], with the small-batch CPU path."""
+    rows = x.shape[0]
+    if 1 < rows <= SMALL_BATCH_ROWS and x.dim() == 2 and x.device.type == "cpu":
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T + b, with W allocated but not initialised: weights are always loaded."""
 
@@ -21,7 +39,7 @@ class Linear(nn.Module):
                                   requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

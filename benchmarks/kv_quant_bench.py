@@ -4,15 +4,18 @@ buys in capacity.
     .venv/bin/python benchmarks/kv_quant_bench.py --json           # 32 prompts x 64 tokens
     .venv/bin/python benchmarks/kv_quant_bench.py --quick --json   # 8 prompts x 32 tokens
 
-For each cache dtype (int8, fp8) against the full-precision (float32) cache, same
-weights, same batch of prompts:
+For each cache dtype (bfloat16 for reference, int8, fp8) against the full-precision
+(float32) cache, same weights, same batch of prompts:
 
 - `greedy_token_agreement`: free-running greedy continuations compared position by
   position (after a first difference the rest usually differs too, so this is strict);
 - `identical_continuations`: prompts whose whole continuation is unchanged;
 - `teacher_forced_agreement`: the float32 continuation is fed to both caches and each
   position's argmax compared (every position counts once, divergences do not compound);
-- bytes per token and tokens that fit the same memory budget.
+- bytes per token and tokens that fit the same memory budget;
+- a control: the float32 cache with each prompt run alone instead of in one batch (only
+  the matmul shapes, hence rounding, change), to show how much free-running agreement
+  moves with no quantization at all.
 """
 
 from __future__ import annotations
@@ -167,8 +170,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_avg_start": round(os.getloadavg()[0], 2),
     }
+    # control: the same float32 cache, each prompt alone (other matmul shapes, so other
+    # rounding): how far greedy continuations move with no quantization at all
+    start = time.perf_counter()
+    alone = [generate(ref_engine, [p], max_tokens)[0] for p in prompts]
+    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+              for x, y in zip(ref, alone)]
+    out["float32_unbatched_control"] = {
+        "greedy_token_agreement": round(
+            sum(a == b for x, y in zip(ref, alone) for a, b in zip(x, y)) / (n * max_tokens), 4),
+        "identical_continuations": f"{sum(f is None for f in firsts)}/{n}"}
+    log("float32 one prompt at a time", out["float32_unbatched_control"],
+        f"{time.perf_counter() - start:.0f} s")
     del ref_engine
-    for kind in ("int8", "fp8"):
+    for kind in ("bfloat16", "int8", "fp8"):
         start = time.perf_counter()
         engine = LLMEngine(base.model_copy(update={"kv_cache_dtype": kind}))
         got = generate(engine, prompts, max_tokens)

@@ -8,10 +8,10 @@ sequences, each with the cheapest kernel we found on CPU:
   fresh keys/values themselves; the cache is only written.
 - short queries over cached context (decode: 1 token; speculative verification: a few).
   With the C kernel (`cpu_kernels`, float32 model on CPU, float32 or int8 cache) all of
-  them in one call that reads the blocks in place. Otherwise batched in PyTorch: sequences of similar length are
-  grouped, their blocks gathered into a padded [n, L] layout (padding reads the null
-  block) and masked; grouped-query heads are folded into the query axis, so keys/values
-  are never repeated per head.
+  them in one call that reads the blocks in place. Otherwise batched in PyTorch:
+  sequences of similar length are grouped, their blocks gathered into a padded [n, L]
+  layout (padding reads the null block) and masked; grouped-query heads are folded into
+  the query axis, so keys/values are never repeated per head.
 - long queries over cached context (later prefill chunks, prefix-cache hits): one masked
   attention per sequence over its gathered blocks.
 """

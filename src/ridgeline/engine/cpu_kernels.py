@@ -70,7 +70,8 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
    lies anywhere in the pool), and values accumulate 32 channels at a time in registers.
    QUANT (a compile-time constant after inlining): K/V are int8 codes with a float scale
    per (slot, head), dequantized as they are loaded (scale folded into score and weight). */
-#define LOADK(ptr, x) (QUANT ? ldq8((const signed char*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
+#define LOADK(ptr, x) \
+  (QUANT ? ldq8((const signed char*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
 static inline __attribute__((always_inline)) int attention_body(
     const int QUANT,
     const float* q, int64_t q_row_stride, int64_t q_head_stride,

@@ -8,6 +8,7 @@ how commands run (`run`, `shell`) and how all of its processes are stopped
 
 from __future__ import annotations
 
+import abc
 import atexit
 import os
 import queue
@@ -89,7 +90,7 @@ def prepare_root(root: Path) -> Path:
     return root
 
 
-class HostSandbox:
+class HostSandbox(abc.ABC):
     """Base of the backends: a sandbox whose workspace is the host directory
     `workspace_dir` (mounted at `spec.workspace_path` inside)."""
 
@@ -161,21 +162,23 @@ class HostSandbox:
         return f"<{type(self).__name__} {self.id} {state} workspace={self.spec.workspace_path}>"
 
     # -- processes (backends) ----------------------------------------------------------------
+    @abc.abstractmethod
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None) -> ExecResult:
-        raise NotImplementedError
+        """Run one command in the sandbox."""
 
+    @abc.abstractmethod
     def shell(self) -> ShellSession:
-        raise NotImplementedError
+        """A persistent bash session inside the sandbox."""
 
+    @abc.abstractmethod
     def _stop_processes(self) -> None:
         """Kill every process of the sandbox (the sandbox stays usable afterwards)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _close_processes(self) -> None:
         """Kill every process and release what the backend holds (final)."""
-        raise NotImplementedError
 
     # -- files -----------------------------------------------------------------------------
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:

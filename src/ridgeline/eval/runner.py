@@ -203,6 +203,22 @@ def run_jobs(jobs: list[Job], run_one: Callable[[Job], EpisodeResult], concurren
     return results, endpoint_error
 
 
+def run_episodes(config: EvalConfig, tasks: list[Any],
+                 run_one: Callable[[Any, int], EpisodeResult],
+                 out_dir: Path, meta: dict[str, Any],
+                 on_start: Callable[[int], None] | None = None,
+                 on_result: Callable[[EpisodeResult], None] | None = None) -> EvalRun:
+    """Every (task, sample) episode through `run_jobs`, then the report (`finish_run`)."""
+    t0 = time.perf_counter()
+    jobs = [(t, s) for s in range(config.samples) for t in tasks]
+    if on_start is not None:
+        on_start(len(jobs))
+    results, endpoint_error = run_jobs(jobs, lambda job: run_one(job[0], job[1]),
+                                       config.concurrency, on_result)
+    return finish_run(config, out_dir, results, len(jobs), time.perf_counter() - t0, meta,
+                      endpoint_error)
+
+
 def finish_run(config: EvalConfig, out_dir: Path, results: list[EpisodeResult], n_jobs: int,
                wall_s: float, meta: dict[str, Any], endpoint_error: str | None) -> EvalRun:
     """Summarise and write the report; then raise if the endpoint went down."""
@@ -232,14 +248,7 @@ def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | No
     else:
         agent_factory = lambda: config.agent  # noqa: E731
         model_label = "-"
-    meta = run_meta(config, model_label)
-
-    t0 = time.perf_counter()
-    jobs = [(t, s) for s in range(config.samples) for t in tasks]
-    if on_start is not None:
-        on_start(len(jobs))
-    results, endpoint_error = run_jobs(
-        jobs, lambda job: run_episode(job[0], job[1], agent_factory, config, traj_dir)[0],
-        config.concurrency, on_result)
-    return finish_run(config, out_dir, results, len(jobs), time.perf_counter() - t0, meta,
-                      endpoint_error)
+    return run_episodes(
+        config, tasks, lambda task, sample: run_episode(task, sample, agent_factory, config,
+                                                        traj_dir)[0],
+        out_dir, run_meta(config, model_label), on_start, on_result)

@@ -22,7 +22,7 @@ from ridgeline.agent.observation import truncate_middle
 from ridgeline.agent.tools import Action, ActionError, Observation
 from ridgeline.errors import ConfigError
 from ridgeline.eval.results import EpisodeResult
-from ridgeline.eval.runner import EvalConfig, EvalRun, finish_run, make_model, run_jobs, run_meta
+from ridgeline.eval.runner import EvalConfig, EvalRun, make_model, run_episodes, run_meta
 from ridgeline.eval.toolbench.tasks import TOOL_TASKS, ToolTask
 from ridgeline.eval.toolbench.world import ToolUseError, World, call_tool, tool_specs
 from ridgeline.llm.base import ChatModel, ToolSpec
@@ -185,14 +185,7 @@ def run_toolbench(config: EvalConfig, on_result: Callable[[EpisodeResult], None]
         chat_model = model if model is not None else make_model(config)
         agent = Agent(chat_model, toolbench_agent_config(config.agent_config))
         model_label = getattr(chat_model, "name", config.model)
-    meta = run_meta(config, model_label)
-
-    t0 = time.perf_counter()
-    jobs = [(t, s) for s in range(config.samples) for t in tasks]
-    if on_start is not None:
-        on_start(len(jobs))
-    results, endpoint_error = run_jobs(
-        jobs, lambda job: run_tool_episode(job[0], job[1], config, agent, traj_dir),
-        config.concurrency, on_result)
-    return finish_run(config, out_dir, results, len(jobs), time.perf_counter() - t0, meta,
-                      endpoint_error)
+    return run_episodes(
+        config, tasks, lambda task, sample: run_tool_episode(task, sample, config, agent,
+                                                             traj_dir),
+        out_dir, run_meta(config, model_label), on_start, on_result)

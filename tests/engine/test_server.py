@@ -522,6 +522,19 @@ def test_engine_failure_fails_requests_and_health(random_model: Any, tok: Any) -
 # ---- the command -------------------------------------------------------------------------------
 
 
+def wait_for_server(proc: subprocess.Popen, port: int, timeout: float) -> bool:
+    """True once the `ridgeline serve` subprocess answers /health; its output is shown
+    if it exits first."""
+    def up() -> bool:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            return False
+
+    return wait_for(up, timeout=timeout)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -542,14 +555,7 @@ def test_serve_command_serves_a_model_directory(tmp_path: Any, random_model: Any
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k",
                                max_retries=0)
 
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                return False
-
-        assert wait_for(up, timeout=60)
+        assert wait_for_server(proc, port, timeout=60)
         assert [m.id for m in client.models.list().data] == ["tiny", "tiny:fast"]
         r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
         assert r.usage.completion_tokens == 3

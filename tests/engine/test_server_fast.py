@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import torch
-from test_server import free_port, llama, make_tokenizer, wait_for
+from test_server import free_port, llama, make_tokenizer, wait_for_server
 
 from ridgeline.engine import EngineConfig
 from ridgeline.engine.server import ServerThread, build_engines, create_app
@@ -123,14 +123,7 @@ def test_serve_default_lists_both_variants() -> None:
          "--port", str(port), "--kv-cache-memory-mb", "64", "--max-model-len", "1024",
          "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                return False
-
-        assert wait_for(up, timeout=300)
+        assert wait_for_server(proc, port, timeout=300)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
                                max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["default", "default:fast"]

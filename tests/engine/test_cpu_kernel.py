@@ -70,3 +70,12 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
             vc.transpose(0, 1).repeat_interleave(g, 0)[None], attn_mask=mask[None, None])
         got = out[starts[i]:starts[i] + ql]
         assert torch.allclose(got, ref[0].transpose(0, 1), atol=2e-5), i
+
+
+def test_split_work_balances_context_and_skips_tiny_batches() -> None:
+    # 3 sequences x 2 KV heads = 6 items; the long sequence's items fill one share
+    assert cpu_kernels.split_work([4000, 2000, 2000], 2, 2) == [0, 2, 6]
+    assert cpu_kernels.split_work([3000] * 4, 1, 2) == [0, 2, 4]
+    assert cpu_kernels.split_work([3000] * 6, 1, 3) == [0, 2, 4, 6]
+    assert cpu_kernels.split_work([10, 20], 2, 2) == [0, 4]  # not worth a hand-off
+    assert cpu_kernels.split_work([5000], 1, 4) == [0, 1]  # never more shares than items

@@ -48,6 +48,7 @@ class KernelBatch:
     q_start: torch.Tensor  # [n] first row of each sequence in the flat batch
     q_len: torch.Tensor  # [n]
     ctx_len: torch.Tensor  # [n] context including the new tokens
+    cuts: list[int]  # per-thread shares of the work (cpu_kernels.split_work)
 
 
 @dataclass
@@ -93,7 +94,7 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         fresh=fresh, chunks=chunks)
     if short and use_kernel:
-        meta.kernel = _kernel_batch(short, bs)
+        meta.kernel = _kernel_batch(short, bs, num_kv_heads)
         return meta
     group_size = num_heads // num_kv_heads
     for members in _bucket_by_length(short, bs):
@@ -101,7 +102,8 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
     return meta
 
 
-def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int) -> KernelBatch:
+def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int,
+                  num_kv_heads: int) -> KernelBatch:
     nb = max(-(-ctx // bs) for _, _, ctx, _ in short)
     flat: list[int] = []
     for _, _, ctx, table in short:
@@ -112,7 +114,9 @@ def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int) -> Kern
         block_table=torch.tensor(flat, dtype=torch.long).view(len(short), nb),
         q_start=torch.tensor([s[0] for s in short], dtype=torch.long),
         q_len=torch.tensor([s[1] for s in short], dtype=torch.long),
-        ctx_len=torch.tensor([s[2] for s in short], dtype=torch.long))
+        ctx_len=torch.tensor([s[2] for s in short], dtype=torch.long),
+        cuts=cpu_kernels.split_work([s[2] for s in short], num_kv_heads,
+                                    torch.get_num_threads()))
 
 
 def _bucket_by_length(short: list[tuple[int, int, int, list[int]]],
@@ -184,13 +188,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         raw = cache.raw_blocks(layer)
         if raw is not None:
             cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table,
-                                               kb.q_start, kb.q_len, kb.ctx_len, out)
+                                               kb.q_start, kb.q_len, kb.ctx_len, out,
+                                               cuts=kb.cuts)
         else:
             codes = cache.int8_blocks(layer)
             assert codes is not None, "the C kernel needs a float32 or int8 CPU cache"
             cpu_kernels.paged_decode_attention(q, codes[0], codes[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
-                                               k_scale=codes[2], v_scale=codes[3])
+                                               k_scale=codes[2], v_scale=codes[3],
+                                               cuts=kb.cuts)
 
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).

@@ -314,23 +314,53 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
             and (num_heads // num_kv_heads) * max_query_len <= MAX_QUERY_VECTORS)
 
 
+def split_work(ctx_len: list[int], kvh: int, threads: int) -> list[int]:
+    """Boundaries [0, ..., items] of the per-thread shares of the work items (sequence x KV
+    head), balanced by context length; one share when the work is too small to be worth
+    a thread hand-off. The same for every layer of a step, so computed once per step."""
+    items = len(ctx_len) * kvh
+    threads = min(threads, items)
+    total = sum(ctx_len) * kvh
+    if threads <= 1 or total < 4096:
+        return [0, items]
+    costs: list[int] = []
+    acc = 0
+    for c in ctx_len:
+        for _ in range(kvh):
+            acc += c
+            costs.append(acc)
+    cuts = [0]
+    for t in range(1, threads):
+        target = total * t / threads
+        i = cuts[-1]
+        while i < items and costs[i] < target:
+            i += 1
+        # cut after item i when that lands nearer the target than cutting before it
+        before = costs[i - 1] if i > 0 else 0
+        if i < items and costs[i] - target <= target - before:
+            i += 1
+        cuts.append(max(i, cuts[-1]))
+    cuts.append(items)
+    return cuts
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, q_start: torch.Tensor,
                            q_len: torch.Tensor, ctx_len: torch.Tensor,
                            out: torch.Tensor, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> None:
+                           v_scale: torch.Tensor | None = None,
+                           cuts: list[int] | None = None) -> None:
     """out[rows of each sequence] = attention of q's rows over the paged context.
 
     q, out: [T, heads, d] float32 with unit stride on d (rows may be strided);
     k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d], float32, or int8 codes
     with `k_scale`/`v_scale` contiguous float32 [blocks, block_size, kv_heads];
-    block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n]."""
+    block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n];
+    cuts: the per-thread shares (`split_work`), computed here when not given."""
     lib = load()
     assert lib is not None
-    n = block_table.shape[0]
     _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
-    items = n * kvh
     if k_scale is None:
         kernel = lib.paged_attention_f32
         caches: tuple[int, ...] = (k_cache.data_ptr(), v_cache.data_ptr())
@@ -343,30 +373,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
     tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))
-    threads = min(torch.get_num_threads(), items)
-    work = int(ctx_len.sum()) * kvh
-    if threads <= 1 or work < 4096:  # too little to be worth a thread hand-off
-        rc = kernel(*args, 0, items, *tail)
-        if rc != 0:
-            raise RuntimeError(f"paged attention kernel failed ({rc})")
-        return
+    if cuts is None:
+        cuts = split_work(ctx_len.tolist(), kvh, torch.get_num_threads())
     global _pool
-    if _pool is None or _pool._max_workers < threads - 1:  # noqa: SLF001
-        _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="ridgeline-attn")
-    # split by work (context length), not by item count
-    costs = ctx_len.repeat_interleave(kvh).cumsum(0).tolist()
-    total = costs[-1]
-    cuts = [0]
-    for t in range(1, threads):
-        target = total * t / threads
-        lo = cuts[-1]
-        while lo < items and costs[lo] < target:
-            lo += 1
-        cuts.append(lo)
-    cuts.append(items)
+    shares = len(cuts) - 1
+    futures = []
+    if shares > 1:
+        if _pool is None or _pool._max_workers < shares - 1:  # noqa: SLF001
+            _pool = ThreadPoolExecutor(shares - 1, thread_name_prefix="ridgeline-attn")
+        futures = [_pool.submit(kernel, *args, cuts[t], cuts[t + 1], *tail)
+                   for t in range(shares - 1) if cuts[t] < cuts[t + 1]]
     # the calling thread takes the last share: one hand-off fewer, one thread fewer
-    futures = [_pool.submit(kernel, *args, cuts[t], cuts[t + 1], *tail)
-               for t in range(threads - 1) if cuts[t] < cuts[t + 1]]
     rcs = [kernel(*args, cuts[-2], cuts[-1], *tail)]
     rcs += [f.result() for f in futures]
     if any(rcs):

@@ -19,7 +19,6 @@ whose 512-token prefix is cached versus one whose prefix is not. Prints one JSON
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -27,12 +26,11 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from datetime import date
 
-# the engine's setting (see ridgeline/__init__.py), made before torch loads: same for both
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# before torch: idle OpenMP workers sleep, the same for both engines
+from bench_common import engine_arg_parser, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -152,20 +150,15 @@ def ttft(llm, vocab: int, prefix_len: int, repeats: int = 3) -> tuple[float, flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--quick", action="store_true", help="a small smoke run")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = engine_arg_parser(__doc__, kv_cache_mb=1536)
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--hf-batch-size", type=int, default=None)
-    ap.add_argument("--kv-cache-mb", type=float, default=1536)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma list: static,cb,single,ttft")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(args.threads)
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = progress_log(args.json)
 
     from ridgeline.engine import LLM
 

@@ -24,17 +24,12 @@ import argparse
 import json
 import os
 import platform
-import sys
-import threading
 import time
 from datetime import date
 from typing import Any
 
-# Idle OpenMP workers sleep instead of spinning. On this shared 2-core machine a spinning
-# worker that loses its core stalls every multi-row matmul for a scheduler time slice
-# (~24 ms, measured), which made 2..8-token forward passes 100x slower than 1-token ones
-# and would hide what speculation does. Set before torch loads; the same for both sides.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# before torch: idle OpenMP workers sleep, the same for every cache
+from bench_common import engine_arg_parser, on_worker_thread, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -116,29 +111,11 @@ def teacher_forced_argmax(engine: Any, prompt: list[int], forced: list[int]) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = engine_arg_parser(__doc__, kv_cache_mb=256, quick_help="8 prompts x 32 tokens")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--kv-cache-mb", type=float, default=256)
     args = ap.parse_args()
-    result: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def work() -> None:  # torch is much slower from the main thread on this machine
-        try:
-            result.update(bench(args))
-        except BaseException as e:
-            errors.append(e)
-
-    t = threading.Thread(target=work, name="kv-quant-bench")
-    t.start()
-    t.join()
-    if errors:
-        raise errors[0]
+    result = on_worker_thread(lambda: bench(args), "kv-quant-bench")
     print(json.dumps(result, indent=None if args.json else 2))
 
 
@@ -146,7 +123,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     from ridgeline.engine import EngineConfig, LLMEngine
 
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = progress_log(args.json)
     n = args.prompts or (8 if args.quick else 32)
     max_tokens = args.max_tokens or (32 if args.quick else 64)
     base = EngineConfig.build(model=args.model, num_threads=args.threads,

@@ -28,13 +28,13 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 import httpx
 import numpy as np
+from bench_common import on_worker_thread
 
 TOPICS = ["binary search", "a TCP handshake", "garbage collection", "unit tests", "git rebase",
           "hash maps", "recursion", "a REST API", "shell pipes", "file permissions",
@@ -73,22 +73,9 @@ def run_offline(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str
     from ridgeline.engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    box: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            box["outs"] = llm.generate(prompts, params)
-        except BaseException as e:  # re-raised below, on the main thread
-            box["error"] = e
-
     t0 = time.perf_counter()
-    thread = threading.Thread(target=work, name="offline-engine")
-    thread.start()
-    thread.join()
+    outs = on_worker_thread(lambda: llm.generate(prompts, params), "offline-engine")
     wall = time.perf_counter() - t0
-    if "error" in box:
-        raise box["error"]
-    outs = box["outs"]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     return {"wall_s": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,

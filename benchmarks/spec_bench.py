@@ -26,17 +26,14 @@ import argparse
 import json
 import os
 import platform
-import sys
-import threading
 import time
 from datetime import date
 from typing import Any
 
-# Idle OpenMP workers sleep instead of spinning. On this shared 2-core machine a spinning
-# worker that loses its core stalls every multi-row matmul for a scheduler time slice
-# (~24 ms, measured), which made 2..8-token forward passes 100x slower than 1-token ones
-# and would hide what speculation does. Set before torch loads; the same for both sides.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# before torch: idle OpenMP workers sleep (a spinning one that loses its core stalled
+# 2..8-token forward passes by a scheduler slice here, which would hide what speculation
+# does); the same for both sides
+from bench_common import engine_arg_parser, on_worker_thread, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -203,30 +200,12 @@ def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--quick", action="store_true", help="a small smoke run")
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = engine_arg_parser(__doc__, kv_cache_mb=256)
     ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--kv-cache-mb", type=float, default=256)
     args = ap.parse_args()
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = progress_log(args.json)
     max_tokens = args.max_tokens or (64 if args.quick else 160)
-    result: dict[str, Any] = {}
-    error: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            result.update(bench(args, max_tokens, log))
-        except BaseException as e:  # re-raised on the main thread
-            error.append(e)
-
-    worker = threading.Thread(target=work, name="spec-bench")
-    worker.start()
-    worker.join()
-    if error:
-        raise error[0]
+    result = on_worker_thread(lambda: bench(args, max_tokens, log), "spec-bench")
     print(json.dumps(result, indent=None if args.json else 2))
 
 

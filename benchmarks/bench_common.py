@@ -1,0 +1,54 @@
+"""What the engine benchmarks share: their common command-line options and running the
+measured work on a worker thread.
+
+Import this before torch: it imports `ridgeline`, which makes idle OpenMP workers sleep
+(see src/ridgeline/__init__.py), the same for Ridgeline and for its baselines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ridgeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
+T = TypeVar("T")
+
+
+def engine_arg_parser(doc: str | None, *, kv_cache_mb: float,
+                      quick_help: str = "a small smoke run") -> argparse.ArgumentParser:
+    """--json, --quick, --model, --threads and --kv-cache-mb."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-mb", type=float, default=kv_cache_mb)
+    return ap
+
+
+def progress_log(json_only: bool) -> Callable[..., None]:
+    """print, or print to stderr when stdout carries only the JSON object."""
+    return (lambda *a: print(*a, file=sys.stderr, flush=True)) if json_only else print
+
+
+def on_worker_thread(fn: Callable[[], T], name: str) -> T:
+    """fn() on a new thread, its exception re-raised here. On this machine torch's matmuls
+    issued from the main thread have been measured several times slower than from another
+    thread, and the server steps its engine on one."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised on the calling thread)
+            box["error"] = e
+
+    thread = threading.Thread(target=work, name=name)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

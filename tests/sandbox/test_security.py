@@ -128,8 +128,8 @@ def test_no_capabilities_unprivileged_uid_writable_workspace(sandbox):
     assert sandbox.run("id -u").stdout.strip() == "1000"
     assert sandbox.run("echo hi > made-inside.txt && mkdir -p a/b && touch a/b/c").exit_code == 0
     assert (sandbox.workspace_dir / "made-inside.txt").read_text() == "hi\n"
-    # Files the host puts into the workspace are writable inside, too.
-    (sandbox.workspace_dir / "from-host.txt").write_text("x")
+    # Files the host puts into the workspace (through the files API) are writable inside.
+    sandbox.write_file("from-host.txt", "x")
     assert sandbox.run("echo y >> from-host.txt").exit_code == 0
     assert sandbox.run("unshare -U true").exit_code != 0  # no nested user namespaces
 

@@ -14,12 +14,13 @@ capabilities survive its exec: the uid is not root in the namespace, every mount
 nosuid). `prlimit` in front sets the per-process rlimits. Cgroups (cgroups.py) bound the
 sandbox's memory and process count and let a timeout kill exactly one command's tree.
 
-Uids: uid 1000 inside maps to the uid that runs bwrap (root here), as bwrap does when
-run by root. The alternative, a distinct unprivileged host uid per sandbox, would make
-files that the host (the task harness, `workspace_dir`, writable mounts) creates
-unwritable inside. The cost, owner access to root-owned files, is contained: the root is
-read-only, host secrets are not mounted or are masked (rootfs.py), and there are no
-capabilities.
+Uids: uid 1000 inside is never host root. Run by root, every sandbox gets a host uid
+of its own (identity.py) and bwrap runs as that uid, so the sandbox's user namespace
+maps 1000 to it: root-owned host files, `/proc/sys` included, are "other" to the
+sandbox, and files it creates belong to its uid. Bind sources that uid cannot reach
+(a workspace under a root-only directory, the host's Python under /root) are staged
+in a private mount namespace of the launcher thread first (mountns.py). Whatever the
+host writes into the sandbox's writable trees is chowned to the sandbox's uid.
 
 Network: under `none` the init starts in a fresh network namespace made by the host (so
 its loopback is down and no process inside may bring it up); under `loopback` bwrap
@@ -48,6 +49,8 @@ from ridgeline.sandbox.base import ExecResult, NetworkPolicy, SandboxSpec, Shell
 from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, SandboxCgroup,
                                        kill_tree)
 from ridgeline.sandbox.host_sandbox import HostSandbox, default_root, prepare_root
+from ridgeline.sandbox.identity import HostIdentity, IdentityAllocator
+from ridgeline.sandbox.mountns import StagedSources, stage_point
 from ridgeline.sandbox.process import (TreeTracker, communicate, kill_process_tree,
                                        to_exec_result)
 from ridgeline.sandbox.rootfs import build_root_args, write_identity
@@ -92,8 +95,10 @@ class _Launcher:
     never waits for the move: moving a thread between v1 cgroups costs up to a
     millisecond, the kernel waiting for an RCU grace period)."""
 
-    def __init__(self, cgroup: SandboxCgroup | None) -> None:
+    def __init__(self, cgroup: SandboxCgroup | None, stage_at: Path | None = None) -> None:
         self._cg = cgroup
+        self._stage_at = stage_at
+        self.staged: StagedSources | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._next: ExecGroup | None = None
         self._where = "sandbox"  # which pids group this thread is in: "sandbox" or "exec"
@@ -107,6 +112,8 @@ class _Launcher:
         try:
             if self._cg is not None:
                 self._cg.adopt_current_thread()
+            if self._stage_at is not None:
+                self.staged = StagedSources(self._stage_at)
             ready.set_result(None)
         except BaseException as e:  # noqa: BLE001 - reported to the constructor
             ready.set_exception(e)
@@ -117,7 +124,9 @@ class _Launcher:
                 return
             kind, fn, fut = job
             try:
-                if kind == "init":
+                if kind == "call":
+                    fut.set_result(fn())
+                elif kind == "init":
                     self._enter_sandbox_group()
                     fut.set_result(fn())
                 else:
@@ -152,6 +161,10 @@ class _Launcher:
 
     def start_init(self, fn: Callable[[], T]) -> T:
         return self._call("init", fn)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the launcher thread (in its mount namespace)."""
+        return self._call("call", fn)
 
     def spawn(self, fn: Callable[[], T]) -> tuple[T, ExecGroup | None]:
         """Run `fn` (which starts a process) in a fresh exec group; returns its result
@@ -210,6 +223,9 @@ class BwrapProvider:
         self.privileged = os.geteuid() == 0
         self.cgroups = CgroupHost.detect()
         self.root = prepare_root(root_dir or default_root())
+        # As root: a host uid per sandbox, and the mount point for staged bind sources.
+        self.identities = IdentityAllocator() if self.privileged else None
+        self.stage_at = stage_point() if self.privileged else None
         identity = self.root / ".identity"
         identity.mkdir(exist_ok=True)
         self.identity = identity if write_identity(identity, SANDBOX_UID, "sandbox",
@@ -223,8 +239,17 @@ class BwrapSandbox(HostSandbox):
     backend = "bwrap"
 
     def __init__(self, provider: BwrapProvider, spec: SandboxSpec) -> None:
-        super().__init__(spec, provider.root)
+        self.host_id: HostIdentity | None = (provider.identities.acquire()
+                                             if provider.identities is not None else None)
+        try:
+            owner = (self.host_id.uid, self.host_id.gid) if self.host_id else None
+            super().__init__(spec, provider.root, owner=owner)
+        except BaseException:
+            if self.host_id is not None:
+                self.host_id.release()
+            raise
         self._p = provider
+        self._lent: list[tuple[Path, int, int]] = []
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
         self.init_pid = 0
@@ -236,18 +261,40 @@ class BwrapSandbox(HostSandbox):
             lim = spec.limits
             if provider.cgroups is not None:
                 self._cg = provider.cgroups.create(self.id, lim.memory_bytes, lim.max_processes)
-            self._launcher = _Launcher(self._cg)
+            self._lend_writable_mounts()
+            self._launcher = _Launcher(self._cg, provider.stage_at)
             self._env = {**BASE_ENV, **spec.env}
             self._init_cwd = self._prepare_cwd()
             tmp_size = lim.memory_bytes  # tmpfs pages count against memory anyway
-            self._root_args = build_root_args(spec, self.workspace_dir,
-                                              provider.root / ".empty", tmp_size,
-                                              provider.identity)
+            root_args = build_root_args(spec, self.workspace_dir, provider.root / ".empty",
+                                        tmp_size, provider.identity)
+            staged = self._launcher.staged
+            self._root_args = (self._launcher.call(lambda: staged.rewrite(root_args))
+                               if staged is not None else root_args)
             self._rlimits = self._rlimit_args()
             self._start_init()
         except BaseException:
             self.close()
             raise
+
+    def _lend_writable_mounts(self) -> None:
+        """A writable mount's directory is the sandbox uid's while the sandbox lives
+        (only the directory itself: what is inside keeps its owners), so what the spec
+        calls writable is writable to a sandbox that is not host root."""
+        if self.owner is None:
+            return
+        for m in self.spec.mounts:
+            src = m.source.resolve()
+            if m.writable and src.is_dir():
+                st = src.stat()
+                os.chown(src, *self.owner)
+                self._lent.append((src, st.st_uid, st.st_gid))
+
+    def _return_mounts(self) -> None:
+        for src, uid, gid in self._lent:
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(src, uid, gid)
+        self._lent.clear()
 
     # -- the init process ---------------------------------------------------------------
     def _prepare_cwd(self) -> str:
@@ -257,7 +304,7 @@ class BwrapSandbox(HostSandbox):
         if cwd == ws or cwd.startswith(ws + "/"):
             rel = cwd[len(ws):].lstrip("/")
             if rel:
-                (self.workspace_dir / rel).mkdir(parents=True, exist_ok=True)
+                self.files.make_dirs(rel)
             return cwd
         return ws
 
@@ -287,6 +334,12 @@ class BwrapSandbox(HostSandbox):
             argv += ["--setenv", k, v]
         return argv + ["--", "bash", "--noprofile", "--norc", "-c", INIT_SCRIPT]
 
+    def _bwrap_user(self) -> dict:
+        """Popen arguments that run bwrap as the sandbox's own host uid (when root)."""
+        if self.host_id is None:
+            return {}
+        return {"user": self.host_id.uid, "group": self.host_id.gid, "extra_groups": []}
+
     def _start_init(self) -> None:
         own_netns = self.spec.network == NetworkPolicy.NONE and self._p.privileged
         info_r, info_w = os.pipe()
@@ -299,7 +352,8 @@ class BwrapSandbox(HostSandbox):
                     with netns:
                         return subprocess.Popen(argv, stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=log,
-                                                pass_fds=(info_w,), env={"PATH": BASE_ENV["PATH"]})
+                                                pass_fds=(info_w,), env={"PATH": BASE_ENV["PATH"]},
+                                                **self._bwrap_user())
                 try:
                     self._proc = self._launcher.start_init(spawn)
                 except OSError as e:
@@ -378,10 +432,15 @@ class BwrapSandbox(HostSandbox):
         try:
             self._kill_init()
         finally:
-            if self._launcher is not None:
-                self._launcher.stop()  # out of the groups before they are removed
-            if self._cg is not None:
-                self._cg.destroy()
+            try:
+                if self._launcher is not None:
+                    self._launcher.stop()  # out of the groups before they are removed
+                if self._cg is not None:
+                    self._cg.destroy()
+            finally:
+                self._return_mounts()
+                if self.host_id is not None:  # only once nothing runs as it any more
+                    self.host_id.release()
 
     def _check_running(self) -> None:
         self._check_open()

@@ -96,8 +96,11 @@ class HostSandbox(abc.ABC):
 
     backend = "host"
 
-    def __init__(self, spec: SandboxSpec, root: Path) -> None:
+    def __init__(self, spec: SandboxSpec, root: Path,
+                 owner: tuple[int, int] | None = None) -> None:
         self.spec = spec
+        #: The host (uid, gid) the sandbox user is, when it is not the host's own.
+        self.owner = owner
         self.id = secrets.token_hex(6)
         self.dir = root / f"{os.getpid()}-{self.id}"
         self._closed = False
@@ -117,7 +120,10 @@ class HostSandbox(abc.ABC):
             else:
                 ws.mkdir()
             ws.chmod(0o755)
-            self.files = Workspace(ws, spec.workspace_path, spec.limits.max_file_size_bytes)
+            if owner is not None:  # nothing runs in the sandbox yet: a plain walk is safe
+                chown_tree(ws, *owner)
+            self.files = Workspace(ws, spec.workspace_path, spec.limits.max_file_size_bytes,
+                                   owner)
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
@@ -231,6 +237,14 @@ class HostSandbox(abc.ABC):
             if snap is not None and snap.store.is_relative_to(self.dir):
                 shutil.rmtree(snap.store, ignore_errors=True)
 
+    def stop_processes(self) -> None:
+        """Kill every process in the sandbox (background ones included); the sandbox
+        stays usable with the same workspace. The verifier calls this before grading so
+        nothing the agent left running can touch the tests or their results."""
+        with self._lock:
+            self._check_open()
+            self._stop_processes()
+
     def reset(self, snapshot_id: str) -> None:
         """Kill every process and restore the workspace: the state a pool hands out."""
         with self._lock:
@@ -302,6 +316,16 @@ class HostSandbox(abc.ABC):
             _trash.discard(self.dir)
             with _live_lock:
                 _live.discard(self)
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    """Give a tree the host harness just created to the sandbox's uid (links are
+    changed themselves, never followed). Only for trees no sandbox process can reach
+    yet: once one runs, host writes go through `Workspace`."""
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, gid)
 
 
 @atexit.register

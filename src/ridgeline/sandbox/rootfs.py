@@ -179,7 +179,7 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
                 args += ["--ro-bind", str(empty_dir), d]
     size = ["--size", str(tmp_size)] if tmp_size else []
     # Each tmpfs is capped at the memory limit (its pages count as memory anyway).
-    args += ["--proc", "/proc", "--dev", "/dev",
+    args += ["--proc", "/proc", *proc_hardening_args(), "--dev", "/dev",
              "--perms", "1777", *size, "--tmpfs", "/dev/shm",
              "--perms", "1777", *size, "--tmpfs", "/tmp",
              "--perms", "0755", *size, "--tmpfs", "/run",
@@ -192,6 +192,31 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
     for path in sorted(exploded, key=lambda p: -len(_parts(p))):
         args += ["--remount-ro", path]
     args += ["--remount-ro", "/"]
+    return args
+
+
+#: /proc entries that change or reveal the host kernel: made read-only (directories and
+#: write-only triggers), or hidden behind /dev/null (readable secrets), as Docker does.
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/bus", "/proc/fs", "/proc/irq")
+PROC_MASKED = ("/proc/kcore", "/proc/keys", "/proc/key-users", "/proc/timer_list",
+               "/proc/sched_debug", "/proc/latency_stats", "/proc/kallsyms", "/proc/kmsg",
+               "/proc/acpi", "/proc/scsi", "/proc/asound")
+
+
+def proc_hardening_args() -> list[str]:
+    """bwrap arguments for the sandbox's /proc: the sysctl tree and trigger files bound
+    read-only over themselves, secrets masked. Ownership already keeps the sandbox's uid
+    from writing them (bwrap.py); this holds even where the sandbox runs as host root's
+    uid (bwrap run by an unprivileged user whose uid is the only one mapped)."""
+    args: list[str] = []
+    for path in PROC_READ_ONLY:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for path in PROC_MASKED:
+        if os.path.isdir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        elif os.path.exists(path):
+            args += ["--ro-bind", "/dev/null", path]
     return args
 
 

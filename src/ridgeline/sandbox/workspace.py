@@ -25,10 +25,17 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 class Workspace:
     """Files API over the host directory `host_dir`, mounted at `sandbox_path` inside."""
 
-    def __init__(self, host_dir: Path, sandbox_path: str, max_file_size: int | None) -> None:
+    def __init__(self, host_dir: Path, sandbox_path: str, max_file_size: int | None,
+                 owner: tuple[int, int] | None = None) -> None:
         self.host_dir = host_dir
         self.sandbox_path = sandbox_path
         self.max_file_size = max_file_size
+        #: Host (uid, gid) given to what the host creates here, so the sandbox owns it.
+        self.owner = owner
+
+    def _own(self, fd: int) -> None:
+        if self.owner is not None:
+            os.fchown(fd, *self.owner)
 
     # -- paths ---------------------------------------------------------------------------
     def relative(self, path: str) -> list[str]:
@@ -118,6 +125,7 @@ class Workspace:
                                             "workspace") from None
                     os.mkdir(name, 0o755, dir_fd=stack[-1])
                     fd = os.open(name, _DIR_FLAGS, dir_fd=stack[-1])
+                    self._own(fd)
                 except NotADirectoryError:
                     raise SandboxError(f"{path}: {name!r} is not a directory") from None
                 stack.append(fd)
@@ -147,10 +155,34 @@ class Workspace:
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     raise SandboxError(f"{path} is not a regular file")
+                self._own(fd)
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
                 os.fchmod(fd, mode & 0o7777)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+
+    def make_dirs(self, path: str) -> None:
+        """Create the directory `path` and its parents (owned by the sandbox)."""
+        dfd, name = self._open_parent(path, create=True)
+        try:
+            try:
+                os.mkdir(name, 0o755, dir_fd=dfd)
+                created = True
+            except FileExistsError:
+                created = False
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+            except OSError as e:
+                if isinstance(e, NotADirectoryError) or e.errno == errno.ELOOP:
+                    raise SandboxError(f"{path} exists and is not a directory") from None
+                raise
+            try:
+                if created:
+                    self._own(fd)
             finally:
                 os.close(fd)
         finally:

@@ -10,6 +10,13 @@ harness's staging directories, mounted at
     /root        a writable home (HOME; uv's installer idiom writes ~/.local/bin)
     /ridgeline   the offline tools (uv, curl, apt-get ...), first on PATH
 
+Untrusted task directories: whatever the build writes into the sandbox (the task's
+files, `COPY`/`ADD`, `WORKDIR`) is streamed in as a tar archive and unpacked *by the
+sandbox user inside the sandbox*, so a link planted by an earlier `RUN` is resolved in
+the sandbox's own view and can never make the host write, chmod or delete outside it.
+Each `RUN` step's processes are killed when it ends (as a Docker layer would end them),
+so nothing races the next step.
+
 Failures are typed: `TaskUnsupported` (this machine cannot provide what the task needs:
 the Dockerfile cannot be reproduced, a package or the internet is missing) and
 `EnvironmentSetupError` (setup.sh or the sandbox failed: infrastructure).
@@ -17,8 +24,11 @@ the Dockerfile cannot be reproduced, a package or the internet is missing) and
 
 from __future__ import annotations
 
+import io
 import os
+import posixpath
 import shutil
+import stat
 import sys
 import tarfile
 import tempfile
@@ -27,7 +37,9 @@ from pathlib import Path, PurePosixPath
 
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec
+from ridgeline.sandbox import hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
+from ridgeline.sandbox.host_sandbox import chown_tree
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks.model import Task
@@ -112,6 +124,15 @@ class TaskSandbox:
     @property
     def spec(self) -> SandboxSpec:
         return self.inner.spec
+
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        """The host (uid, gid) of the sandbox user, when it is not the host's own."""
+        return getattr(self.inner, "owner", None)
+
+    def stop_processes(self) -> None:
+        """Kill every process in the sandbox (it stays usable)."""
+        self.inner.stop_processes()  # type: ignore[attr-defined]
 
     @property
     def workspace_dir(self) -> Path:
@@ -223,6 +244,9 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         raise
     sb = TaskSandbox(task, inner, staging, tools, extra)
     try:
+        if sb.owner is not None:  # the writable staging trees are the sandbox user's
+            for sub in ("logs", "home", "extra"):
+                chown_tree(staging / sub, *sb.owner)
         _build(task, sb, steps)
         if task.setup_script is not None:
             _run_setup(task, sb)
@@ -234,49 +258,113 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
 
 
 def _build(task: Task, sb: TaskSandbox, steps: list) -> None:
-    ws = sb.workspace_dir
     if task.files_dir is not None:
-        shutil.copytree(task.files_dir, ws, dirs_exist_ok=True, symlinks=True)
+        _copy_in(task, sb, sb.spec.workspace_path, _children(task.files_dir), None,
+                 "the task's files")
     for step in steps:
         if isinstance(step, MkdirStep):
-            host = sb.host_path(step.path)
-            if host is not None:
-                host.mkdir(parents=True, exist_ok=True)
+            if sb.host_path(step.path) is not None:
+                _copy_in(task, sb, step.path, [], None, f"Dockerfile line {step.line}")
         elif isinstance(step, CopyStep):
             _copy(task, sb, step)
         elif isinstance(step, RunStep):
             _run_build_step(task, sb, step)
+            sb.stop_processes()  # a layer's background processes end with it
+
+
+#: Run by the sandbox user inside the sandbox: unpack the archive on stdin into "$1".
+#: Modes as archived (-p); ownership is the sandbox user's (--no-same-owner).
+_UNPACK = 'set -e; mkdir -p -- "$1"; exec tar -x -p --no-same-owner -C "$1" -f -'
 
 
 def _copy(task: Task, sb: TaskSandbox, step: CopyStep) -> None:
-    dest = sb.host_path(step.dest)
-    if dest is None:    # the plan already reports these; this guards a stale plan
-        raise TaskUnsupported(task.id, f"Dockerfile line {step.line}: cannot copy into "
-                              f"{step.dest} without Docker")
-    written: list[Path] = []
+    where = f"Dockerfile line {step.line}"
+    if sb.host_path(step.dest) is None:  # the plan already reports these; a stale plan
+        raise TaskUnsupported(task.id, f"{where}: cannot copy into {step.dest} without "
+                              "Docker")
+    mode = int(step.chmod, 8) if step.chmod else None
     if step.content is not None:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_text(step.content)
-        written.append(dest)
+        _copy_in(task, sb, posixpath.dirname(step.dest),
+                 [(step.content, posixpath.basename(step.dest), False)], mode, where)
+        return
     for src in step.sources:
         if step.unpack:
-            dest.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(src) as tar:
-                tar.extractall(dest, filter="data")
-            written.append(dest)
+            _copy_in(task, sb, step.dest, [], mode, where, archive=src)
         elif src.is_dir():
-            shutil.copytree(src, dest, dirs_exist_ok=True, symlinks=True)
-            written.append(dest)
+            _copy_in(task, sb, step.dest, _children(src), mode, where)
+        elif step.dest_is_dir or sb.run(["test", "-d", step.dest]).ok:
+            _copy_in(task, sb, step.dest, [(src, src.name, True)], mode, where)
         else:
-            target = dest / src.name if (step.dest_is_dir or dest.is_dir()) else dest
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, target)
-            written.append(target)
-    if step.chmod:
-        mode = int(step.chmod, 8)
-        for p in written:
-            for q in [p, *(p.rglob("*") if p.is_dir() else [])]:
-                q.chmod(mode)
+            _copy_in(task, sb, posixpath.dirname(step.dest),
+                     [(src, posixpath.basename(step.dest), True)], mode, where)
+
+
+def _children(directory: Path) -> list[tuple[Path | str, str, bool]]:
+    """A directory's entries as members; links among them stay links (not followed)."""
+    return [(c, c.name, False) for c in sorted(directory.iterdir())]
+
+
+def _copy_in(task: Task, sb: TaskSandbox, dest: str,
+             members: list[tuple[Path | str, str, bool]], mode: int | None, where: str,
+             archive: Path | None = None) -> None:
+    """Unpack `members` ((host path or text, name, follow a top-level link)) or a
+    task's archive into the sandbox directory `dest`, as the sandbox user."""
+    try:
+        data = _tar_of(members, mode) if archive is None else _retar(archive, mode)
+    except (OSError, tarfile.TarError) as e:
+        raise TaskUnsupported(task.id, f"{where}: cannot read the files to copy: {e}") from e
+    try:
+        res = sb.run(["sh", "-c", _UNPACK, "sh", dest], stdin=data,
+                     timeout=BUILD_STEP_TIMEOUT_S)
+    except SandboxError as e:
+        raise EnvironmentSetupError(task.id, f"{where}: {e}") from e
+    if not res.ok:
+        raise TaskUnsupported(task.id, f"{where}: copying into {dest} failed here "
+                              f"({_failure_reason(res)})")
+
+
+def _with_mode(mode: int | None):
+    def apply(ti: tarfile.TarInfo) -> tarfile.TarInfo:
+        ti.uid = ti.gid = 0
+        ti.uname = ti.gname = ""
+        if mode is not None and (ti.isfile() or ti.isdir()):
+            ti.mode = mode
+        ti.mode &= 0o777  # no setuid, setgid or sticky bits from a task
+        return ti
+    return apply
+
+
+def _tar_of(members: list[tuple[Path | str, str, bool]], mode: int | None) -> bytes:
+    buf = io.BytesIO()
+    fix = _with_mode(mode)
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for src, name, follow in members:
+            if isinstance(src, str):  # heredoc text
+                body = src.encode()
+                ti = tarfile.TarInfo(name)
+                ti.size, ti.mode, ti.mtime = len(body), 0o644, int(time.time())
+                tar.addfile(fix(ti), io.BytesIO(body))
+            else:
+                # A COPY source that is a link (the plan checked it stays in the context)
+                # is copied as what it points to, as Docker does; links inside
+                # directories stay links.
+                path = os.path.realpath(src) if follow else src
+                tar.add(path, arcname=name, recursive=True, filter=fix)
+    return buf.getvalue()
+
+
+def _retar(archive: Path, mode: int | None) -> bytes:
+    """A task's archive re-packed with tarfile's "data" filter applied to each member
+    (no absolute names, no `..`, no links out, no devices)."""
+    buf = io.BytesIO()
+    fix = _with_mode(mode)
+    with tarfile.open(archive) as src, tarfile.open(fileobj=buf, mode="w",
+                                                      format=tarfile.PAX_FORMAT) as out:
+        for member in src:
+            clean = tarfile.data_filter(member, "/nonexistent-ridgeline-dest")
+            body = src.extractfile(member) if member.isfile() else None
+            out.addfile(fix(clean), body)
+    return buf.getvalue()
 
 
 def _failure_reason(res: ExecResult) -> str:
@@ -320,18 +408,29 @@ def _run_setup(task: Task, sb: TaskSandbox) -> None:
 
 
 def clear_dir(path: Path) -> None:
-    """Empty a staging directory in place (it is bind-mounted, so it must stay)."""
-    for child in path.iterdir():
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
+    """Empty a staging directory in place (it is bind-mounted, so it must stay); links
+    inside are removed, never followed."""
+    hostfs.clear_dir(path)
 
 
 def stage_copy(src: Path, dest_dir: Path, name: str | None = None) -> None:
+    """Copy a file or tree of the task into a read-only staging directory (one the
+    sandbox cannot write, so plain paths are safe here), readable by the sandbox."""
     target = dest_dir / (name or src.name)
     if src.is_dir():
         shutil.copytree(src, target, dirs_exist_ok=True, symlinks=True)
+        for dirpath, dirnames, filenames in os.walk(target):
+            for n in dirnames + filenames:
+                _readable(Path(dirpath) / n)
     else:
         shutil.copy2(src, target)
-    os.chmod(target, os.stat(target).st_mode | 0o444)
+    _readable(target)
+
+
+def _readable(p: Path) -> None:
+    """Let the sandbox user (not the owner: root) read it, and enter it if a directory."""
+    st = p.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        return
+    extra = 0o555 if stat.S_ISDIR(st.st_mode) else 0o444
+    os.chmod(p, stat.S_IMODE(st.st_mode) | extra)

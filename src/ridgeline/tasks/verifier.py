@@ -1,6 +1,12 @@
 """The verifier: after the agent, copy the tests in, run the task's test script under its
 timeout, and turn what happened into a `Verdict`.
 
+Before anything is staged, every process in the sandbox is killed (the agent's
+background jobs included), so nothing the agent left behind can swap, forge or race the
+tests and their results. Harbor's `/logs/verifier` is then replaced by a fresh, empty
+directory, and the reward is read by the host through directory descriptors that never
+follow a link (`sandbox.hostfs`): a link the agent planted is an error, never a path.
+
 `passed`/`failed` are the agent's result. `infra_error` (sandbox crash, failed health
 probe, missing test script, test timeout, no test results, missing reward file) and
 `unsupported` (the test script needs what this machine cannot provide) are not: their
@@ -10,11 +16,13 @@ probe, missing test script, test timeout, no test results, missing reward file) 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from ridgeline.errors import RidgelineError, SandboxError, TaskError
+from ridgeline.sandbox import hostfs
 from ridgeline.tasks.environment import (
     LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported, clear_dir,
     stage_copy,
@@ -24,6 +32,8 @@ from ridgeline.tasks.model import Task, TaskLayout
 from ridgeline.tasks.pytest_output import Outcome, TestResult, parse_pytest_output
 
 OUTPUT_TAIL = 4000
+#: A reward file is a number or a small JSON object; anything larger is not one.
+MAX_REWARD_BYTES = 64 * 1024
 
 
 class VerdictStatus(str, Enum):
@@ -92,21 +102,33 @@ def verdict_from_error(exc: BaseException, duration_s: float = 0.0) -> Verdict:
                    reason="harness_crash", duration_s=duration_s)
 
 
+def _finite(x: float) -> float:
+    if not math.isfinite(x):
+        raise ValueError(f"the reward {x} is not a finite number")
+    return x
+
+
 def _read_reward(sb: TaskSandbox) -> float | None:
-    vdir = sb.logs_host_dir / "verifier"
-    txt, js = vdir / "reward.txt", vdir / "reward.json"
-    if txt.is_file():
-        return float(txt.read_text().strip().splitlines()[0])
-    if js.is_file():
-        data = json.loads(js.read_text())
-        if isinstance(data, (int, float)):
-            return float(data)
-        if isinstance(data, dict) and data:
-            if "reward" in data:
-                return float(data["reward"])
-            values = [float(v) for v in data.values()]
-            return sum(values) / len(values)
-    return None
+    """Harbor's reward: /logs/verifier/reward.txt, else reward.json (None if neither)."""
+    logs = sb.logs_host_dir
+    txt = hostfs.read_regular(logs, ["verifier", "reward.txt"], MAX_REWARD_BYTES)
+    if txt is not None:
+        lines = txt.decode("utf-8", "replace").strip().splitlines()
+        if not lines:
+            raise ValueError("reward.txt is empty")
+        return _finite(float(lines[0]))
+    js = hostfs.read_regular(logs, ["verifier", "reward.json"], MAX_REWARD_BYTES)
+    if js is None:
+        return None
+    data = json.loads(js)
+    if isinstance(data, (int, float)) and not isinstance(data, bool):
+        return _finite(float(data))
+    if isinstance(data, dict) and data:
+        if "reward" in data:
+            return _finite(float(data["reward"]))
+        values = [float(v) for v in data.values()]
+        return _finite(sum(values) / len(values))
+    raise ValueError("reward.json holds neither a number nor an object of numbers")
 
 
 def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Verdict:
@@ -116,6 +138,11 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         raise TaskError(f"verify({task.id!r}) needs the sandbox made by "
                         f"prepare_environment() for that task",
                         hint="call prepare_environment(task) and pass its result")
+    try:
+        sandbox.stop_processes()    # nothing of the agent's may run beside the tests
+    except Exception as e:     # a sandbox that cannot restart is a broken one
+        return infra_error("health_failed", f"could not stop the agent's processes: "
+                           f"{type(e).__name__}: {e}", t0)
     try:
         health = sandbox.health()
     except Exception as e:      # a sandbox that cannot even answer is broken
@@ -139,9 +166,10 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
             stage_copy(script, sandbox.tests_host_dir, "run-tests.sh")
             cmd = ["bash", f"{TESTS_PATH}/run-tests.sh"]
         else:
-            clear_dir(sandbox.logs_host_dir / "verifier")
+            # A new directory, made after the kill: nothing of the agent's is in it.
+            hostfs.fresh_dir(sandbox.logs_host_dir, "verifier", sandbox.owner)
             cmd = ["bash", f"{TESTS_PATH}/test.sh"]
-    except OSError as e:
+    except (OSError, SandboxError) as e:
         return infra_error("staging_failed", f"copying the tests in failed: {e}", t0)
     limit = timeout if timeout is not None else task.test_timeout_s
     env = {"TEST_DIR": TESTS_PATH, **task.verifier_env}
@@ -165,6 +193,8 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
     if task.layout is TaskLayout.HARBOR:
         try:
             reward = _read_reward(sandbox)
+        except hostfs.UnsafeEntryError as e:
+            return infra_error("bad_reward", f"refused to read the reward: {e}", t0, output)
         except (ValueError, OSError, json.JSONDecodeError) as e:
             return infra_error("bad_reward", f"unreadable reward file: {e}", t0, output)
         if reward is None:

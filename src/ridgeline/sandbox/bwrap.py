@@ -348,6 +348,8 @@ class BwrapSandbox(HostSandbox):
             argv = self._bwrap_argv(info_w, own_netns)
             with open(log_path, "wb") as log:
                 def spawn() -> subprocess.Popen:
+                    if self._launcher.staged is not None:
+                        self._launcher.staged.ensure()
                     netns = _fresh_netns() if own_netns else contextlib.nullcontext()
                     with netns:
                         return subprocess.Popen(argv, stdin=subprocess.PIPE,

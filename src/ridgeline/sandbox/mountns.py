@@ -68,22 +68,39 @@ class StagedSources:
             raise SandboxError(f"unshare(CLONE_NEWNS): {os.strerror(err)}")
         # Mounts made below must not propagate back to the host's namespace.
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        _mount("ridgeline-stage", str(point), "tmpfs", 0, "mode=0755,size=1m")
         self.point = point
         self._staged: dict[str, str] = {}
+        self._mount_point()
+
+    def _mount_point(self) -> None:
+        _mount("ridgeline-stage", str(self.point), "tmpfs", 0, "mode=0755,size=1m")
+
+    def _bind(self, source: str, dest: Path) -> None:
+        if os.path.isdir(source):
+            dest.mkdir(mode=0o755)
+        else:
+            dest.touch(mode=0o644)
+        _mount(source, str(dest), None, MS_BIND | MS_REC)
 
     def stage(self, source: str) -> str:
         """A path under the staging point that shows `source` (file or directory)."""
         if source in self._staged:
             return self._staged[source]
         dest = self.point / str(len(self._staged))
-        if os.path.isdir(source):
-            dest.mkdir(mode=0o755)
-        else:
-            dest.touch(mode=0o644)
-        _mount(source, str(dest), None, MS_BIND | MS_REC)
+        self._bind(source, dest)
         self._staged[source] = str(dest)
         return str(dest)
+
+    def ensure(self) -> None:
+        """Re-stage everything if the staging tmpfs is gone: removing the (empty) host
+        directory it is mounted on detaches it in every namespace (Linux >= 3.18)."""
+        if os.path.ismount(self.point):
+            return
+        with contextlib.suppress(FileExistsError):
+            self.point.mkdir(mode=0o755)
+        self._mount_point()
+        for source, dest in self._staged.items():
+            self._bind(source, Path(dest))
 
     def rewrite(self, args: list[str]) -> list[str]:
         """bwrap arguments with every non-public bind source replaced by its stage."""

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ridgeline.errors import ConfigError, SandboxError
+from ridgeline.sandbox import disk
 from ridgeline.sandbox.base import SandboxSpec
 from ridgeline.sandbox.host_sandbox import HostSandbox
 
@@ -60,7 +61,9 @@ class SandboxPool:
                 if not Path(self.spec.workspace_from).is_dir():
                     raise SandboxError(f"workspace_from {self.spec.workspace_from} is not a "
                                        "directory")
-                shutil.copytree(self.spec.workspace_from, base, symlinks=True)
+                # Sparse: a seed's holes must not become zeros on the host's disk.
+                shutil.copytree(self.spec.workspace_from, base, symlinks=True,
+                                copy_function=disk.copy2_sparse)
             else:
                 base.mkdir()
             self._base = base

@@ -12,6 +12,16 @@ snapshot and a later write (checked once per filesystem), files changed within t
 window are always copied back. Store files are never modified after creation, so an
 unchanged file is hard-linked from the previous snapshot's store instead of copied.
 
+Copies keep holes (disk.copy_sparse): a sandbox's `truncate -s 256M big` holds no
+blocks, and neither may its snapshot. `take(max_bytes=...)` refuses a workspace whose
+allocated size is over the limit before copying anything.
+
+Directories are restored with their owner, mode and extended attributes, the workspace
+root included: a pooled sandbox must not be able to leave a `chmod 777 .`, a user.*
+attribute or a default ACL (system.posix_acl_default) for its next lease. Files are
+rewritten whenever their ctime moved, which setting an attribute does, so a restored
+file has the store's content and no attributes (file attributes are not recorded).
+
 The workspace belongs to the sandbox, which may swap a directory for a symlink while we
 work as root; every operation inside it is relative to a directory descriptor opened
 with O_NOFOLLOW, so no path ever leads the host outside the workspace.
@@ -19,7 +29,10 @@ with O_NOFOLLOW, so no path ever leads the host outside the workspace.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import secrets
 import shutil
 import stat
 import threading
@@ -27,10 +40,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ridgeline.errors import SandboxError
+from ridgeline.sandbox import disk
+
 #: When ctime is coarse, entries whose ctime is this close to the snapshot are suspect.
 COARSE_WINDOW_NS = 50_000_000
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_COPY_CHUNK = 1 << 24
+
+#: A directory's extended attributes, sorted by name: ((name, value), ...).
+Xattrs = tuple[tuple[str, bytes], ...]
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,7 @@ class Entry:
     ctime_ns: int = 0
     ino: int = 0
     target: str = ""  # symlink target
+    xattrs: Xattrs = ()  # directories only
 
     def same_as(self, st: os.stat_result) -> bool:
         return (st.st_ino == self.ino and st.st_size == self.size
@@ -62,6 +81,7 @@ class Snapshot:
     manifest: dict[str, Entry]
     taken_ns: int
     fine_ctime: bool
+    root: Entry | None = None  # the workspace directory itself (owner, mode, xattrs)
 
     def suspect(self, e: Entry) -> bool:
         return not self.fine_ctime and e.ctime_ns >= self.taken_ns - COARSE_WINDOW_NS
@@ -74,24 +94,34 @@ _probe_lock = threading.Lock()
 def fine_grained_ctime(directory: Path) -> bool:
     """Whether a write right after a stat always changes ctime on this filesystem
     (multigrain timestamps). Probed once per device with a scratch file."""
-    dev = os.stat(directory).st_dev
-    with _probe_lock:
-        if dev not in _fine_ctime_cache:
-            probe = directory / f".ridgeline-ctime-probe-{os.getpid()}-{threading.get_ident()}"
-            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                fine = True
-                for _ in range(200):
-                    before = os.fstat(fd).st_ctime_ns
-                    os.write(fd, b"x")
-                    if os.fstat(fd).st_ctime_ns == before:
-                        fine = False
-                        break
-            finally:
-                os.close(fd)
-                os.unlink(probe)
-            _fine_ctime_cache[dev] = fine
-        return _fine_ctime_cache[dev]
+    dfd = os.open(directory, _DIR)
+    try:
+        dev = os.fstat(dfd).st_dev
+        with _probe_lock:
+            if dev not in _fine_ctime_cache:
+                _fine_ctime_cache[dev] = _probe_ctime(dfd)
+            return _fine_ctime_cache[dev]
+    finally:
+        os.close(dfd)
+
+
+def _probe_ctime(dfd: int) -> bool:
+    # The directory is usually a live workspace: a random name created with O_EXCL
+    # (which never follows a symlink) cannot be a link the sandbox planted to a host file.
+    name = f".ridgeline-ctime-probe-{secrets.token_hex(8)}"
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600, dir_fd=dfd)
+    try:
+        for _ in range(200):
+            before = os.fstat(fd).st_ctime_ns
+            os.write(fd, b"x")
+            if os.fstat(fd).st_ctime_ns == before:
+                return False
+        return True
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dfd)
 
 
 class _Dirs:
@@ -139,53 +169,66 @@ def scan(root: Path) -> dict[str, os.stat_result]:
 
 
 def _scan(dirs: _Dirs) -> dict[str, os.stat_result]:
-    """Depth-first walk that holds descriptors only along the current path."""
-    out: dict[str, os.stat_result] = {}
-    root = os.dup(dirs.get(""))
-    stack: list[tuple[int, str, list[str]]] = [(root, "", os.listdir(root))]
+    return dict(disk.walk(dirs.get("")))
+
+
+@dataclass
+class _Survey:
+    """The live workspace: the root's lstat, every entry below it, and the extended
+    attributes of each directory that has any ("" is the root)."""
+
+    root: os.stat_result
+    entries: dict[str, os.stat_result]
+    xattrs: dict[str, Xattrs]
+
+    def root_entry(self) -> Entry:
+        return _entry(self.root, xattrs=self.xattrs.get("", ()))  # type: ignore[return-value]
+
+
+def _survey(dirs: _Dirs) -> _Survey:
+    xattrs: dict[str, Xattrs] = {}
+
+    def on_dir(rel: str, fd: int) -> None:
+        # Read on the descriptor the walk holds anyway: no path, no extra open.
+        if found := _read_xattrs(fd):
+            xattrs[rel] = found
+
+    entries = dict(disk.walk(dirs.get(""), on_dir))
+    return _Survey(os.fstat(dirs.get("")), entries, xattrs)
+
+
+def _read_xattrs(fd: int) -> Xattrs:
     try:
-        while stack:
-            fd, rel, names = stack[-1]
-            if not names:
-                os.close(fd)
-                stack.pop()
-                continue
-            name = names.pop()
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            p = f"{rel}/{name}" if rel else name
-            out[p] = st
-            if stat.S_ISDIR(st.st_mode):
-                sub = os.open(name, _DIR, dir_fd=fd)
-                stack.append((sub, p, os.listdir(sub)))
-    finally:
-        for fd, _, _ in stack:
-            os.close(fd)
-    return out
+        names = os.listxattr(fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return ()  # a filesystem without xattrs: nothing to record or to reset
+        raise
+    out = []
+    for name in sorted(names):
+        try:
+            out.append((name, os.getxattr(fd, name)))
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise  # ENODATA: removed since the listing (a running sandbox)
+    return tuple(out)
 
 
-def _entry(st: os.stat_result, target: str = "") -> Entry | None:
+def _entry(st: os.stat_result, target: str = "", xattrs: Xattrs = ()) -> Entry | None:
     m = st.st_mode
     if stat.S_ISREG(m):
         return Entry("f", m, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns,
                      st.st_ctime_ns, st.st_ino)
     if stat.S_ISDIR(m):
-        return Entry("d", m, st.st_uid, st.st_gid, ino=st.st_ino)
+        return Entry("d", m, st.st_uid, st.st_gid, ino=st.st_ino, xattrs=xattrs)
     if stat.S_ISLNK(m):
         return Entry("l", m, st.st_uid, st.st_gid, ino=st.st_ino, target=target)
     return None  # fifos, sockets: not part of a snapshot
 
 
 def _copy_fd(src: int, dst: int) -> None:
-    """In-kernel copy of a whole file (copy_file_range, with a read/write fallback)."""
-    try:
-        while os.copy_file_range(src, dst, _COPY_CHUNK):
-            pass
-    except OSError:
-        os.lseek(src, 0, os.SEEK_SET)
-        os.lseek(dst, 0, os.SEEK_SET)
-        os.ftruncate(dst, 0)
-        while chunk := os.read(src, 1 << 20):
-            os.write(dst, chunk)
+    """Copy a whole file into the empty `dst`, keeping holes (see disk.copy_sparse)."""
+    disk.copy_sparse(src, dst)
 
 
 def _open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
@@ -201,61 +244,94 @@ def _open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
     return fd, st
 
 
-def take(workspace: Path, store: Path, snap_id: str, previous: Snapshot | None = None
-         ) -> Snapshot:
+def take(workspace: Path, store: Path, snap_id: str, previous: Snapshot | None = None,
+         max_bytes: int | None = None) -> Snapshot:
     """Copy the workspace into `store` (a new directory) and record its manifest.
-    Files unchanged since `previous` are hard-linked from its store."""
+    Files unchanged since `previous` are hard-linked from its store. With `max_bytes`,
+    a workspace that holds more disk than that is refused (SandboxError) before anything
+    is copied. On any failure the new store is removed."""
     fine = fine_grained_ctime(workspace)
     taken = time.time_ns()
-    store.mkdir(parents=True)
-    manifest: dict[str, Entry] = {}
     dirs = _Dirs(workspace)
     try:
-        current = _scan(dirs)
-        for rel in sorted(current):
-            st = current[rel]
-            dst = store / rel
-            if stat.S_ISDIR(st.st_mode):
-                dst.mkdir()
-                manifest[rel] = _entry(st)  # type: ignore[assignment]
-            elif stat.S_ISLNK(st.st_mode):
-                dfd, name = dirs.parent_of(rel)
-                target = os.readlink(name, dir_fd=dfd)
-                os.symlink(target, dst)
-                manifest[rel] = _entry(st, target)  # type: ignore[assignment]
-            elif stat.S_ISREG(st.st_mode):
-                prev = previous.manifest.get(rel) if previous else None
-                if (previous is not None and prev is not None and prev.kind == "f"
-                        and prev.same_as(st) and not previous.suspect(prev)):
-                    os.link(previous.store / rel, dst)
-                    manifest[rel] = prev
-                    continue
-                dfd, name = dirs.parent_of(rel)
-                opened = _open_regular(dfd, name)
-                if opened is None:
-                    continue
-                fd, fst = opened
-                try:
-                    out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                    try:
-                        _copy_fd(fd, out)
-                    finally:
-                        os.close(out)
-                    after = os.fstat(fd)
-                    if after.st_ctime_ns != fst.st_ctime_ns:  # written while we copied
-                        os.lseek(fd, 0, os.SEEK_SET)
-                        out = os.open(dst, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-                        try:
-                            _copy_fd(fd, out)
-                        finally:
-                            os.close(out)
-                        fst = after
-                finally:
-                    os.close(fd)
-                manifest[rel] = _entry(fst)  # type: ignore[assignment]
+        survey = _survey(dirs)
+        if max_bytes is not None:
+            _check_size(survey, max_bytes)
+        store.mkdir(parents=True)  # an existing store is not ours to remove: raise here
+        try:
+            manifest = _copy_tree(dirs, store, survey, previous)
+        except BaseException:
+            shutil.rmtree(store, ignore_errors=True)
+            raise
     finally:
         dirs.close()
-    return Snapshot(snap_id, store, manifest, taken, fine)
+    return Snapshot(snap_id, store, manifest, taken, fine, survey.root_entry())
+
+
+def _check_size(survey: _Survey, max_bytes: int) -> None:
+    # Allocated, not apparent, size: the limit protects the host's disk, and a sparse
+    # file costs the store only its blocks (copies keep holes).
+    used = disk.measure([survey.root, *survey.entries.values()]).allocated
+    if used > max_bytes:
+        raise SandboxError(
+            f"cannot snapshot the workspace: it holds {used} bytes of disk "
+            f"({disk.human(used)} allocated), over the snapshot limit of {max_bytes} "
+            f"bytes ({disk.human(max_bytes)})",
+            hint="delete large files from the workspace before taking a snapshot, or "
+                 "raise the snapshot size limit")
+
+
+def _copy_tree(dirs: _Dirs, store: Path, survey: _Survey, previous: Snapshot | None
+               ) -> dict[str, Entry]:
+    manifest: dict[str, Entry] = {}
+    for rel in sorted(survey.entries):
+        st = survey.entries[rel]
+        dst = store / rel
+        if stat.S_ISDIR(st.st_mode):
+            dst.mkdir()
+            manifest[rel] = _entry(st, xattrs=survey.xattrs.get(rel, ()))  # type: ignore[assignment]
+        elif stat.S_ISLNK(st.st_mode):
+            dfd, name = dirs.parent_of(rel)
+            target = os.readlink(name, dir_fd=dfd)
+            os.symlink(target, dst)
+            manifest[rel] = _entry(st, target)  # type: ignore[assignment]
+        elif stat.S_ISREG(st.st_mode):
+            prev = previous.manifest.get(rel) if previous else None
+            if (previous is not None and prev is not None and prev.kind == "f"
+                    and prev.same_as(st) and not previous.suspect(prev)):
+                os.link(previous.store / rel, dst)
+                manifest[rel] = prev
+                continue
+            entry = _copy_file(dirs, rel, dst)
+            if entry is not None:
+                manifest[rel] = entry
+    return manifest
+
+
+def _copy_file(dirs: _Dirs, rel: str, dst: Path) -> Entry | None:
+    """Copy one live file into the store; None if it is gone or no longer a file."""
+    dfd, name = dirs.parent_of(rel)
+    opened = _open_regular(dfd, name)
+    if opened is None:
+        return None
+    fd, fst = opened
+    try:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            _copy_fd(fd, out)
+        finally:
+            os.close(out)
+        after = os.fstat(fd)
+        if after.st_ctime_ns != fst.st_ctime_ns:  # written while we copied
+            out = os.open(dst, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+            try:
+                _copy_fd(fd, out)
+            finally:
+                os.close(out)
+            fst = after
+    finally:
+        os.close(fd)
+    return _entry(fst)
 
 
 def adopt(workspace: Path, store: Path, snap_id: str) -> Snapshot:
@@ -266,22 +342,24 @@ def adopt(workspace: Path, store: Path, snap_id: str) -> Snapshot:
     manifest: dict[str, Entry] = {}
     dirs = _Dirs(workspace)
     try:
-        for rel, st in _scan(dirs).items():
+        survey = _survey(dirs)
+        for rel, st in survey.entries.items():
             target = ""
             if stat.S_ISLNK(st.st_mode):
                 dfd, name = dirs.parent_of(rel)
                 target = os.readlink(name, dir_fd=dfd)
-            e = _entry(st, target)
+            e = _entry(st, target, survey.xattrs.get(rel, ()))
             if e is not None:
                 manifest[rel] = e
     finally:
         dirs.close()
-    return Snapshot(snap_id, store, manifest, taken, fine)
+    return Snapshot(snap_id, store, manifest, taken, fine, survey.root_entry())
 
 
 def restore(workspace: Path, snap: Snapshot) -> None:
     """Make the live workspace equal to the snapshot: delete what was added, copy back
-    what changed, recreate what was deleted (with modes, owners and mtimes)."""
+    what changed, recreate what was deleted (with modes, owners and mtimes), and give
+    the root and every directory back their owner, mode and extended attributes."""
     dirs = _Dirs(workspace)
     try:
         _restore(dirs, snap)
@@ -296,7 +374,8 @@ def _kind(st: os.stat_result) -> str:
 
 
 def _restore(dirs: _Dirs, snap: Snapshot) -> None:
-    current = _scan(dirs)
+    survey = _survey(dirs)
+    current = survey.entries
     # 1. Remove what the snapshot lacks or what changed kind (deepest first).
     for rel in sorted(current, key=lambda r: r.count("/"), reverse=True):
         if rel not in current:
@@ -317,18 +396,16 @@ def _restore(dirs: _Dirs, snap: Snapshot) -> None:
         else:
             os.unlink(name, dir_fd=dfd)
         del current[rel]
-    # 2. Bring back what is missing or changed (parents first).
+    # 2. The root first: a default ACL left on it would be inherited by what step 3
+    # creates.
+    if snap.root is not None:
+        _reset_dir(dirs.get(""), snap.root, survey.root, survey.xattrs.get("", ()))
+    # 3. Bring back what is missing or changed (parents first).
     for rel in sorted(snap.manifest, key=lambda r: (r.count("/"), r)):
         e, st = snap.manifest[rel], current.get(rel)
         dfd, name = dirs.parent_of(rel)
         if e.kind == "d":
-            if st is None:
-                os.mkdir(name, 0o700, dir_fd=dfd)
-            if st is None or st.st_mode != e.mode or (st.st_uid, st.st_gid) != (e.uid, e.gid):
-                fd = dirs.get(rel)
-                os.fchown(fd, e.uid, e.gid)
-                os.fchmod(fd, stat.S_IMODE(e.mode))
-                snap.manifest[rel] = replace(e, ino=os.fstat(fd).st_ino)
+            _restore_dir(dirs, snap, rel, st, survey.xattrs.get(rel, ()))
         elif e.kind == "l":
             if st is None:
                 os.symlink(e.target, name, dir_fd=dfd)
@@ -343,23 +420,64 @@ def _restore(dirs: _Dirs, snap: Snapshot) -> None:
             snap.manifest[rel] = _entry(new) or e
 
 
+def _restore_dir(dirs: _Dirs, snap: Snapshot, rel: str, st: os.stat_result | None,
+                 live_xattrs: Xattrs) -> None:
+    e = snap.manifest[rel]
+    if st is None:
+        dfd, name = dirs.parent_of(rel)
+        os.mkdir(name, 0o700, dir_fd=dfd)
+    fd = dirs.get(rel)
+    if st is None:  # new: whatever it inherited (a default ACL) is what it has now
+        st, live_xattrs = os.fstat(fd), _read_xattrs(fd)
+    if _reset_dir(fd, e, st, live_xattrs):
+        snap.manifest[rel] = replace(e, ino=os.fstat(fd).st_ino)
+
+
+def _reset_dir(fd: int, e: Entry, st: os.stat_result, live_xattrs: Xattrs) -> bool:
+    """Give a directory the snapshot's xattrs, owner and mode; whether anything changed.
+    The mode comes last: setting a POSIX ACL rewrites the group bits."""
+    changed = _reset_xattrs(fd, dict(e.xattrs), dict(live_xattrs))
+    if changed or st.st_mode != e.mode or (st.st_uid, st.st_gid) != (e.uid, e.gid):
+        os.fchown(fd, e.uid, e.gid)
+        os.fchmod(fd, stat.S_IMODE(e.mode))
+        return True
+    return False
+
+
+def _reset_xattrs(fd: int, want: dict[str, bytes], have: dict[str, bytes]) -> bool:
+    for name in have.keys() - want.keys():
+        try:
+            os.removexattr(fd, name)
+        except OSError as e:
+            if e.errno != errno.ENODATA:
+                raise
+    for name, value in want.items():
+        if have.get(name) != value:
+            os.setxattr(fd, name, value)
+    return have != want
+
+
 def _restore_file(dfd: int, name: str, source: Path, e: Entry) -> None:
-    tmp = f".{name}.ridgeline-restore"
-    try:
-        os.unlink(tmp, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
+    # A short random name: `.{name}...` would pass NAME_MAX for a long name, and O_EXCL
+    # never opens an entry the sandbox prepared. A leftover is removed by the next
+    # restore (it is not in the manifest).
+    tmp = f".ridgeline-restore-{secrets.token_hex(8)}"
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                   0o600, dir_fd=dfd)
     try:
-        src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _copy_fd(src, out)
+            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _copy_fd(src, out)
+            finally:
+                os.close(src)
+            os.fchown(out, e.uid, e.gid)
+            os.fchmod(out, stat.S_IMODE(e.mode))
+            os.utime(out, ns=(e.mtime_ns, e.mtime_ns))
         finally:
-            os.close(src)
-        os.fchown(out, e.uid, e.gid)
-        os.fchmod(out, stat.S_IMODE(e.mode))
-        os.utime(out, ns=(e.mtime_ns, e.mtime_ns))
-    finally:
-        os.close(out)
-    os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.close(out)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dfd)
+        raise

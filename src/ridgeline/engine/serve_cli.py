@@ -16,7 +16,7 @@ def serve(
     port: int = typer.Option(8000, "--port", min=0, max=65535),
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="RIDGELINE_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+        help="Require 'Authorization: Bearer KEY' on every route but /health."),
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="Name clients use (default: the --model value)."),
     config: Path | None = typer.Option(None, "--config", "-c", exists=True, dir_okay=False,
@@ -27,6 +27,15 @@ def serve(
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
     fast: bool = typer.Option(True, "--fast/--no-fast",
                               help="Also serve <model>:fast when the engine supports it."),
+    # Request limits; left unset, ServerLimits' defaults apply (in brackets).
+    max_body_bytes: int | None = typer.Option(
+        None, "--max-body-bytes", min=1, help="Largest request body, larger get 413 [4 MiB]."),
+    max_prompts: int | None = typer.Option(
+        None, "--max-prompts", min=1, help="Most prompts per /v1/completions request [64]."),
+    max_n: int | None = typer.Option(None, "--max-n", min=1,
+                                     help="Most samples (n, best_of) per prompt [16]."),
+    max_choices: int | None = typer.Option(
+        None, "--max-choices", min=1, help="Most choices (n times prompts) per request [256]."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming,
@@ -37,6 +46,7 @@ def serve(
     from ridgeline.config import load_config, load_model
     from ridgeline.engine.config import EngineConfig
     from ridgeline.engine.server import build_engines, create_app
+    from ridgeline.engine.server_protocol import ServerLimits
 
     values: dict[str, object] = {}
     if config is not None:
@@ -48,12 +58,16 @@ def serve(
         if value is not None:
             values[key] = value
     engine_config = load_model(EngineConfig, values, source="serve options")
+    given = {"max_body_bytes": max_body_bytes, "max_prompts": max_prompts, "max_n": max_n,
+             "max_choices": max_choices}
+    limits = load_model(ServerLimits, {k: v for k, v in given.items() if v is not None},
+                        source="serve options")
     _check_port(host, port)  # before the slow model load
     name = served_model_name or engine_config.model
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
         engines = build_engines(engine_config, name, fast=fast)
-    app = create_app(engines, api_key=api_key or None)
+    app = create_app(engines, api_key=api_key or None, limits=limits)
     console.print(f"serving {', '.join(engines)} on http://{host}:{port}/v1"
                   + (" (API key required)" if api_key else ""), highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,

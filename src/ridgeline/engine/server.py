@@ -12,8 +12,21 @@ with ``data: [DONE]``, or whole), `/v1/models`, `/health`, `/metrics` (Prometheu
 
 A request whose client disconnects is aborted in the engine. User mistakes get a 4xx
 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; the
-status comes from `RidgelineError.http_status`. With an API key, every `/v1` route
-needs ``Authorization: Bearer <key>``.
+status comes from `RidgelineError.http_status`. A bug gets a 500 that says only
+"internal error" and the request id (every response carries it as ``x-request-id``);
+the exception and its traceback go to the log, never to the client. With an API key,
+every route but `/health` (so also `/metrics`, `/openapi.json` and unknown paths, which
+get 401 before 404) needs ``Authorization: Bearer <key>``.
+
+Limits (`ServerLimits`, set on `create_app(limits=...)` or by `ridgeline serve` flags):
+a body over `max_body_bytes` (4 MiB) gets 413, from its Content-Length before anything
+is read or as soon as the bytes read pass the limit; a completions request takes at most
+`max_prompts` (64) prompts, `max_n` (16) samples each and `max_choices` (256) in all;
+at most 16 stop strings of up to 256 characters, 64 stop token ids, 300 logit_bias
+entries, 20 logprobs. Token ids must exist in the model and a prompt must leave room
+in its context (400 otherwise); `max_tokens` is clipped to that room. Decoding JSON,
+rendering the chat template and tokenising run on worker threads, so a large prompt
+never stalls the event loop (or `/health`).
 
 Extensions beyond OpenAI's fields are vLLM's (see `server_protocol`); with
 ``return_token_ids`` the response carries `prompt_token_ids` and each choice its
@@ -44,8 +57,8 @@ from ridgeline.engine.outputs import CompletionOutput, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
 from ridgeline.engine.server_metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.engine.server_protocol import (
-    ChatCompletionRequest, CompletionRequest, RequestError, error_body, error_for, error_type,
-    parse_request,
+    ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body, error_for,
+    error_type, parse_request,
 )
 from ridgeline.engine.server_tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
@@ -83,6 +96,10 @@ class ServedModel:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How a token is spelled in logprobs (`token_id:N` when asked, as vLLM does)."""
@@ -136,9 +153,11 @@ def _as_worker(name: str, obj: Any) -> EngineWorker:
 
 
 def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: str | None = None,
-               ) -> FastAPI:
-    """An app serving each engine under its name. Engine threads start now and stop when
-    the app shuts down (uvicorn's lifespan)."""
+               limits: ServerLimits | None = None) -> FastAPI:
+    """An app serving each engine under its name, within `limits` (the defaults of
+    `ServerLimits` when None). Engine threads start now and stop when the app shuts down
+    (uvicorn's lifespan)."""
+    limits = limits or ServerLimits()
     if not engines:
         raise ConfigError("no model to serve", hint="pass at least one engine")
     workers = {name: _as_worker(name, obj) for name, obj in engines.items()}
@@ -163,7 +182,9 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
     app.state.served = served
     app.state.workers = workers
     app.state.metrics = metrics
-    app.add_middleware(_Gate, api_key=api_key, metrics=metrics)
+    app.state.limits = limits
+    app.add_middleware(_Gate, api_key=api_key, metrics=metrics,
+                       max_body_bytes=limits.max_body_bytes)
     for w in workers.values():
         w.start()
 
@@ -177,23 +198,21 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
         return JSONResponse(error_body(str(exc.detail), type=error_type(exc.status_code),
                                        code=exc.status_code), status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(error_body(f"internal server error: {type(exc).__name__}: {exc}",
-                                       type="server_error"), status_code=500)
+    # Bugs (any other exception) are answered by `_Gate`, which logs them.
 
     def lookup(name: str) -> ServedModel:
         model = served.get(name)
         if model is None:
-            raise RequestError(f"the model {name!r} does not exist",
+            raise RequestError(f"the model {_clip(name)!r} does not exist",
                                hint=f"served models: {', '.join(served)}", param="model",
                                code="model_not_found", status=404)
         return model
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        states = {n: ("up" if w.is_running else f"down: {w.error or 'stopped'}")
+        # No exception text: /health is open to clients without the API key.
+        states = {n: ("up" if w.is_running else
+                      f"down: {'failed, see the server log' if w.error else 'stopped'}")
                   for n, w in workers.items()}
         ok = all(w.is_running for w in workers.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", "models": states},
@@ -214,37 +233,55 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         t0 = time.perf_counter()
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _read_json(request))
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, limits)
         model = lookup(req.model)
+        req.check_token_ids(model.vocab_size)
         return await _chat(request, req, model, metrics, t0)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         t0 = time.perf_counter()
-        req: CompletionRequest = parse_request(CompletionRequest, await _read_json(request))
+        req: CompletionRequest = await _parse(request, CompletionRequest, limits)
         model = lookup(req.model)
+        req.check_token_ids(model.vocab_size)
         return await _complete(request, req, model, metrics, t0)
 
     return app
 
 
-async def _read_json(request: Request) -> Any:
+def _clip(text: str, limit: int = 100) -> str:
+    """A client's string as quoted in an error message: never the whole of a huge one."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _parse(request: Request, cls: type[Any], limits: ServerLimits) -> Any:
+    """The body validated as `cls`. `_Gate` bounds its size; decoding and validating a
+    few MiB still takes a while, so that runs on a thread, off the event loop."""
     raw = await request.body()
+    return await asyncio.to_thread(lambda: parse_request(cls, _decode_json(raw), limits))
+
+
+def _decode_json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON: {e}",
+    # ValueError: an integer of over 4300 digits; RecursionError: arrays nested too deep
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"the request body is not valid JSON: {_clip(str(e), 200)}",
                            hint="send a JSON object", code="invalid_json") from None
 
 
 class _Gate:
-    """ASGI middleware: the API key check on /v1 routes, and the request counter by
-    endpoint and status (pure ASGI, so streamed responses pass through untouched)."""
+    """ASGI middleware around every HTTP request: a request id (the `x-request-id`
+    header), the API key check on every path but /health, the body size limit, the
+    answer to a bug, and the request counter by endpoint and status (pure ASGI, so
+    streamed responses pass through untouched)."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics,
+                 max_body_bytes: int) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -253,30 +290,50 @@ class _Gate:
         path = scope.get("path", "")
         endpoint = path if path in _ENDPOINTS else ("/v1/models/{id}" if path.startswith(
             "/v1/models/") else "other")
+        request_id = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
         status = 500
-        if self.api_key is not None and path.startswith("/v1"):
-            problem = self._auth_problem(scope)
-            if problem is not None:
-                status = 401
-                body = json.dumps(error_body(problem, type=error_type(401),
-                                             code="invalid_api_key")).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
-                self.metrics.requests.labels(endpoint, "401").inc()
-                return
+        started = False
 
         async def send_and_note(message: dict[str, Any]) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_note)
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await _send_error(send_and_note, *refusal)
+                return
+            await self.app(scope, _limited(receive, self.max_body_bytes), send_and_note)
+        except Exception:
+            # A bug: the detail goes to the log under the request id, the client gets the id.
+            log.exception("internal error (request id %s, %s %s)", request_id,
+                          scope.get("method"), path)
+            if not started:  # else the response is half sent and can only be cut short
+                await _send_error(send_and_note, 500, internal_error_body(request_id))
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _refusal(self, scope: dict[str, Any], path: str,
+                 ) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]] | None:
+        """The answer to a request refused before the app sees it: no key (checked
+        first, so an unauthenticated client learns nothing else) or a declared body
+        over the limit (refused before a byte of it is read)."""
+        if self.api_key is not None and path != "/health":
+            problem = self._auth_problem(scope)
+            if problem is not None:
+                return 401, error_body(problem, type=error_type(401),
+                                       code="invalid_api_key"), [(b"www-authenticate",
+                                                                  b"Bearer")]
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            _, body = error_for(_body_too_large(self.max_body_bytes))
+            return 413, body, []
+        return None
 
     def _auth_problem(self, scope: dict[str, Any]) -> str | None:
         assert self.api_key is not None
@@ -287,6 +344,50 @@ class _Gate:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
             return "incorrect API key provided"
         return None
+
+
+def internal_error_body(request_id: str) -> dict[str, Any]:
+    """What a client learns of a bug: that it happened, and the id to find it in the log."""
+    return error_body(f"internal error (request id {request_id})", type="internal_error",
+                      code="internal_error")
+
+
+async def _send_error(send: Any, status: int, body: dict[str, Any],
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body",
+                "body": json.dumps(body, separators=(",", ":")).encode()})
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    value = dict(scope.get("headers") or []).get(b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:  # the server rejects a malformed one; counting still applies
+        return None
+
+
+def _body_too_large(limit: int) -> RequestError:
+    return RequestError(f"the request body is over this server's limit of {limit} bytes",
+                        hint="send a smaller request", code="request_too_large", status=413)
+
+
+def _limited(receive: Any, limit: int) -> Any:
+    """`receive` that counts body bytes and raises 413 once they pass `limit`: a body
+    without Content-Length (chunked) is never buffered past it either."""
+    received = 0
+
+    async def receive_limited() -> dict[str, Any]:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _body_too_large(limit)
+        return message
+
+    return receive_limited
 
 
 # ---- one generation: engine requests, metrics, abort -----------------------------------------
@@ -404,9 +505,17 @@ async def _final_outputs(gen: _Generation, request: Request) -> dict[int, Reques
         watcher.cancel()
         gen.abort()  # no-op unless something went wrong mid-way
     for out in final.values():
-        if out.error is not None:
-            raise RequestError(f"generation failed: {out.error}", status=500)
+        _check_generated(out)
     return final
+
+
+class _GenerationFailed(Exception):
+    """The engine failed one request (a bug, logged by the engine): a 500, no detail."""
+
+
+def _check_generated(out: RequestOutput) -> None:
+    if out.finished and out.error is not None:
+        raise _GenerationFailed(f"request {out.request_id} failed in the engine: {out.error}")
 
 
 def _sse(obj: Any) -> str:
@@ -416,7 +525,8 @@ def _sse(obj: Any) -> str:
 _DONE = "data: [DONE]\n\n"
 
 
-def _streaming(body: AsyncIterator[str], gen: _Generation) -> StreamingResponse:
+def _streaming(body: AsyncIterator[str], gen: _Generation, request: Request,
+               ) -> StreamingResponse:
     async def guarded() -> AsyncIterator[str]:
         try:
             async for chunk in body:
@@ -427,10 +537,10 @@ def _streaming(body: AsyncIterator[str], gen: _Generation) -> StreamingResponse:
             yield _DONE
         except _ClientGone:
             pass
-        except Exception as e:  # a bug: tell the client instead of cutting the stream
-            log.exception("stream failed")
-            yield _sse(error_body(f"internal server error: {type(e).__name__}: {e}",
-                                  type="server_error"))
+        except Exception:  # a bug: tell the client (not what) instead of cutting the stream
+            request_id = request.state.request_id
+            log.exception("internal error in a stream (request id %s)", request_id)
+            yield _sse(internal_error_body(request_id))
             yield _DONE
         finally:
             gen.abort()  # the client went away (cancellation lands here) or an error
@@ -486,6 +596,21 @@ def _chat_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
     return {"content": content}
 
 
+def _chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, tools: Any,
+                     prefix: str) -> list[int]:
+    """The conversation rendered by the chat template, plus the forced `prefix`, as ids."""
+    from ridgeline.llm.chat_template import render_prompt
+
+    try:
+        text = render_prompt(tokenizer, to_messages(req.messages), tools)
+    except RidgelineError:
+        raise
+    except Exception as e:  # the template's own checks (role order, missing fields)
+        raise RequestError(f"the chat template rejected the messages: {_clip(str(e), 300)}",
+                           param="messages") from None
+    return list(tokenizer.encode(text + prefix, add_special_tokens=False))
+
+
 async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
                 metrics: ServerMetrics, t0: float) -> Response:
     tokenizer = model.tokenizer
@@ -496,17 +621,9 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
     tools = tool_specs(req.tools) if use_tools else None
     known = {t.name for t in tools} if tools else None
     max_calls = None if req.parallel_tool_calls else 1
-    from ridgeline.llm.chat_template import render_prompt
-
-    try:
-        text = render_prompt(tokenizer, to_messages(req.messages), tools)
-    except RidgelineError:
-        raise
-    except Exception as e:  # the template's own checks (role order, missing fields)
-        raise RequestError(f"the chat template rejected the messages: {e}",
-                           param="messages") from None
     prefix = forced_prefix(req.tool_choice) if use_tools else ""
-    prompt_ids = list(tokenizer.encode(text + prefix, add_special_tokens=False))
+    # A long conversation takes a while to render and tokenise: not on the event loop.
+    prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req, tools, prefix)
     max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids), model, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)
     gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
@@ -593,13 +710,12 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                     choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
                     choice["stop_reason"] = c.stop_reason
                 yield _sse({**base, "choices": [choice], **usage_field})
-            if out.finished and out.error is not None:
-                raise RequestError(f"generation failed: {out.error}", status=500)
+            _check_generated(out)
         if req.include_usage_in_stream:
             yield _sse({**base, "choices": [], "usage": gen.usage()})
         yield _DONE
 
-    return _streaming(events(), gen)
+    return _streaming(events(), gen, request)
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -621,23 +737,34 @@ def _completion_logprobs(model: ServedModel, token_ids: list[int], lps: list[flo
             "top_logprobs": top, "text_offset": offsets}, offset
 
 
-async def _complete(request: Request, req: CompletionRequest, model: ServedModel,
-                    metrics: ServerMetrics, t0: float) -> Response:
+def _completion_prompts(model: ServedModel, req: CompletionRequest,
+                        ) -> list[tuple[list[int], str]]:
+    """Each prompt's token ids and its text for `echo` (token ids were checked against
+    the vocabulary before, so decoding them cannot fail)."""
     tokenizer = model.tokenizer
-    prompts: list[tuple[list[int], SamplingParams]] = []
-    echoes: list[str] = []
+    out = []
     for p in req.prompts():
         if isinstance(p, str):
             if tokenizer is None:
                 raise UnsupportedError(f"model {model.name!r} has no tokenizer",
                                        hint="send the prompt as token ids")
-            ids = list(tokenizer(p)["input_ids"])  # as the engine encodes text prompts
-            echoes.append(p)
+            out.append((list(tokenizer(p)["input_ids"]), p))  # as the engine encodes text
         else:
-            ids = list(p)
-            echoes.append(tokenizer.decode(ids) if (req.echo and tokenizer is not None) else "")
+            echo = tokenizer.decode(p) if (req.echo and tokenizer is not None) else ""
+            out.append((list(p), echo))
+    return out
+
+
+async def _complete(request: Request, req: CompletionRequest, model: ServedModel,
+                    metrics: ServerMetrics, t0: float) -> Response:
+    # Up to max_prompts long prompts to tokenise (or decode, for echo): not on the event loop.
+    encoded = await asyncio.to_thread(_completion_prompts, model, req)
+    prompts: list[tuple[list[int], SamplingParams]] = []
+    echoes: list[str] = []
+    for ids, echo in encoded:
         max_tokens = _max_tokens(req.max_tokens, len(ids), model, "prompt")
         prompts.append((ids, req.sampling_params(max_tokens, req.logprobs)))
+        echoes.append(echo)
     gen = _Generation(model, metrics, f"cmpl-{uuid.uuid4().hex}", t0)
     await gen.start(prompts)
     created = int(time.time())
@@ -698,13 +825,12 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason
                 yield _sse({**base, "choices": [choice], **usage_field})
-            if out.finished and out.error is not None:
-                raise RequestError(f"generation failed: {out.error}", status=500)
+            _check_generated(out)
         if req.include_usage_in_stream:
             yield _sse({**base, "choices": [], "usage": gen.usage()})
         yield _DONE
 
-    return _streaming(events(), gen)
+    return _streaming(events(), gen, request)
 
 
 # ---- a live server on a thread -------------------------------------------------------------------

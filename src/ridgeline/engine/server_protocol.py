@@ -7,6 +7,10 @@ Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
 `return_token_ids` (the prompt's and each choice's token ids) and
 `return_tokens_as_token_ids` (logprob tokens spelled ``token_id:N``).
+
+`ServerLimits` bounds what one request may ask for (prompts, samples, stop strings and
+token ids, logit_bias entries); `parse_request` checks them, naming the field and the
+limit, and `check_token_ids` checks token ids against the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator,
+)
 
 from ridgeline.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ridgeline.errors import EngineError, RidgelineError
@@ -58,13 +64,44 @@ def error_for(exc: RidgelineError) -> tuple[int, dict[str, Any]]:
     return status, error_body(str(exc), type=error_type(status), param=param, code=code)
 
 
-def parse_request(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes a `RequestError` naming
-    the field (OpenAI's `param`)."""
+# ---- limits --------------------------------------------------------------------------------
+
+
+class ServerLimits(BaseModel):
+    """Bounds on what one request may ask for, so that no client can make the server
+    buffer, tokenise or schedule without limit. `max_tokens` needs none here: it is
+    clipped to the room the model's context leaves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(4 * 2**20, ge=1, description="request body size")
+    max_prompts: int = Field(64, ge=1, description="prompts in one /v1/completions request")
+    max_n: int = Field(16, ge=1, description="samples per prompt (n, best_of)")
+    max_choices: int = Field(256, ge=1, description="n times the number of prompts")
+    max_stop: int = Field(16, ge=0, description="stop strings")
+    max_stop_chars: int = Field(256, ge=1, description="characters in one stop string")
+    max_stop_token_ids: int = Field(64, ge=0, description="stop token ids")
+    max_logit_bias: int = Field(300, ge=0, description="logit_bias entries (OpenAI's cap)")
+
+
+def over_limit(param: str, what: str, limit: int, value: int) -> RequestError:
+    """The error for a bound a request exceeds; it names the field and the limit."""
+    return RequestError(f"{what} is {value}, over this server's limit of {limit}",
+                        param=param, code="limit_exceeded")
+
+
+def _limits(info: ValidationInfo) -> ServerLimits:
+    context = info.context or {}
+    return context.get("limits") or ServerLimits()
+
+
+def parse_request(model: type[BaseModel], body: Any, limits: ServerLimits | None = None) -> Any:
+    """Validate a decoded JSON body against the server's `limits`; the first problem
+    becomes a `RequestError` naming the field (OpenAI's `param`)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, context={"limits": limits or ServerLimits()})
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])  # e.g. "messages.0.role"
@@ -93,7 +130,7 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # the upper bound is ServerLimits.max_n
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
@@ -116,17 +153,50 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _check_shared(self) -> _SamplingRequest:
+    def _check_shared(self, info: ValidationInfo) -> _SamplingRequest:
+        self._check_limits(_limits(info))
         if self.logit_bias:
             raise RequestError("logit_bias is not supported by this server",
                                param="logit_bias", code="unsupported_parameter")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of is not supported (only best_of == n)", param="best_of",
                                code="unsupported_parameter")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(not s for s in stops):
+        if any(not s for s in self.stop_strings):
             raise RequestError("stop strings must not be empty", param="stop")
         return self
+
+    def _check_limits(self, limits: ServerLimits) -> None:
+        if self.n > limits.max_n:
+            raise over_limit("n", "n", limits.max_n, self.n)
+        if self.best_of is not None and self.best_of > limits.max_n:
+            raise over_limit("best_of", "best_of", limits.max_n, self.best_of)
+        stops = self.stop_strings
+        if len(stops) > limits.max_stop:
+            raise over_limit("stop", "the number of stop strings", limits.max_stop, len(stops))
+        longest = max((len(s) for s in stops), default=0)
+        if longest > limits.max_stop_chars:
+            raise over_limit("stop", "the length of a stop string", limits.max_stop_chars,
+                             longest)
+        ids = self.stop_token_ids or []
+        if len(ids) > limits.max_stop_token_ids:
+            raise over_limit("stop_token_ids", "the number of stop token ids",
+                             limits.max_stop_token_ids, len(ids))
+        if self.logit_bias and len(self.logit_bias) > limits.max_logit_bias:
+            raise over_limit("logit_bias", "the number of logit_bias entries",
+                             limits.max_logit_bias, len(self.logit_bias))
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids the client sent must exist in the model; the engine would reject
+        some of them only later, or not at all (a stop token that can never occur)."""
+        bad = _first_bad_id(self.stop_token_ids or [], vocab_size)
+        if bad is not None:
+            raise RequestError(f"stop_token_ids[{bad[0]}] is {bad[1]}, not a token id of this "
+                               f"model (valid ids are 0 to {vocab_size - 1})",
+                               param="stop_token_ids", code="invalid_value")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else (self.stop or [])
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -283,7 +353,14 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
 
     @model_validator(mode="after")
-    def _check_completion(self) -> CompletionRequest:
+    def _check_completion(self, info: ValidationInfo) -> CompletionRequest:
+        limits = _limits(info)
+        num = len(self.prompts())
+        if num > limits.max_prompts:
+            raise over_limit("prompt", "the number of prompts", limits.max_prompts, num)
+        if num * self.n > limits.max_choices:
+            raise over_limit("n", "n times the number of prompts", limits.max_choices,
+                             num * self.n)
         if self.suffix:
             raise RequestError("suffix (fill-in-the-middle) is not supported", param="suffix",
                                code="unsupported_parameter")
@@ -305,3 +382,21 @@ class CompletionRequest(_SamplingRequest):
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        super().check_token_ids(vocab_size)
+        for i, p in enumerate(self.prompts()):
+            bad = None if isinstance(p, str) else _first_bad_id(p, vocab_size)
+            if bad is not None:
+                raise RequestError(
+                    f"prompt {i} has token id {bad[1]} at position {bad[0]}; prompt_token_ids "
+                    f"must be integers in [0, {vocab_size})", param="prompt",
+                    code="invalid_value")
+
+
+def _first_bad_id(ids: list[int], vocab_size: int) -> tuple[int, int] | None:
+    """(position, id) of the first id outside [0, vocab_size), if any."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            return i, t
+    return None

@@ -58,6 +58,8 @@ class _Abort:
     request_id: str
 
 
+_FAILED = "failed after an internal error (see the server log)"
+
 # Per event loop: callables to run there, in order, after a step.
 _Deliveries = dict[asyncio.AbstractEventLoop, list[Callable[[], None]]]
 
@@ -72,7 +74,8 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._need_drain = False  # aborted requests whose final outputs are still pending
-        #: why the loop died (None while healthy)
+        #: why the loop died (None while healthy); for the log and the operator, never a
+        #: client: error messages say only that it failed
         self.error: str | None = None
         #: a snapshot taken by the engine thread after every step (safe to read anywhere)
         self.stats: EngineStats = engine.stats()
@@ -114,7 +117,7 @@ class EngineWorker:
         raised otherwise). Its outputs arrive in `queue` as `(tag, RequestOutput)`."""
         if not self.is_running:
             raise EngineUnavailableError(
-                f"model {self.name!r} is not running" + (f": {self.error}" if self.error else ""),
+                f"model {self.name!r} " + (_FAILED if self.error else "is not running"),
                 hint="restart the server")
         loop = asyncio.get_running_loop()
         sink = _Sink(loop, queue, tag, loop.create_future())
@@ -158,8 +161,7 @@ class EngineWorker:
                     self._apply(command, deliveries)
                 if self._has_work():
                     self._need_drain = False
-                    outputs = self.engine.step()
-                    for out in outputs:
+                    for out in self._step():
                         self._dispatch(out, deliveries)
                     self.stats = self.engine.stats()
                 self._flush(deliveries)
@@ -171,8 +173,17 @@ class EngineWorker:
                 commands = list(self._commands)
                 self._commands.clear()
             self._shutdown(commands, deliveries, EngineUnavailableError(
-                f"model {self.name!r} failed ({self.error})", hint="restart the server"))
+                f"model {self.name!r} {_FAILED}", hint="restart the server"))
             self._flush(deliveries)
+
+    def _step(self) -> list[RequestOutput]:
+        outputs = self.engine.step()
+        if not self.engine.has_unfinished_requests():
+            # A request the engine failed during this step reports its final output from
+            # the next step(); with nothing left to run, that step would never come and
+            # its client would wait forever.
+            outputs += self.engine.step()
+        return outputs
 
     def _apply(self, command: _Add | _Abort, deliveries: _Deliveries) -> None:
         if isinstance(command, _Abort):

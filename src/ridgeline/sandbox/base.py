@@ -88,6 +88,10 @@ class Limits(_SpecModel):
     max_processes: int | None = Field(512, ge=MIN_PROCESSES,
                                       description="processes and threads of the whole sandbox")
     max_file_size_bytes: int | None = Field(1024**3, gt=0, description="size of any one file")
+    disk_bytes: int | None = Field(
+        10 * 1024**3, gt=0, description="disk the workspace and writable mounts may hold "
+        "(allocated bytes, so sparse files count what they hold); over it every process of "
+        "the sandbox is killed, and snapshots are refused")
     max_output_bytes: int = Field(1024 * 1024, gt=0, description="captured per stream")
 
 

@@ -273,6 +273,7 @@ class BwrapSandbox(HostSandbox):
                                if staged is not None else root_args)
             self._rlimits = self._rlimit_args()
             self._start_init()
+            self._start_quota()
         except BaseException:
             self.close()
             raise
@@ -445,8 +446,10 @@ class BwrapSandbox(HostSandbox):
                     self.host_id.release()
 
     def _check_running(self) -> None:
-        self._check_open()
-        if not self._init_alive():
+        with self._lock:  # waits while the processes are being restarted
+            self._check_open()
+            alive = self._init_alive()
+        if not alive:
             raise SandboxError(f"sandbox {self.id} has stopped: its init process exited",
                                hint="close it and create a new sandbox")
 
@@ -506,6 +509,7 @@ class BwrapSandbox(HostSandbox):
         limit = self._timeout(timeout)
         self._check_running()
         oom_before = self._cg.oom_kills() if self._cg else 0
+        disk_before = self.disk_kills
         t0 = time.monotonic()
         proc, group = self._spawn(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE if stdin
                                   is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -530,10 +534,17 @@ class BwrapSandbox(HostSandbox):
             memory = self._cg.oom_kills() > oom_before and rc in (-9, 137)
         else:
             memory = rc != 0 and any(m in outcome.stderr.kept for m in OOM_MARKERS)
-        if rc != 0 and not self._init_alive() and not outcome.timed_out:
+        if (rc != 0 and not self._init_alive() and not outcome.timed_out
+                and self.disk_kills == disk_before):
             raise SandboxError(f"sandbox {self.id} stopped while running the command",
                                hint="close it and create a new sandbox")
+        over_disk = rc != 0 and self.disk_kills > disk_before
         result = to_exec_result(outcome, memory_killed=memory)
+        if over_disk:
+            result.killed_by = "disk"
+            result.stderr_bytes += (
+                f"ridgeline: killed: sandbox {self.id} is over its disk quota "
+                f"(limits.disk_bytes={self.spec.limits.disk_bytes})\n".encode())
         if rc == 1 and outcome.stderr.kept.startswith(b"nsenter: fork failed"):
             result.exit_code = 126  # "cannot execute", as a shell says it
             result.stderr_bytes = (

@@ -22,8 +22,10 @@ import weakref
 from pathlib import Path
 
 from ridgeline.errors import NotFoundError, SandboxError
+from ridgeline.sandbox import disk
 from ridgeline.sandbox import snapshot as snapshots
 from ridgeline.sandbox.base import ExecResult, HealthReport, SandboxSpec, ShellSession
+from ridgeline.sandbox.quota import DiskQuota
 from ridgeline.sandbox.workspace import Workspace
 
 MIN_FREE_DISK_BYTES = 64 * 1024 * 1024
@@ -116,7 +118,7 @@ class HostSandbox(abc.ABC):
                 if not src.is_dir():
                     raise NotFoundError(f"workspace_from {src} is not a directory",
                                         hint="seed the workspace from an existing directory")
-                shutil.copytree(src, ws, symlinks=True)
+                shutil.copytree(src, ws, symlinks=True, copy_function=disk.copy2_sparse)
             else:
                 ws.mkdir()
             ws.chmod(0o755)
@@ -127,8 +129,32 @@ class HostSandbox(abc.ABC):
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)
             raise
+        self._quota: DiskQuota | None = None
         with _live_lock:
             _live.add(self)
+
+    def _start_quota(self) -> None:
+        """Watch the disk quota (backends call this once their processes can run)."""
+        limit = self.spec.limits.disk_bytes
+        if limit is None or self._quota is not None:
+            return
+        trees = [self.workspace_dir, *(m.source for m in self.spec.mounts if m.writable)]
+        self._quota = DiskQuota(trees, limit, self._over_quota, self.id)
+
+    def _over_quota(self, used: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._stop_processes()
+
+    @property
+    def disk_kills(self) -> int:
+        """How many times the sandbox's processes were killed for its disk quota."""
+        return self._quota.exceeded if self._quota is not None else 0
+
+    def check_disk_quota(self) -> bool:
+        """Measure the sandbox's disk use now; True if it was over the quota (its
+        processes have then been killed)."""
+        return self._quota.check() if self._quota is not None else False
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -208,7 +234,8 @@ class HostSandbox(abc.ABC):
             snap_id = f"{self.id}-{self._snap_seq}"
             previous = next(reversed(self._snapshots.values()), None)
             self._snapshots[snap_id] = snapshots.take(
-                self.workspace_dir, self.dir / "snapshots" / snap_id, snap_id, previous)
+                self.workspace_dir, self.dir / "snapshots" / snap_id, snap_id, previous,
+                max_bytes=self.spec.limits.disk_bytes)
             return snap_id
 
     def adopt_snapshot(self, store: Path, snap_id: str | None = None) -> str:
@@ -311,6 +338,8 @@ class HostSandbox(abc.ABC):
                 return
             self._closed = True
         try:
+            if self._quota is not None:
+                self._quota.stop()
             self._close_processes()
         finally:
             _trash.discard(self.dir)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,17 +63,34 @@ class TaskCheck:
 
 
 def task_hash(task: Task) -> str:
-    """Hash of every file in the task directory (path, exec bit, bytes) and the harness."""
+    """Hash of every file in the task directory (path, exec bit, bytes; a symlink by its
+    target text) and the harness. Links are never followed: the task is untrusted and a
+    link to /dev/zero or a host secret must not be read."""
     h = hashlib.sha256(f"ridgeline-task-check/{CHECK_VERSION}".encode())
     here = Path(__file__).resolve().parent
     for name in ("offline_tools.py", "verifier.py", "environment.py", "dockerfile.py"):
         h.update((here / name).read_bytes())
-    for p in sorted(task.path.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts:
-            h.update(str(p.relative_to(task.path)).encode() + b"\0")
-            h.update(b"x" if os.access(p, os.X_OK) else b"-")
+    for p in _task_files(task.path):
+        h.update(str(p.relative_to(task.path)).encode() + b"\0")
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            h.update(b"l" + os.readlink(p).encode())
+        elif stat.S_ISREG(st.st_mode):
+            h.update(b"x" if st.st_mode & 0o111 else b"-")
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def _task_files(root: Path) -> list[Path]:
+    """Regular files and symlinks under `root`, sorted, without descending into links."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        dirnames[:] = [n for n in dirnames if n != "__pycache__"]
+        # os.walk lists a symlink to a directory among the directories: keep it as a link
+        out += [base / n for n in dirnames if (base / n).is_symlink()]
+        out += [base / n for n in filenames]
+    return sorted(out)
 
 
 def cache_dir() -> Path:

@@ -8,12 +8,26 @@ change the files or the environment an agent sees: `CMD`, `ENTRYPOINT`, `EXPOSE`
 `LABEL`, `MAINTAINER`, `VOLUME`, `HEALTHCHECK`, `STOPSIGNAL`, `USER`, `ONBUILD`.
 Reported as unsupported: multi-stage builds, `COPY --from`, `ADD` of URLs, base images
 whose software the host lacks, and files copied into directories the host owns.
+
+A task directory is untrusted input, so `COPY`/`ADD` sources are confined to the build
+context: a source that is absolute (Docker would read it from the context root; we
+refuse it as ambiguous), climbs out with `..`, or resolves (through a symlink of its
+own or of a directory on its way, glob matches included) to a host path outside the
+context is a `TaskError` naming the Dockerfile, the line and the source, raised when
+the task is loaded and again whenever the plan is walked. A source that is a symlink
+resolving inside the context stays in the plan as the link's own path and is listed in
+`CopyStep.links`. Symlinks *inside* a directory source may point anywhere: like Docker,
+they are copied as links and never followed, so they only mean something inside the
+sandbox; an executor must copy them as links and must not follow them for `--chmod`.
+`--chmod` keeps only the permission bits (setuid/setgid/sticky are dropped, noted).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import os
+import posixpath
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -55,11 +69,14 @@ class Instruction:
 class CopyStep:
     line: int
     dest: str                          # absolute path inside the sandbox
-    sources: tuple[Path, ...] = ()     # host paths (already globbed)
+    sources: tuple[Path, ...] = ()     # host paths (globbed), all inside the context
     content: str | None = None         # heredoc form: the file's text
     dest_is_dir: bool = False
-    chmod: str | None = None
+    chmod: str | None = None           # octal permission bits only (no setuid/sticky)
     unpack: bool = False               # ADD of a local tar archive
+    # sources that are symlinks (each resolving inside the context), kept as the link's
+    # path: read through them, never chmod/chown their host target
+    links: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,7 @@ class BuildPlan:
     def steps(self, base_env: dict[str, str]) -> tuple[list[Step], dict[str, str]]:
         """Walk the instructions: the steps to execute in order, and the final runtime ENV
         (expanded over `base_env`, which must contain PATH)."""
-        steps, env, _ = _walk(self.instructions, self.context, base_env)
+        steps, env, _ = _walk(self.instructions, self.context, base_env, self.source)
         return steps, env
 
 
@@ -225,7 +242,8 @@ def _absolute(path: str, workdir: str) -> str:
 
 
 def _walk(instructions: tuple[Instruction, ...] | list[Instruction], context: Path,
-          base_env: dict[str, str]) -> tuple[list[Step], dict[str, str], str]:
+          base_env: dict[str, str], dockerfile: Path | None = None
+          ) -> tuple[list[Step], dict[str, str], str]:
     env = dict(base_env)        # ENV values (runtime)
     args: dict[str, str] = {}   # ARG values (build time only)
     workdir = "/"
@@ -261,23 +279,80 @@ def _walk(instructions: tuple[Instruction, ...] | list[Instruction], context: Pa
             words = list(ins.exec_form) if ins.exec_form else _split_words(ins.args)
             words = [expand(w, scope) for w in words]
             if len(words) < 2 and not ins.heredocs:
-                raise TaskError(f"line {ins.line}: {ins.keyword} needs a source and a "
-                                f"destination")
+                raise TaskError(f"{_where(dockerfile)}line {ins.line}: {ins.keyword} needs "
+                                f"a source and a destination", hint="fix the Dockerfile")
             dest_raw = words[-1]
             dest = _absolute(dest_raw, workdir)
+            chmod = _chmod_bits(ins.flags.get("chmod"))
             if ins.heredocs:
-                steps.append(CopyStep(ins.line, dest, content=ins.heredocs[0],
-                                      chmod=ins.flags.get("chmod")))
+                steps.append(CopyStep(ins.line, dest, content=ins.heredocs[0], chmod=chmod))
                 continue
             sources: list[Path] = []
-            for src in words[:-1]:
-                matches = sorted(glob.glob(str(context / src.lstrip("/"))))
-                sources.extend(Path(m) for m in matches)
+            if "from" not in ins.flags:     # --from names another stage's files: reported
+                for src in words[:-1]:
+                    sources.extend(_sources(src, context, ins, dockerfile))
             dest_is_dir = dest_raw.endswith("/") or len(sources) > 1
             unpack = ins.keyword == "ADD" and len(sources) == 1 and _is_archive(sources[0])
+            links = tuple(p for p in sources if p.is_symlink())
             steps.append(CopyStep(ins.line, dest, tuple(sources), None, dest_is_dir,
-                                  ins.flags.get("chmod"), unpack))
+                                  chmod, unpack, links))
     return steps, env, workdir
+
+
+def _where(dockerfile: Path | None) -> str:
+    return f"{dockerfile}: " if dockerfile is not None else ""
+
+
+def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether `path`, every symlink on the way resolved, is `root` or below it."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+def _is_url(src: str) -> bool:
+    return re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", src) is not None or \
+        src.startswith("git@")
+
+
+def _sources(src: str, context: Path, ins: Instruction, dockerfile: Path | None
+             ) -> list[Path]:
+    """The host paths a COPY/ADD source names (globbed), each checked to stay inside the
+    build context; a source leading outside is a `TaskError`. Dangling links copy
+    nothing, like a missing file."""
+    if _is_url(src):
+        return []           # ADD of a URL: reported as a problem by plan_build
+
+    def escape(why: str) -> TaskError:
+        return TaskError(f"{_where(dockerfile)}line {ins.line}: {ins.keyword} source "
+                         f"{src!r} {why}", hint="COPY and ADD can only read files inside "
+                         "the build context: put the file itself (not a link to it) in "
+                         "the task directory")
+
+    if PurePosixPath(src).is_absolute():
+        raise escape(f"is an absolute path; sources are relative to the build context "
+                     f"{context}")
+    norm = posixpath.normpath(src)
+    if norm == ".." or norm.startswith("../"):
+        raise escape(f"leads outside the build context {context}")
+    out = []
+    # root_dir: the context's own path is never read as a glob pattern
+    for match in sorted(glob.glob(src, root_dir=context)):
+        path = context / match
+        if not inside(path, context):
+            via = "" if posixpath.normpath(match) == norm else f"matches {match!r}, which "
+            raise escape(f"{via}resolves to {os.path.realpath(path)}, outside the build "
+                         f"context {context}")
+        if path.exists():
+            out.append(path)
+    return out
+
+
+def _chmod_bits(value: str | None) -> str | None:
+    """`--chmod` as octal permission bits. setuid/setgid/sticky are dropped: the copy is a
+    host file owned by the harness's user, not a file inside an image."""
+    if not value or not re.fullmatch(r"[0-7]{1,4}", value):
+        return value or None            # a symbolic mode: plan_build reports it
+    return format(int(value, 8) & 0o777, "o")
 
 
 def _is_archive(p: Path) -> bool:
@@ -367,7 +442,14 @@ def plan_build(dockerfile: Path | None, context: Path, default_workdir: str = "/
             problems.append(f"line {ins.line}: RUN --mount with secrets/ssh is not supported")
         if ins.keyword in IGNORED:
             notes.append(f"line {ins.line}: {ins.keyword} ignored")
-    steps, _, workdir = _walk(instructions, context, IMAGE_DEFAULT_ENV)
+        if ins.keyword in ("COPY", "ADD") and (mode := ins.flags.get("chmod")):
+            if not re.fullmatch(r"[0-7]{1,4}", mode):
+                problems.append(f"line {ins.line}: --chmod={mode} is not supported "
+                                f"(only octal modes)")
+            elif int(mode, 8) & ~0o777:
+                notes.append(f"line {ins.line}: setuid/setgid/sticky bits of "
+                             f"--chmod={mode} dropped")
+    steps, _, workdir = _walk(instructions, context, IMAGE_DEFAULT_ENV, dockerfile)
     if workdir == "/":
         if any(isinstance(s, MkdirStep) for s in steps):
             problems.append("WORKDIR / cannot be the writable workspace")

@@ -195,10 +195,12 @@ class TaskSandbox:
 
 def sandbox_limits(task: Task) -> Limits:
     """Task resources and timeouts as sandbox limits. CPU count has no equivalent (the
-    sandbox limits CPU time, not cores); storage caps the size of any one file."""
+    sandbox limits CPU time, not cores); storage bounds both any one file and the disk
+    the whole environment may hold (workspace, /logs, /root and other writable trees)."""
+    storage = task.resources.storage_mb * MiB
     return Limits(wall_timeout_s=task.agent_timeout_s,
                   memory_bytes=task.resources.memory_mb * MiB,
-                  max_file_size_bytes=task.resources.storage_mb * MiB)
+                  max_file_size_bytes=storage, disk_bytes=storage)
 
 
 def runtime_env(task: Task, tools: HarnessTools) -> dict[str, str]:

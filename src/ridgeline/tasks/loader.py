@@ -10,21 +10,38 @@ Version 2 (Harbor)::
     instruction.md  task.toml  environment/Dockerfile  solution/solve.sh  tests/test.sh
 
 Errors name the file and, for YAML/TOML, the line and the field.
+
+A task directory is untrusted input: every file the loader reads or hands on (to be
+copied into a sandbox) must resolve inside the task directory, symlinks included, and a
+compose file's `build.context`/`dockerfile` likewise; otherwise loading fails with a
+`TaskError`, like any other malformed task. The direct children of `tests/` and
+`solution/` are checked too, because they are copied following links; deeper symlinks
+are copied as links and so only mean something inside the sandbox.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ridgeline.errors import NotFoundError, TaskError
-from ridgeline.tasks.dockerfile import plan_build
+from ridgeline.tasks.dockerfile import inside, plan_build
 from ridgeline.tasks.model import Resources, SolutionStep, Task, TaskLayout
+
+# The files each layout reads or copies into a sandbox (relative to the task directory),
+# and the directories whose direct children are copied following links.
+V1_FILES = ("task.yaml", "run-tests.sh", "tests", "solution.sh", "solution.yaml",
+            "Dockerfile", "docker-compose.yaml", "docker-compose.yml", "setup.sh", "files")
+V2_FILES = ("task.toml", "instruction.md", "tests", "tests/test.sh", "environment",
+            "environment/Dockerfile", "environment/docker-compose.yaml",
+            "environment/setup.sh", "solution", "solution/solve.sh", "setup.sh")
+STAGED_DIRS = ("tests", "solution")
 
 # Values Terminal-Bench's compose files interpolate; everything else becomes "".
 COMPOSE_VARS = {"T_BENCH_TEST_DIR": "/tests", "T_BENCH_CONTAINER_LOGS_PATH": "/logs",
@@ -228,11 +245,45 @@ def _size_mb(text: str, source: Path, field: str) -> int:
     return max(1, int(float(m.group(1)) * factor[m.group(2).upper()]))
 
 
+# --- confinement to the task directory -------------------------------------------------
+
+def _confine(d: Path, names: tuple[str, ...]) -> None:
+    """Refuse a task whose files (or the children of its staged directories) lead
+    outside `d`, e.g. `tests -> /etc` or `solution.sh -> ~/.ssh/id_rsa`."""
+    paths = [d / n for n in names]
+    for sub in STAGED_DIRS:
+        if (d / sub).is_dir() and inside(d / sub, d):
+            paths.extend(sorted((d / sub).iterdir()))
+    for p in paths:
+        if not inside(p, d):
+            raise TaskError(f"task {d.name!r}: {p.relative_to(d)} resolves to "
+                            f"{os.path.realpath(p)}, outside the task directory {d}",
+                            hint="a task may only use files inside its directory: copy "
+                            "the file in instead of linking to it")
+
+
+def _compose_path(compose: Path, text: str, loc: tuple, value: str, base: Path,
+                  task_dir: Path) -> Path:
+    """`base / value`, resolved, for a path field of a compose file, which must stay in
+    the task directory."""
+    field = ".".join(str(p) for p in loc)
+    where = f"{compose}: line {_yaml_line(text, loc) or 1}: field '{field}'"
+    hint = "compose paths must be relative and stay inside the task directory"
+    if PurePosixPath(value).is_absolute() or value.startswith("~"):
+        raise TaskError(f"{where}: {value!r} is an absolute path", hint=hint)
+    path = base / value
+    if not inside(path, task_dir):
+        raise TaskError(f"{where}: {value!r} resolves to {os.path.realpath(path)}, "
+                        f"outside the task directory {task_dir}", hint=hint)
+    return Path(os.path.realpath(path))
+
+
 # --- the two layouts ------------------------------------------------------------------
 
-def _compose_build(compose: Path) -> tuple[Path | None, Path, str | None, dict[str, str],
-                                             list[str]]:
-    """(Dockerfile, context, image, environment, problems) of a single-service compose."""
+def _compose_build(compose: Path, task_dir: Path
+                   ) -> tuple[Path | None, Path, str | None, dict[str, str], list[str]]:
+    """(Dockerfile, context, image, environment, problems) of a single-service compose;
+    its build context and Dockerfile must be inside `task_dir`."""
     data, text = _read_yaml(compose)
     services = data.get("services") if isinstance(data, dict) else None
     if not isinstance(services, dict) or not services:
@@ -261,16 +312,23 @@ def _compose_build(compose: Path) -> tuple[Path | None, Path, str | None, dict[s
         if not image:
             raise TaskError(f"{compose}: service {name!r} has neither 'build' nor 'image'")
         return None, compose.parent, interp(str(image)), env, problems
+    loc = ("services", name, "build")
     if isinstance(build, str):
-        context, dockerfile = compose.parent / interp(build), "Dockerfile"
+        raw_context, raw_dockerfile, context_loc = build, "Dockerfile", loc
     else:
-        context = compose.parent / interp(str(build.get("context", ".")))
-        dockerfile = interp(str(build.get("dockerfile", "Dockerfile")))
-    return _require(context / dockerfile, "the image the compose file builds"), context, \
-        None, env, problems
+        raw_context = str(build.get("context", "."))
+        raw_dockerfile = str(build.get("dockerfile", "Dockerfile"))
+        context_loc = (*loc, "context")
+    context = _compose_path(compose, text, context_loc, interp(raw_context),
+                            compose.parent, task_dir)
+    dockerfile = _compose_path(compose, text, (*loc, "dockerfile"), interp(raw_dockerfile),
+                               context, task_dir)
+    return _require(dockerfile, "the image the compose file builds"), context, None, env, \
+        problems
 
 
 def _load_v1(d: Path) -> Task:
+    _confine(d, V1_FILES)
     spec_path = _require(d / "task.yaml", "the task definition")
     data, text = _read_yaml(spec_path)
     if not isinstance(data, dict):
@@ -308,7 +366,7 @@ def _load_v1(d: Path) -> Task:
     elif (d / "docker-compose.yaml").is_file() or (d / "docker-compose.yml").is_file():
         compose = d / "docker-compose.yaml"
         compose = compose if compose.is_file() else d / "docker-compose.yml"
-        dockerfile, context, image, env, problems = _compose_build(compose)
+        dockerfile, context, image, env, problems = _compose_build(compose, d)
     build = plan_build(dockerfile, context, base_image=image)
     if problems:
         build = _with_problems(build, problems)
@@ -335,6 +393,7 @@ def _with_problems(build, problems: list[str]):
 
 
 def _load_v2(d: Path) -> Task:
+    _confine(d, V2_FILES)
     spec_path = _require(d / "task.toml", "the task configuration")
     instruction_path = _require(d / "instruction.md", "the instruction given to the agent")
     data, text = _read_toml(spec_path)
@@ -357,7 +416,7 @@ def _load_v2(d: Path) -> Task:
         dockerfile = env_dir / "Dockerfile"
     elif (env_dir / "docker-compose.yaml").is_file() and not envv.docker_image:
         dockerfile, context, image, cenv, problems = _compose_build(
-            env_dir / "docker-compose.yaml")
+            env_dir / "docker-compose.yaml", d)
     build = plan_build(dockerfile, context if context.exists() else d, base_image=image)
     if problems:
         build = _with_problems(build, problems)
@@ -407,7 +466,9 @@ def builtin_suite_dir() -> Path:
 def load_tasks(source: str | Path | None = None, *, only_valid: bool = False,
                backend: str = "bwrap", concurrency: int = 4) -> list[Task]:
     """Load a task directory, a directory of tasks, or the built-in suite (`None` or
-    "builtin"), sorted by id.
+    "builtin"), sorted by id. A malformed task (bad YAML, or files leading outside its
+    directory) fails the whole load with a `TaskError` naming it: a suite is never
+    silently partial.
 
     With `only_valid=True` tasks that fail the quality checks are left out: each task's
     check result is cached by the hash of its files (see `ridgeline.tasks.checks`), and

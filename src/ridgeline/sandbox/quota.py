@@ -5,8 +5,8 @@ measurement: a watcher thread walks the sandbox's writable host trees (allocated
 blocks, so a sparse file costs what it really holds; disk.py) and, the moment they are
 over `Limits.disk_bytes`, kills every process of the sandbox, as a memory cgroup kills
 on OOM. Files are kept (nothing is lost; the caller sees `killed_by="disk"` and decides).
-The interval adapts to the walk's own cost, so a big workspace is not walked
-continuously: at most ~5% of one core goes to watching.
+One thread watches every sandbox of the process; each sandbox's interval adapts to its
+walk's own cost, so a big workspace is not walked continuously (~5% of one core).
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ log = logging.getLogger(__name__)
 
 
 class DiskQuota:
+    """One sandbox's quota; measured by the process-wide watcher thread from
+    construction until `stop()`."""
+
     def __init__(self, trees: list[Path], limit: int, on_exceeded: Callable[[int], None],
                  name: str = "sandbox") -> None:
-        self.trees, self.limit = trees, limit
+        self.trees, self.limit, self.name = trees, limit, name
         self._on_exceeded = on_exceeded
-        self._stop = threading.Event()
         self.exceeded = 0          # how many times the quota was hit
         self.last_bytes = 0
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"ridgeline-disk-quota-{name}")
-        self._thread.start()
+        self.next_due = time.monotonic() + MIN_INTERVAL_S
+        _watcher.add(self)
 
     def used(self) -> int:
         total = 0
@@ -53,23 +54,58 @@ class DiskQuota:
         if used <= self.limit:
             return False
         self.exceeded += 1
-        log.warning("sandbox over its disk quota (%s > %s): killing its processes",
-                    disk.human(used), disk.human(self.limit))
+        log.warning("sandbox %s over its disk quota (%s > %s): killing its processes",
+                    self.name, disk.human(used), disk.human(self.limit))
         self._on_exceeded(used)
         return True
 
-    def _loop(self) -> None:
-        interval = MIN_INTERVAL_S
-        while not self._stop.wait(interval):
-            t0 = time.monotonic()
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - the watcher must outlive odd trees
-                log.exception("disk quota check failed")
-            cost = time.monotonic() - t0
-            interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, cost / DUTY))
-
     def stop(self) -> None:
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
+        _watcher.discard(self)
+
+
+class _Watcher:
+    """A single thread for every sandbox of the process: each quota is measured when
+    due, and its next turn comes after its walk's cost / DUTY (at least MIN_INTERVAL_S,
+    at most MAX_INTERVAL_S)."""
+
+    def __init__(self) -> None:
+        self._quotas: set[DiskQuota] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, q: DiskQuota) -> None:
+        with self._lock:
+            self._quotas.add(q)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="ridgeline-disk-quota")
+                self._thread.start()
+
+    def discard(self, q: DiskQuota) -> None:
+        with self._lock:
+            self._quotas.discard(q)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                due = sorted(self._quotas, key=lambda q: q.next_due)
+            now = time.monotonic()
+            for q in due:
+                if q.next_due > now:
+                    break
+                t0 = time.monotonic()
+                try:
+                    with self._lock:
+                        live = q in self._quotas
+                    if live:
+                        q.check()
+                except Exception:  # noqa: BLE001 - the watcher must outlive odd trees
+                    log.exception("disk quota check of sandbox %s failed", q.name)
+                cost = time.monotonic() - t0
+                q.next_due = time.monotonic() + min(MAX_INTERVAL_S,
+                                                    max(MIN_INTERVAL_S, cost / DUTY))
+            time.sleep(MIN_INTERVAL_S / 2)
+
+
+_watcher = _Watcher()

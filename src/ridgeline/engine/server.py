@@ -64,7 +64,7 @@ from ridgeline.engine.server_tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
     wire_tool_call,
 )
-from ridgeline.engine.server_worker import EngineUnavailableError, EngineWorker
+from ridgeline.engine.worker import EngineUnavailableError, EngineWorker
 from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 
 log = logging.getLogger(__name__)

@@ -94,17 +94,14 @@ def teacher_forced_argmax(engine: Any, prompt: list[int], forced: list[int]) -> 
     """Argmax after each prefix of `forced`, with all of it attending through the cache."""
     from ridgeline.engine import SamplingParams
     from ridgeline.engine.sequence import Sequence
-    from ridgeline.engine.speculative import run_forward
 
     seq = Sequence("tf", 0, list(prompt), len(prompt), SamplingParams())
     bm = engine.block_manager
     assert bm.allocate_slots(seq, len(prompt) + len(forced))
     try:
-        run_forward(engine.model, engine.kv_cache, engine.device,
-                    [(seq.block_table, 0, prompt[:-1], 0)])
-        logits = run_forward(engine.model, engine.kv_cache, engine.device,
-                             [(seq.block_table, len(prompt) - 1, [prompt[-1]] + forced[:-1],
-                               len(forced))])
+        engine.runner.forward([(seq.block_table, 0, prompt[:-1], 0)])
+        logits = engine.runner.forward([(seq.block_table, len(prompt) - 1,
+                                         [prompt[-1]] + forced[:-1], len(forced))])
         return logits.argmax(-1).tolist()
     finally:
         bm.free_seq(seq)

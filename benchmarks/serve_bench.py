@@ -130,7 +130,7 @@ async def run_server(base_url: str, messages: list[list[dict[str, str]]],
 
 
 def start_server(port: int, engine_args: list[str]) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "ridgeline.engine.serve_cli", "--model", "default",
+    cmd = [sys.executable, "-m", "ridgeline.serve.cli", "--model", "default",
            "--port", str(port), "--log-level", "warning", "--no-fast", *engine_args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -180,7 +180,7 @@ def main() -> None:
 
     from ridgeline.engine import LLM
     from ridgeline.llm.base import Message
-    from ridgeline.llm.chat_template import render_prompt
+    from ridgeline.llm.chat_template import encode_chat
 
     engine_args = ["--kv-cache-memory-mb", str(args.kv_cache_memory_mb),
                    "--max-num-seqs", str(max(clients, 1))]
@@ -197,8 +197,8 @@ def main() -> None:
         wait_healthy(proc, base)
         messages = make_messages(clients)
         tok = llm.tokenizer
-        prompts = [list(tok.encode(render_prompt(tok, [Message(**m) for m in conv]),
-                                   add_special_tokens=False)) for conv in messages]
+        # The ids the server makes of each conversation (both call `encode_chat`).
+        prompts = [encode_chat(tok, [Message(**m) for m in conv]) for conv in messages]
         # warm-up on both sides (first-call allocations, connection setup)
         run_offline(llm, prompts[:2], 2)
         asyncio.run(run_server(base + "/v1", messages[:2], 2))

@@ -20,6 +20,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_help_and_version():
     r = run_cli("--help")
     assert r.returncode == 0 and "ridgeline" in r.stdout.lower()
+    for command in ("sandbox", "tasks", "eval", "generate", "models", "serve"):
+        assert command in r.stdout, f"{command} is not mounted"
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("ridgeline ")
 
@@ -28,6 +30,14 @@ def test_unknown_subcommand_is_a_usage_error():
     r = run_cli("no-such-command")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+
+
+def test_a_subcommand_that_fails_to_import_stops_the_cli():
+    # `sys.modules[name] = None` makes importing that module raise ImportError.
+    code = ("import sys; sys.modules['ridgeline.tasks.cli'] = None; "
+            "from ridgeline.cli import main; main(['--help'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "ridgeline.tasks.cli" in r.stderr  # not skipped quietly
 
 
 class _Cfg(BaseModel):

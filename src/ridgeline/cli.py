@@ -1,5 +1,5 @@
 """The `ridgeline` command line: one Typer app; each subsystem's subcommands live beside
-the code they drive (`ridgeline/<subsystem>/cli.py`) and are mounted here."""
+the code they drive (`ridgeline/<subsystem>/cli.py`) and are mounted here, each by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import typer
 from rich.console import Console
 
 from ridgeline import __version__
+from ridgeline.engine import cli as engine_cli
 from ridgeline.errors import RidgelineError
+from ridgeline.eval import cli as eval_cli
+from ridgeline.sandbox import cli as sandbox_cli
+from ridgeline.serve import cli as serve_cli
+from ridgeline.tasks import cli as tasks_cli
 
 app = typer.Typer(
     name="ridgeline",
@@ -35,32 +40,13 @@ def _root(
     """Ridgeline command line."""
 
 
-def _mount_subcommands() -> None:
-    # Each subsystem contributes a Typer app; missing ones (not built yet) are skipped.
-    import importlib
-
-    mounts = [
-        ("ridgeline.sandbox.cli", "sandbox", "Isolated sandboxes: run, shell, bench."),
-        ("ridgeline.engine.cli", None, None),
-        ("ridgeline.engine.serve_cli", None, None),
-        ("ridgeline.tasks.cli", "tasks", "Terminal tasks: list and quality-check."),
-        ("ridgeline.eval.cli", None, None),
-    ]
-    for module, name, help_text in mounts:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name and module.startswith(e.name):
-                continue
-            raise
-        register = getattr(mod, "register", None)
-        if register is not None:
-            register(app)
-        else:
-            app.add_typer(mod.app, name=name, help=help_text)
-
-
-_mount_subcommands()
+# Every subsystem's commands, imported above without a guard: a subcommand whose module
+# fails to import stops `ridgeline` with that ImportError instead of vanishing from --help.
+app.add_typer(sandbox_cli.app, name="sandbox", help="Isolated sandboxes: run, shell, bench.")
+engine_cli.register(app)
+serve_cli.register(app)
+app.add_typer(tasks_cli.app, name="tasks", help="Terminal tasks: list and quality-check.")
+eval_cli.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,7 +54,7 @@ def test_abort_stops_one_request_and_others_continue() -> None:
     engine.abort("r1")
     assert engine.get_num_unfinished_requests() == 2
     outs = {}
-    while engine.has_unfinished_requests() or engine._pending:
+    while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outs[out.request_id] = out
@@ -90,7 +90,7 @@ def test_bad_requests_fail_alone() -> None:
 def test_request_failing_inside_the_loop_does_not_stop_others(monkeypatch) -> None:
     """Fault injection: postprocessing of one request raises; it finishes with an error
     and finish_reason "abort" while the other request completes."""
-    import ridgeline.engine.llm_engine as le
+    import ridgeline.engine.output_processor as le
 
     tok = char_tokenizer()
     model = cached_model("llama", vocab=len(tok), seed=3)
@@ -106,7 +106,7 @@ def test_request_failing_inside_the_loop_does_not_stop_others(monkeypatch) -> No
     engine.add_request("bad", "abc", GREEDY)
     engine.add_request("ok", "abc", GREEDY)
     final = {}
-    while engine.has_unfinished_requests() or engine._pending:
+    while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out

@@ -84,12 +84,6 @@ class KVCache:
         dequantize as they read; None for every other storage."""
         return None
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write)."""
-        for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
-            self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))
-
 
 def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed buffer. On CPU an anonymous mapping: the kernel hands out zero pages that

@@ -151,11 +151,6 @@ class QuantizedKVCache(KVCache):
             return None
         return self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for tensors in (self.k, self.v, self.k_scale, self.v_scale):
-            for t in tensors:
-                t.index_copy_(0, dst, t.index_select(0, src))
-
 
 class CastKVCache(KVCache):
     """A float cache whose storage dtype differs from the model's (e.g. bfloat16 KV for a

@@ -1,13 +1,20 @@
-"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams)`."""
+"""Offline batch generation: `LLM(model).generate(prompts, SamplingParams)`.
+
+Generation goes through the engine's `EngineWorker` (started on first use), so several
+threads can share one `LLM` (parallel agents, an RL trainer updating weights) and their
+requests are decoded in the same batches."""
 
 from __future__ import annotations
 
+import itertools
+import threading
 from typing import Any
 
 from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.llm_engine import LLMEngine
 from ridgeline.engine.outputs import RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
+from ridgeline.engine.worker import EngineWorker, RequestHandle
 from ridgeline.errors import EngineError
 
 
@@ -22,13 +29,26 @@ class LLM:
         engine = engine_config_overrides.pop("_engine", None)
         self.engine: LLMEngine = engine or LLMEngine(
             EngineConfig.build(model=model, **engine_config_overrides))
-        self._counter = 0
+        self._worker: EngineWorker | None = None
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None,
                       **engine_config_overrides: Any) -> LLM:
         return cls(_engine=LLMEngine.from_hf_model(hf_model, tokenizer,
                                                    **engine_config_overrides))
+
+    @property
+    def worker(self) -> EngineWorker:
+        """The engine's stepper, started on first use; submit here from any thread."""
+        with self._lock:
+            if self._worker is None:
+                self._worker = EngineWorker(self.engine, name="llm").start()
+            return self._worker
+
+    def new_request_id(self, prefix: str = "gen") -> str:
+        return f"{prefix}-{next(self._counter)}"
 
     @property
     def tokenizer(self) -> Any:
@@ -54,21 +74,9 @@ class LLM:
         if len(params) != len(prompts):
             raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts",
                               hint="pass one SamplingParams or one per prompt")
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                rid = f"gen-{self._counter}"
-                self._counter += 1
-                if isinstance(prompt, str):
-                    self.engine.add_request(rid, prompt, p)
-                else:
-                    self.engine.add_request(rid, prompt_token_ids=list(prompt), params=p)
-                ids.append(rid)
-        except BaseException:
-            self.engine.abort(ids)
-            self.engine.step()  # drain the abort outputs
-            raise
-        return self._run(ids, use_tqdm)
+        handles = self.worker.submit_many([(self.new_request_id(), prompt, p)
+                                           for prompt, p in zip(prompts, params, strict=True)])
+        return self._collect(handles, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None,
@@ -82,26 +90,25 @@ class LLM:
                    for c in convs]  # type: ignore[arg-type]
         return self.generate([list(p) for p in prompts], sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
-        final: dict[str, RequestOutput] = {}
+    def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
         progress = None
         if use_tqdm:
             from rich.progress import Progress
 
             progress = Progress(transient=True)
-            task = progress.add_task("generating", total=len(ids))
+            task = progress.add_task("generating", total=len(handles))
             progress.start()
         try:
-            while len(final) < len(ids):
-                if not self.engine.has_unfinished_requests() and not self.engine._pending:
-                    raise EngineError("the engine stopped with requests unfinished")
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
-                        if progress is not None:
-                            progress.advance(task)
+            finals = []
+            for h in handles:
+                finals.append(h.result())
+                if progress is not None:
+                    progress.advance(task)
+            return finals
+        except BaseException:
+            for h in handles:
+                h.abort()
+            raise
         finally:
             if progress is not None:
                 progress.stop()
-        return [final[i] for i in ids]

@@ -1,5 +1,6 @@
 """What the engine returns: one `RequestOutput` per request and step (streaming), holding
-a `CompletionOutput` per sample with everything produced so far and the new part."""
+a `CompletionOutput` per sample with everything produced so far and the new part; and
+`EngineStats`, a snapshot of its scheduler, KV pool, prefix cache and speculation."""
 
 from __future__ import annotations
 
@@ -41,3 +42,33 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float  # fraction of usable blocks held by live sequences
+    kv_bytes_per_token: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    num_evictions: int
+    num_steps: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int
+    kv_cache_dtype: str = "auto"
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds
+    # speculative decoding (None / 0 when the engine does not speculate)
+    spec_acceptance_rate: float | None = None  # accepted / proposed tokens
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0  # steps that verified proposals
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries

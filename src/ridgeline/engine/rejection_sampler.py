@@ -65,7 +65,7 @@ def rejection_sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[li
         sample_idx = [i for i, g in enumerate(greedy_rows) if not g]
         probs = torch.zeros_like(logits)
         idx = torch.tensor(sample_idx, device=logits.device)
-        probs[idx] = sampler._filtered_probs(logits[idx], [row_seqs[i] for i in sample_idx])
+        probs[idx] = sampler.filtered_probs(logits[idx], [row_seqs[i] for i in sample_idx])
         if any(greedy_rows):
             argmax = logits.argmax(dim=-1).tolist()
 

@@ -45,8 +45,8 @@ class Sampler:
                 idx = torch.tensor(g_rows, device=logits.device)
                 tokens[idx] = processed[idx].argmax(dim=-1)
             idx = torch.tensor(r_rows, device=logits.device)
-            probs = self._filtered_probs(processed[idx], [seqs[i] for i in r_rows])
-            tokens[idx] = self._draw(probs, [seqs[i] for i in r_rows])
+            probs = self.filtered_probs(processed[idx], [seqs[i] for i in r_rows])
+            tokens[idx] = self.draw(probs, [seqs[i] for i in r_rows])
 
         sampled_lp = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         top: list[dict[int, float] | None] = [None] * len(seqs)
@@ -64,7 +64,9 @@ class Sampler:
                 top[i] = d
         return SamplerOutput(token_list, lp_list, top)
 
-    def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, top-k, top-p and min-p applied
+        (what a draw samples from; speculation's proposers and verifier need it too)."""
         temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         logits = logits / temps[:, None]
         top_k = [s.params.top_k for s in seqs]
@@ -93,7 +95,7 @@ class Sampler:
             probs = probs.masked_fill(probs < ms * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
 
-    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """argmax(p / E) with E ~ Exp(1) is a draw from p (the exponential race)."""
         noise = torch.empty_like(probs)
         shared = [i for i, s in enumerate(seqs) if s.generator is None]

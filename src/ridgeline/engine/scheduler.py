@@ -2,7 +2,12 @@
 running sequences first (decodes and unfinished prefills, oldest first), then admits
 waiting ones. When the pool runs out, the newest running sequence is preempted: its
 blocks are freed and it is recomputed later (its full blocks usually survive in the
-prefix cache, so recomputation is cheap)."""
+prefix cache, so recomputation is cheap).
+
+The scheduler owns each sequence's KV slots and `num_computed_tokens`: speculation asks it
+for look-ahead slots (`reserve_lookahead`), and after the step `update_from_output`
+advances every sequence by what was computed and kept, giving back the slots of
+rejected proposals."""
 
 from __future__ import annotations
 
@@ -93,6 +98,25 @@ class Scheduler:
             out.scheduled.append((seq, num_new))
             budget -= num_new
         return out
+
+    def reserve_lookahead(self, seq: Sequence, k: int) -> bool:
+        """KV slots for `k` proposed tokens after this step's one; False (nothing held)
+        when the pool is short."""
+        return self.block_manager.allocate_slots(seq, 1 + k)
+
+    def release_lookahead(self, seq: Sequence) -> None:
+        """Give back look-ahead slots that will not be verified."""
+        self.block_manager.free_tail(seq, seq.num_tokens)
+
+    def update_from_output(self, scheduled: list[tuple[Sequence, int]],
+                           accepted: dict[Sequence, int]) -> None:
+        """After the forward pass: each sequence computed its scheduled tokens, plus the
+        proposals it kept (`accepted`); blocks holding only rejected positions go back."""
+        for seq, n in scheduled:
+            kept = accepted.get(seq)
+            seq.num_computed_tokens += n + (kept or 0)
+            if kept is not None:
+                self.block_manager.free_tail(seq, seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

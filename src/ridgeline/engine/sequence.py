@@ -111,6 +111,28 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     error: str | None = None
 
+    @classmethod
+    def new(cls, request_id: str, prompt: str | None, ids: list[int], params: SamplingParams,
+            cache_salt: int | None, device: torch.device) -> Request:
+        """A request with its `params.n` sequences; a seeded request gives each sample a
+        generator of its own, so its draws do not depend on its batch mates."""
+        import torch
+
+        from ridgeline.engine.detokenizer import init_offsets
+
+        seqs = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=device).manual_seed(
+                    (params.seed + i * 0x9E3779B97F4A7C15) % 2**63)
+            seq = Sequence(request_id=request_id, index=i, token_ids=list(ids),
+                           num_prompt_tokens=len(ids), params=params, cache_salt=cache_salt,
+                           generator=gen)
+            init_offsets(seq)
+            seqs.append(seq)
+        return cls(request_id, prompt, list(ids), params, seqs)
+
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)

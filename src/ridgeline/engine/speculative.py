@@ -10,14 +10,15 @@ Each step, after the scheduler has picked the batch, the `Speculator`:
    speculation switches itself off. Never more than `max_batch_size` sequences;
 2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
    output, the draft proposer runs a small model k times;
-3. reserves KV slots for the proposals (`allocate_slots` on top of the scheduled token;
-   when the pool is short the sequence just decodes normally);
-4. verifies: one forward pass of the target over the whole batch, where a speculating
-   sequence contributes its last token plus its proposals (a multi-token decode over
-   the paged KV) and every other sequence what the scheduler gave it;
-5. accepts by rejection sampling (`rejection_sampler`), and rolls back the rest: the
-   sequence's `num_computed_tokens` counts only the kept tokens, and blocks that now hold
-   only rejected positions go back to the pool.
+3. has the scheduler reserve look-ahead KV slots for the proposals
+   (`Scheduler.reserve_lookahead`; when the pool is short the sequence just decodes);
+4. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
+   speculating sequence contributes its last token plus its proposals (a multi-token
+   decode over the paged KV) and every other sequence what the scheduler gave it;
+5. `accept` samples the step: rejection sampling (`rejection_sampler`) for speculating
+   sequences, the plain sampler for the rest; the scheduler then advances
+   `num_computed_tokens` by the kept tokens only and frees blocks that hold nothing but
+   rejected positions (`Scheduler.update_from_output`).
 
 Unverified tokens never enter `Sequence.token_ids` before acceptance, so the prefix cache
 (which hashes only full blocks of `token_ids`) never registers a block holding them.
@@ -40,9 +41,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ridgeline.engine.attention import build_attention_metadata
 from ridgeline.engine.config import SpeculativeConfig
-from ridgeline.engine.kv_cache import KVCache
+from ridgeline.engine.model_runner import ForwardItem, ModelOutput, ModelRunner
 from ridgeline.engine.rejection_sampler import rejection_sample
 from ridgeline.engine.sampler import Sampler
 from ridgeline.engine.sequence import Sequence
@@ -51,7 +51,7 @@ from ridgeline.errors import ConfigError
 if TYPE_CHECKING:
     from ridgeline.engine.block_manager import BlockKey, BlockManager
     from ridgeline.engine.loader import ModelSource
-    from ridgeline.engine.models import DecoderForCausalLM
+    from ridgeline.engine.scheduler import Scheduler
 
 #: Before any measurement: one more token in a forward pass costs this fraction of the
 #: pass's fixed cost (about what a 2-core CPU shows for SmolLM2 at 1-8 tokens).
@@ -217,22 +217,21 @@ class DraftProposer:
 
     allocates_first = True  # the draft writes KV at the proposals' slots
 
-    def __init__(self, model: DecoderForCausalLM, cache: KVCache, block_manager: BlockManager,
-                 device: torch.device, target_vocab: int) -> None:
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager,
+                 target_vocab: int) -> None:
         self.cost: StepCost | None = None  # set by the Speculator: draft passes cost too
-        self.model = model
-        self.cache = cache
+        self.runner = runner
+        self.block_size = runner.kv_cache.block_size
         self.block_manager = block_manager
-        self.device = device
         self.target_vocab = target_vocab
         # block id -> the prefix-cache key it had when its draft KV was completed
         self.complete: dict[int, BlockKey] = {}
 
     def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
                 sampler: Sampler) -> list[Proposal]:
-        bs = self.cache.block_size
+        bs = self.block_size
         blocks = self.block_manager.blocks
-        first: list[tuple[list[int], int, list[int], int]] = []
+        first: list[ForwardItem] = []
         for seq, _ in items:
             st = states[seq]
             if st.preemptions_seen != seq.num_preemptions:  # its blocks were all freed
@@ -252,8 +251,7 @@ class DraftProposer:
             first.append((seq.block_table, c, seq.token_ids[c:], 1))
             st.draft_computed = seq.num_tokens
         seqs = [seq for seq, _ in items]
-        tokens, probs = self._pick(run_forward(self.model, self.cache, self.device, first),
-                                   seqs, sampler)
+        tokens, probs = self._pick(self.runner.forward(first), seqs, sampler)
         drafts = [[t] for t in tokens]
         qs: list[list[torch.Tensor]] = [[] if p is None else [p] for p in probs]
         for j in range(1, max(k for _, k in items)):
@@ -265,7 +263,7 @@ class DraftProposer:
                 self.complete.pop(seq.block_table[pos // bs], None)  # unverified KV
                 batch.append((seq.block_table, pos, [drafts[i][-1]], 1))
             start = time.perf_counter()
-            logits = run_forward(self.model, self.cache, self.device, batch)
+            logits = self.runner.forward(batch)
             if self.cost is not None:
                 self.cost.observe_draft(time.perf_counter() - start)
             tokens, probs = self._pick(logits, [seqs[i] for i in live], sampler)
@@ -282,7 +280,7 @@ class DraftProposer:
 
     def _mark_complete(self, seq: Sequence, st: SpecState) -> None:
         blocks = self.block_manager.blocks
-        for i in range(st.draft_marked, st.draft_computed // self.cache.block_size):
+        for i in range(st.draft_marked, st.draft_computed // self.block_size):
             b = seq.block_table[i]
             key = blocks[b].key
             if key is None:  # not in the prefix cache (yet): nobody else can hit it
@@ -306,55 +304,26 @@ class DraftProposer:
         if rows:
             idx = torch.tensor(rows, device=logits.device)
             row_seqs = [seqs[i] for i in rows]
-            q = sampler._filtered_probs(logits[idx], row_seqs)
-            tokens[idx] = sampler._draw(q, row_seqs)
+            q = sampler.filtered_probs(logits[idx], row_seqs)
+            tokens[idx] = sampler.draw(q, row_seqs)
             for j, i in enumerate(rows):
                 probs[i] = q[j]
         return tokens.tolist(), probs
-
-
-def run_forward(model: DecoderForCausalLM, cache: KVCache, device: torch.device,
-                items: list[tuple[list[int], int, list[int], int]],
-                use_kernel: bool = False) -> torch.Tensor:
-    """One forward pass over a flat batch. Each item: (block table, position of its first
-    token, its token ids, how many of its last tokens need logits). Returns those logits,
-    in item order. `use_kernel`: short queries through the C attention kernel, as the
-    engine's `ModelRunner` does."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    batch: list[tuple[list[int], int, int]] = []
-    rows: list[int] = []
-    for table, start, tokens, num_rows in items:
-        end = len(input_ids) + len(tokens)
-        input_ids.extend(tokens)
-        positions.extend(range(start, start + len(tokens)))
-        batch.append((table, start, len(tokens)))
-        rows.extend(range(end - num_rows, end))
-    cfg = model.cfg
-    meta = build_attention_metadata(batch, cache.block_size, cfg.num_heads, cfg.num_kv_heads,
-                                    device, use_kernel=use_kernel)
-    hidden = model(torch.tensor(input_ids, dtype=torch.long, device=device),
-                   torch.tensor(positions, dtype=torch.long, device=device), cache, meta)
-    return model.compute_logits(hidden.index_select(
-        0, torch.tensor(rows, dtype=torch.long, device=device)))
 
 
 # ---- the orchestrator -------------------------------------------------------------------
 
 
 class Speculator:
-    def __init__(self, cfg: SpeculativeConfig, *, model: DecoderForCausalLM, cache: KVCache,
-                 block_manager: BlockManager, device: torch.device, max_model_len: int,
-                 max_num_batched_tokens: int, proposer: NgramProposer | DraftProposer,
-                 use_kernel: bool = False) -> None:
+    """Plans and proposes look-ahead tokens, and accepts or rejects them once the target
+    has scored them; the scheduler owns the slots, the runner runs the pass."""
+
+    def __init__(self, cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
+                 proposer: NgramProposer | DraftProposer) -> None:
         self.cfg = cfg
-        self.use_kernel = use_kernel
-        self.model = model
-        self.cache = cache
-        self.block_manager = block_manager
-        self.device = device
+        self.scheduler = scheduler
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
         self.proposer = proposer
         self.states: weakref.WeakKeyDictionary[Sequence, SpecState] = weakref.WeakKeyDictionary()
         self.num_proposed = 0
@@ -379,13 +348,14 @@ class Speculator:
 
     def propose(self, scheduled: list[tuple[Sequence, int]],
                 sampler: Sampler) -> dict[Sequence, Proposal]:
-        """Proposals for the sequences that speculate this step (empty: plain step)."""
+        """Proposals for the sequences that speculate this step (empty: plain step), each
+        with its look-ahead slots reserved."""
         items = self._plan(scheduled)
         if not items:
             return {}
-        bm = self.block_manager
+        sched = self.scheduler
         if self.proposer.allocates_first:
-            items = [(seq, k) for seq, k in items if bm.allocate_slots(seq, 1 + k)]
+            items = [(seq, k) for seq, k in items if sched.reserve_lookahead(seq, k)]
             if not items:
                 return {}
         states = {seq: self.state(seq) for seq, _ in items}
@@ -394,11 +364,12 @@ class Speculator:
         for (seq, _), prop in zip(items, proposals):
             if not prop.token_ids:
                 continue
-            if self.proposer.allocates_first or bm.allocate_slots(seq, 1 + len(prop.token_ids)):
+            if self.proposer.allocates_first or sched.reserve_lookahead(seq,
+                                                                       len(prop.token_ids)):
                 out[seq] = prop
         for seq, _ in items:  # reserved but nothing to verify: give the slots back
             if seq not in out:
-                bm.free_tail(seq, seq.num_tokens)
+                sched.release_lookahead(seq)
         return out
 
     def _plan(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -426,60 +397,37 @@ class Speculator:
                 planned += k
         return items
 
-    def observe_step(self, scheduled: list[tuple[Sequence, int]], seconds: float) -> None:
-        """The time of a plain step's forward pass (decode-only steps inform the cost
-        model; prefill chunks cost differently per token)."""
+    def observe(self, scheduled: list[tuple[Sequence, int]], output: ModelOutput) -> None:
+        """The time of a step's forward pass; decode-only steps inform the cost model
+        (prefill chunks cost differently per token)."""
         if all(n == 1 for _, n in scheduled):
-            self.cost.observe(len(scheduled), seconds)
+            self.cost.observe(output.num_tokens, output.seconds)
 
-    # ---- 4-5: verify, accept, roll back ---------------------------------------------
+    # ---- 5: accept ------------------------------------------------------------------
 
-    def verify(self, scheduled: list[tuple[Sequence, int]], proposals: dict[Sequence, Proposal],
-               sampler: Sampler) -> tuple[list[Sequence], list[Emitted]]:
-        """Run the batch with the proposals; return the sequences that emit tokens and
-        what each emits. A speculating sequence's `num_computed_tokens` grows here by its
-        accepted proposals (the caller adds the scheduled tokens, as for any sequence)."""
-        items = []
-        samplers: list[Sequence] = []
-        for seq, n in scheduled:
-            start = seq.num_computed_tokens
-            tokens = seq.token_ids[start:start + n]
-            prop = proposals.get(seq)
-            if prop is not None:
-                items.append((seq.block_table, start, tokens + prop.token_ids,
-                              1 + len(prop.token_ids)))
-                samplers.append(seq)
-            elif start + n == seq.num_tokens:
-                items.append((seq.block_table, start, tokens, 1))
-                samplers.append(seq)
-            else:
-                items.append((seq.block_table, start, tokens, 0))
-        if not samplers:  # cannot happen: proposals come from sampling sequences
-            return [], []
-        start = time.perf_counter()
-        logits = run_forward(self.model, self.cache, self.device, items, self.use_kernel)
-        if all(n == 1 for _, n in scheduled):
-            self.cost.observe(sum(len(it[2]) for it in items), time.perf_counter() - start)
-
+    def accept(self, output: ModelOutput, proposals: dict[Sequence, Proposal],
+               sampler: Sampler) -> tuple[list[Emitted], dict[Sequence, int]]:
+        """What each sampling sequence emits this step, and how many proposals each
+        speculating sequence keeps (for `Scheduler.update_from_output`)."""
+        assert output.logits is not None
         spec_rows: list[int] = []
         plain_rows: list[int] = []
-        row = 0
-        for seq in samplers:
-            prop = proposals.get(seq)
-            width = 1 + (len(prop.token_ids) if prop is not None else 0)
-            (spec_rows if prop is not None else plain_rows).extend(range(row, row + width))
-            row += width
+        for i, seq in enumerate(output.samplers):
+            rows = output.rows(i)
+            (spec_rows if seq in proposals else plain_rows).extend(range(rows.start, rows.stop))
+        logits = output.logits
         emitted: dict[Sequence, Emitted] = {}
-        plain = [s for s in samplers if s not in proposals]
+        plain = [s for s in output.samplers if s not in proposals]
         if plain:
             res = sampler(logits[torch.tensor(plain_rows, device=logits.device)], plain)
             for i, seq in enumerate(plain):
                 emitted[seq] = [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
-        spec = [s for s in samplers if s in proposals]
+        spec = [s for s in output.samplers if s in proposals]
         results = rejection_sample(logits[torch.tensor(spec_rows, device=logits.device)],
                                    spec, [proposals[s].token_ids for s in spec],
                                    [proposals[s].probs for s in spec], sampler)
         self.num_spec_steps += 1
+        accepted: dict[Sequence, int] = {}
         for seq, res in zip(spec, results):
             k, a = len(proposals[seq].token_ids), res.num_accepted
             st = self.state(seq)
@@ -488,11 +436,22 @@ class Speculator:
             self.num_proposed += k
             self.num_accepted += a
             self.num_emitted += len(res.token_ids)
-            # roll back: keep the KV of the last token and the accepted proposals only
-            seq.num_computed_tokens += a
-            self.block_manager.free_tail(seq, seq.num_computed_tokens + 1)
+            accepted[seq] = a
             emitted[seq] = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
-        return samplers, [emitted[s] for s in samplers]
+        return [emitted[s] for s in output.samplers], accepted
+
+
+def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
+                     vocab_size: int, draft: ModelRunner | None = None) -> Speculator | None:
+    """The engine's speculator (None when speculation is off): n-gram lookup, or the
+    draft model's runner (over the same block ids as the target)."""
+    if not cfg.enabled:
+        return None
+    proposer: NgramProposer | DraftProposer = (
+        NgramProposer(cfg) if draft is None
+        else DraftProposer(draft, scheduler.block_manager, vocab_size))
+    return Speculator(cfg, scheduler=scheduler, max_model_len=max_model_len,
+                      proposer=proposer)
 
 
 # ---- construction -----------------------------------------------------------------------

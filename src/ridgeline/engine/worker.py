@@ -1,42 +1,60 @@
-"""One engine on its own thread, fed by asyncio handlers.
+"""The one thing that steps an engine: a thread that owns an `LLMEngine` and serves
+everyone who shares it.
 
-The engine is synchronous and single-threaded, so each served model gets an
-`EngineWorker`: a thread that applies queued add/abort commands between steps, steps
-while there is work, and hands every step's outputs to the event loops that asked for
-them. A handler calls `await worker.add_request(...)` (which raises the engine's own
-`EngineError` for a bad request) and then reads `(tag, RequestOutput)` items, or an
-exception when the engine fails, from the asyncio queue it passed in.
+The engine is synchronous and single-threaded. Its `EngineWorker` applies queued
+commands between steps (add, abort, a call such as `update_weights`), steps while there
+is work and is not paused, and hands every step's outputs to whoever asked for them:
 
-Deliveries are batched: one `call_soon_threadsafe` per event loop per step, not one per
-request, so 64 streaming clients cost one wake-up of the loop per step.
+- asyncio handlers (the server) `await worker.add_request(..., queue)` and read
+  `(tag, RequestOutput)` items, or an exception if the engine fails, from their asyncio
+  queue; deliveries are batched: one `call_soon_threadsafe` per event loop per step,
+  so 64 streaming clients cost one wake-up of the loop per step;
+- threads (`LLM.generate`, `EngineClient`, RL rollout workers) call `submit(...)` and
+  iterate the returned `RequestHandle`, or wait for its `result()`.
+
+For RL, `pause()` stops stepping after the current step (requests stay in flight),
+`update_weights(...)` swaps weights between steps (the prefix cache is dropped: its KV
+came from the old weights) and `resume()` continues; tokens sampled afterwards come
+from the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from ridgeline.engine.llm_engine import EngineStats, LLMEngine
-from ridgeline.engine.outputs import RequestOutput
+import torch
+
+from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.outputs import EngineStats, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.errors import RidgelineError
+from ridgeline.errors import EngineError, RidgelineError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineUnavailableError(RidgelineError):
-    """The engine thread stopped (shut down or failed); the server cannot take requests."""
+    """The engine thread stopped (shut down or failed); it cannot take requests."""
 
     http_status = 503
 
 
+_FAILED = "failed after an internal error (see the server log)"
+
+# Per event loop: callables to run there, in order, after a step.
+_Deliveries = dict[asyncio.AbstractEventLoop, list[Callable[[], None]]]
+
+
 @dataclass
-class _Sink:
+class _AsyncSink:
     """Where one request's outputs go: an asyncio queue on some event loop."""
 
     loop: asyncio.AbstractEventLoop
@@ -44,11 +62,37 @@ class _Sink:
     tag: Any
     added: asyncio.Future[None]
 
+    def settle(self, deliveries: _Deliveries, error: BaseException | None) -> None:
+        _defer(deliveries, self.loop, _settle, self.added, error)
+
+    def deliver(self, deliveries: _Deliveries, item: RequestOutput | BaseException) -> None:
+        _defer(deliveries, self.loop, self.queue.put_nowait, (self.tag, item))
+
+
+@dataclass
+class _ThreadSink:
+    """Where a thread's request's outputs go: a thread-safe queue."""
+
+    added: Future = field(default_factory=Future)
+    queue: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    def settle(self, deliveries: _Deliveries, error: BaseException | None) -> None:
+        if error is None:
+            self.added.set_result(None)
+        else:
+            self.added.set_exception(error)
+
+    def deliver(self, deliveries: _Deliveries, item: RequestOutput | BaseException) -> None:
+        self.queue.put(item)
+
+
+_Sink = _AsyncSink | _ThreadSink
+
 
 @dataclass
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: str | list[int]  # text (the engine tokenises it) or token ids
     params: SamplingParams
     sink: _Sink
 
@@ -58,10 +102,39 @@ class _Abort:
     request_id: str
 
 
-_FAILED = "failed after an internal error (see the server log)"
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: Future
 
-# Per event loop: callables to run there, in order, after a step.
-_Deliveries = dict[asyncio.AbstractEventLoop, list[Callable[[], None]]]
+
+class RequestHandle:
+    """A request submitted from a thread: iterate its outputs, or wait for the last."""
+
+    def __init__(self, worker: EngineWorker, request_id: str, sink: _ThreadSink) -> None:
+        self.request_id = request_id
+        self._worker = worker
+        self._sink = sink
+        self.final: RequestOutput | None = None
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while self.final is None:
+            item = self._sink.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.final = item
+            yield item
+
+    def result(self) -> RequestOutput:
+        """The final output (waits for it; raises if the engine failed)."""
+        for _ in self:
+            pass
+        assert self.final is not None
+        return self.final
+
+    def abort(self) -> None:
+        self._worker.abort(self.request_id)
 
 
 class EngineWorker:
@@ -69,11 +142,11 @@ class EngineWorker:
         self.engine = engine
         self.name = name
         self._cond = threading.Condition()
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._sinks: dict[str, _Sink] = {}  # touched by the engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._need_drain = False  # aborted requests whose final outputs are still pending
+        self._paused = False
         #: why the loop died (None while healthy); for the log and the operator, never a
         #: client: error messages say only that it failed
         self.error: str | None = None
@@ -84,13 +157,13 @@ class EngineWorker:
 
     # ---- lifecycle ------------------------------------------------------------------------
 
-    def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}",
-                                        daemon=True)
-        self._thread.start()
+    def start(self) -> EngineWorker:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+        return self
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort whatever is in flight, end the loop and wait for the thread."""
@@ -107,7 +180,13 @@ class EngineWorker:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    # ---- called from event loops -------------------------------------------------------
+    def _check_running(self) -> None:
+        if not self.is_running:
+            raise EngineUnavailableError(
+                f"model {self.name!r} " + (_FAILED if self.error else "is not running"),
+                hint="restart the server" if self.error else "call start() first")
+
+    # ---- asyncio callers -----------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams,
@@ -115,12 +194,9 @@ class EngineWorker:
                           tag: Any = None) -> None:
         """Queue a request; returns once the engine accepted it (raises what the engine
         raised otherwise). Its outputs arrive in `queue` as `(tag, RequestOutput)`."""
-        if not self.is_running:
-            raise EngineUnavailableError(
-                f"model {self.name!r} " + (_FAILED if self.error else "is not running"),
-                hint="restart the server")
+        self._check_running()
         loop = asyncio.get_running_loop()
-        sink = _Sink(loop, queue, tag, loop.create_future())
+        sink = _AsyncSink(loop, queue, tag, loop.create_future())
         self._post(_Add(request_id, list(prompt_token_ids), params, sink))
         try:
             await sink.added
@@ -128,11 +204,73 @@ class EngineWorker:
             self.abort(request_id)  # the client left while the request was being added
             raise
 
+    # ---- thread callers ------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: str | list[int],
+               params: SamplingParams) -> RequestHandle:
+        """Queue a request from a thread (text or token ids); returns once the engine
+        accepted it (raises the engine's `EngineError` for a bad request)."""
+        return self.submit_many([(request_id, prompt, params)])[0]
+
+    def submit_many(self, requests: list[tuple[str, str | list[int], SamplingParams]]
+                    ) -> list[RequestHandle]:
+        """Queue several requests at once, so they start in the same step. If the engine
+        refuses one, the others are aborted and its error is raised."""
+        self._check_running()
+        if threading.current_thread() is self._thread:
+            raise EngineError("submit() was called on the engine thread",
+                              hint="step the engine directly there")
+        handles = []
+        with self._cond:
+            for rid, prompt, params in requests:
+                sink = _ThreadSink()
+                prompt = prompt if isinstance(prompt, str) else list(prompt)
+                self._commands.append(_Add(rid, prompt, params, sink))
+                handles.append(RequestHandle(self, rid, sink))
+            self._cond.notify()
+        errors = [h._sink.added.exception() for h in handles]
+        if any(e is not None for e in errors):
+            for h, e in zip(handles, errors):
+                if e is None:
+                    h.abort()
+            raise next(e for e in errors if e is not None)
+        return handles
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; its result."""
+        if threading.current_thread() is self._thread:
+            return fn(self.engine)
+        self._check_running()
+        done: Future = Future()
+        self._post(_Call(fn, done))
+        return done.result()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Swap weights between two steps; requests in flight continue on the new ones."""
+        tensors = list(named_tensors)
+        return self.call(lambda engine: engine.update_weights(tensors))
+
+    def pause(self) -> None:
+        """Stop stepping once the current step is done (requests stay in flight, new
+        ones are accepted and wait). Returns when the engine is idle."""
+        with self._cond:
+            self._paused = True
+        self.call(lambda engine: None)  # a barrier: the step in progress has finished
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
     def abort(self, request_id: str) -> None:
         """Stop a request (no-op when it already finished). Thread-safe."""
         self._post(_Abort(request_id))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         with self._cond:
             self._commands.append(command)
             self._cond.notify()
@@ -140,7 +278,7 @@ class EngineWorker:
     # ---- the engine thread -------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        return self._need_drain or self.engine.has_unfinished_requests()
+        return not self._paused and self.engine.has_unfinished_requests()
 
     def _run(self) -> None:
         try:
@@ -160,8 +298,7 @@ class EngineWorker:
                 for command in commands:
                     self._apply(command, deliveries)
                 if self._has_work():
-                    self._need_drain = False
-                    for out in self._step():
+                    for out in self.engine.step():
                         self._dispatch(out, deliveries)
                     self.stats = self.engine.stats()
                 self._flush(deliveries)
@@ -176,32 +313,27 @@ class EngineWorker:
                 f"model {self.name!r} {_FAILED}", hint="restart the server"))
             self._flush(deliveries)
 
-    def _step(self) -> list[RequestOutput]:
-        outputs = self.engine.step()
-        if not self.engine.has_unfinished_requests():
-            # A request the engine failed during this step reports its final output from
-            # the next step(); with nothing left to run, that step would never come and
-            # its client would wait forever.
-            outputs += self.engine.step()
-        return outputs
-
-    def _apply(self, command: _Add | _Abort, deliveries: _Deliveries) -> None:
+    def _apply(self, command: _Add | _Abort | _Call, deliveries: _Deliveries) -> None:
+        if isinstance(command, _Call):
+            try:
+                command.done.set_result(command.fn(self.engine))
+            except Exception as e:  # the caller's to handle
+                command.done.set_exception(e)
+            return
         if isinstance(command, _Abort):
             if command.request_id in self._sinks:
                 del self._sinks[command.request_id]
                 self.engine.abort(command.request_id)
-                self._need_drain = True
                 self.num_aborted += 1
             return
         sink = command.sink
         try:
-            self.engine.add_request(command.request_id, prompt_token_ids=command.prompt_token_ids,
-                                    params=command.params)
-        except Exception as e:  # the engine's verdict on a bad request, for the handler
-            _defer(deliveries, sink.loop, _settle, sink.added, e)
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except Exception as e:  # the engine's verdict on a bad request, for the caller
+            sink.settle(deliveries, e)
             return
         self._sinks[command.request_id] = sink
-        _defer(deliveries, sink.loop, _settle, sink.added, None)
+        sink.settle(deliveries, None)
 
     def _dispatch(self, out: RequestOutput, deliveries: _Deliveries) -> None:
         sink = self._sinks.get(out.request_id)
@@ -209,25 +341,28 @@ class EngineWorker:
             return  # aborted: nobody is listening
         if out.finished:
             del self._sinks[out.request_id]
-        _defer(deliveries, sink.loop, sink.queue.put_nowait, (sink.tag, out))
+        sink.deliver(deliveries, out)
 
-    def _shutdown(self, commands: list[_Add | _Abort], deliveries: _Deliveries,
+    def _shutdown(self, commands: list[_Add | _Abort | _Call], deliveries: _Deliveries,
                   error: BaseException) -> None:
         for command in commands:
             if isinstance(command, _Add):
-                _defer(deliveries, command.sink.loop, _settle, command.sink.added, error)
+                command.sink.settle(deliveries, error)
+            elif isinstance(command, _Call):
+                command.done.set_exception(error)
         for request_id, sink in self._sinks.items():
-            _defer(deliveries, sink.loop, sink.queue.put_nowait, (sink.tag, error))
+            sink.deliver(deliveries, error)
             try:
                 self.engine.abort(request_id)
-            except Exception:  # the engine is already broken; the handlers know
-                pass
+            except Exception:  # noqa: BLE001 - the engine is already broken; callers know
+                log.debug("abort of %s during shutdown failed", request_id, exc_info=True)
         self._sinks.clear()
         try:
-            self.engine.step()  # drain the abort outputs so the engine is clean for reuse
+            while self.engine.has_unfinished_requests() and not self.engine.requests:
+                self.engine.step()  # drain the abort outputs so the engine is clean for reuse
             self.stats = self.engine.stats()
-        except Exception:
-            pass
+        except Exception:  # noqa: BLE001 - as above
+            log.debug("draining engine %s during shutdown failed", self.name, exc_info=True)
 
     @staticmethod
     def _flush(deliveries: _Deliveries) -> None:

@@ -1,4 +1,7 @@
-"""Messages to prompt text with a Hugging Face tokenizer's chat template.
+"""Messages to prompt text, and to prompt token ids, with a Hugging Face tokenizer's chat
+template. A leaf module (tokenizer duck-typing, no engine), so that every path that turns a
+conversation into a prompt (`EngineClient`, the server, benchmarks) goes through
+`encode_chat` and feeds the model exactly the same ids.
 
 A template that knows about tools (it mentions ``tools``, as Qwen's and Hermes' do) gets
 them natively, together with OpenAI-shaped ``tool_calls`` and ``tool`` messages. A
@@ -109,3 +112,14 @@ def render_prompt(tokenizer: Any, messages: list[Message],
             dicts.insert(0, {"role": "system", "content": block})
     return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True,
                                          chat_template=template, **kwargs)
+
+
+def encode_chat(tokenizer: Any, messages: list[Message], tools: list[ToolSpec] | None = None,
+                reply_prefix: str = "") -> list[int]:
+    """The prompt token ids of a conversation: `render_prompt`'s text followed by
+    `reply_prefix` (the forced start of the reply, e.g. the opening of a tool call the
+    server requires), encoded as one string so the ids at the seam are the ones the
+    tokenizer would choose. No special tokens are added: the template already wrote BOS
+    and every role marker into the text, and a second BOS would change the ids."""
+    text = render_prompt(tokenizer, messages, tools)
+    return list(tokenizer.encode(text + reply_prefix, add_special_tokens=False))

@@ -6,22 +6,18 @@ once, generated, and tool calls parsed from the text. The completion carries the
 prompt token ids, completion token ids and their logprobs, so RL never re-tokenises.
 
 Several threads may share one client (parallel agents in an evaluation): each `chat`
-adds its request to the engine, and whichever caller holds the engine lock runs the
-next `step()` for all of them, so concurrent requests are decoded in one batch. The
-client owns the engine's step loop while it is in use: do not drive the same engine
-from elsewhere at the same time.
+submits its request to the engine's `EngineWorker` (the one thing that steps it), so
+concurrent requests are decoded in one batch, also with other users of the same `LLM`.
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 from typing import Any
 
 from ridgeline.errors import EngineError
 from ridgeline.llm.base import Completion, ContextLengthError, Message, Sampling, ToolSpec, Usage
-from ridgeline.llm.chat_template import render_prompt, template_supports_tools
+from ridgeline.llm.chat_template import encode_chat, template_supports_tools
 from ridgeline.llm.tool_parser import parse_tool_calls
 
 
@@ -43,15 +39,10 @@ class EngineClient:
         self.context_window = int(min(context_window or self.llm.max_model_len,
                                       self.llm.max_model_len))
         self.supports_tools = template_supports_tools(self.tokenizer)
-        self._lock = threading.Lock()  # guards the engine and `_finished`
-        self._waiting: set[str] = set()
-        self._finished: dict[str, Any] = {}
-        self._ids = itertools.count()
 
     def encode_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
-        text = render_prompt(self.tokenizer, messages, tools)
-        # The template already wrote any BOS/special tokens into the text.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """The ids this client sends the engine (the same as `ridgeline serve` would)."""
+        return encode_chat(self.tokenizer, messages, tools)
 
     def count_tokens(self, messages: list[Message]) -> int:
         return len(self.encode_prompt(messages))
@@ -90,32 +81,13 @@ class EngineClient:
             latency_s=time.perf_counter() - t0, tool_call_errors=errors)
 
     def _generate(self, prompt_ids: list[int], params: Any) -> Any:
-        """Add one request and step the engine (for every waiting caller) until it is done."""
-        engine = self.llm.engine
-        with self._lock:
-            rid = f"chat-{next(self._ids)}"
-            engine.add_request(rid, prompt_token_ids=prompt_ids, params=params)
-            self._waiting.add(rid)
+        """Submit one request to the engine's worker and wait for its final output."""
+        handle = self.llm.worker.submit(self.llm.new_request_id("chat"), prompt_ids, params)
         try:
-            while True:
-                with self._lock:
-                    if rid in self._finished:
-                        output = self._finished.pop(rid)
-                        break
-                    outputs = engine.step()
-                    for o in outputs:
-                        if o.finished and o.request_id in self._waiting:
-                            self._finished[o.request_id] = o
-                    if rid not in self._finished and not engine.has_unfinished_requests():
-                        raise EngineError(f"the engine lost request {rid}")
+            output = handle.result()
         except BaseException:
-            with self._lock:
-                engine.abort(rid)
-                self._finished.pop(rid, None)
+            handle.abort()
             raise
-        finally:
-            with self._lock:
-                self._waiting.discard(rid)
         if output.error:
             raise EngineError(f"generation failed: {output.error}")
         return output.outputs[0]

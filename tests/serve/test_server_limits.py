@@ -21,9 +21,9 @@ import httpx
 import pytest
 from test_server import HELLO, engine_for, error_of, llama, make_tokenizer, sse_events
 
-from ridgeline.engine import server as server_module
-from ridgeline.engine.server import ServerThread, create_app
-from ridgeline.engine.server_protocol import (
+from ridgeline.serve import app as serve_app
+from ridgeline.serve.app import ServerThread, create_app
+from ridgeline.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, parse_request,
 )
 
@@ -314,19 +314,19 @@ def fail(*_: Any, **__: Any) -> Any:
 
 
 def break_handler(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
-    monkeypatch.setattr(server_module, "_max_tokens", fail)
+    monkeypatch.setattr(serve_app, "_max_tokens", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2}
 
 
 def break_engine_request(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
     """The engine fails one request in its postprocessing (its `error`), not itself."""
     engine = server.app.state.workers["tiny"].engine
-    monkeypatch.setattr(engine, "_append_token", fail)
+    monkeypatch.setattr(engine.processor, "append_token", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2}
 
 
 def break_stream(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
-    monkeypatch.setattr(server_module, "_delta_logprobs", fail)
+    monkeypatch.setattr(serve_app, "_delta_logprobs", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2, "logprobs": True,
             "stream": True}
 
@@ -398,10 +398,10 @@ def test_serve_flags_set_the_limits(monkeypatch: pytest.MonkeyPatch, model: Any,
     import uvicorn
     from typer.testing import CliRunner
 
-    from ridgeline.engine.serve_cli import register
+    from ridgeline.serve.cli import register
 
     apps: list[Any] = []
-    monkeypatch.setattr(server_module, "build_engines", lambda *a, **k: {
+    monkeypatch.setattr(serve_app, "build_engines", lambda *a, **k: {
         "tiny": engine_for(model, tok, num_kv_blocks=8, max_model_len=64)})
     monkeypatch.setattr(uvicorn, "run", lambda app, **_: apps.append(app))
     cli = typer.Typer()

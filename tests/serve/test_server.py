@@ -25,7 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ridgeline.engine import LLMEngine, SamplingParams
-from ridgeline.engine.server import ServerThread, create_app
+from ridgeline.serve.app import ServerThread, create_app
 from ridgeline.errors import ConfigError
 from ridgeline.llm import ContextLengthError, Message, OpenAIClient, Sampling, ToolSpec
 
@@ -552,7 +552,7 @@ def test_serve_command_serves_a_model_directory(tmp_path: Any, random_model: Any
     tok.save_pretrained(tmp_path / "tiny")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ridgeline.engine.serve_cli", "--model", str(tmp_path / "tiny"),
+        [sys.executable, "-m", "ridgeline.serve.cli", "--model", str(tmp_path / "tiny"),
          "--served-model-name", "tiny", "--port", str(port), "--api-key", "k",
          "--kv-cache-memory-mb", "16", "--max-model-len", "512", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -573,7 +573,7 @@ def test_serve_command_reports_a_busy_port_before_loading() -> None:
     import typer
     from typer.testing import CliRunner
 
-    from ridgeline.engine.serve_cli import register
+    from ridgeline.serve.cli import register
 
     app = typer.Typer()
     app.callback()(lambda: None)

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ridgeline.engine.server_protocol import (
+from ridgeline.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, RequestError, parse_request,
 )
-from ridgeline.engine.server_tools import (
+from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, wire_tool_call,
 )
 

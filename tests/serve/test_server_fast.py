@@ -25,7 +25,7 @@ import torch
 from test_server import free_port, llama, make_tokenizer, wait_for_server
 
 from ridgeline.engine import EngineConfig
-from ridgeline.engine.server import ServerThread, build_engines, create_app
+from ridgeline.serve.app import ServerThread, build_engines, create_app
 
 CYCLE = "acegikmoqs"
 PROMPTS = ["abcdefghijklmnopqrstabcdefghijklmnopqrstabcdefghij",
@@ -119,7 +119,7 @@ def test_serve_default_lists_both_variants() -> None:
     default:fast."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ridgeline.engine.serve_cli", "--model", "default",
+        [sys.executable, "-m", "ridgeline.serve.cli", "--model", "default",
          "--port", str(port), "--kv-cache-memory-mb", "64", "--max-model-len", "1024",
          "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

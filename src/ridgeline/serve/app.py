@@ -4,9 +4,9 @@
     with ServerThread(app) as server:          # uvicorn on a free loopback port
         OpenAI(base_url=server.base_url, api_key="-").chat.completions.create(...)
 
-Each served model name maps to its own engine running on its own thread
-(`EngineWorker`); `<model>` is the standard variant and `<model>:fast` the high-speed
-one (speculative decoding, quantized KV) once the engine can build it. Endpoints:
+Each served model name maps to its own engine, stepped on its own thread by the
+engine's `EngineWorker`; `<model>` is the standard variant and `<model>:fast` the
+high-speed one (`EngineConfig.fast_variant()`: speculation, a quantized KV cache). Endpoints:
 `/v1/chat/completions` and `/v1/completions` (streamed as server-sent events ending
 with ``data: [DONE]``, or whole), `/v1/models`, `/health`, `/metrics` (Prometheus).
 
@@ -28,7 +28,7 @@ in its context (400 otherwise); `max_tokens` is clipped to that room. Decoding J
 rendering the chat template and tokenising run on worker threads, so a large prompt
 never stalls the event loop (or `/health`).
 
-Extensions beyond OpenAI's fields are vLLM's (see `server_protocol`); with
+Extensions beyond OpenAI's fields are vLLM's (see `serve.protocol`); with
 ``return_token_ids`` the response carries `prompt_token_ids` and each choice its
 `token_ids`, so RL clients never re-tokenise text.
 """
@@ -52,20 +52,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.llm_engine import LLMEngine
 from ridgeline.engine.outputs import CompletionOutput, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.server_metrics import CONTENT_TYPE, ServerMetrics
-from ridgeline.engine.server_protocol import (
+from ridgeline.engine.worker import EngineUnavailableError, EngineWorker
+from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
+from ridgeline.llm.chat_template import encode_chat
+from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
+from ridgeline.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body, error_for,
     error_type, parse_request,
 )
-from ridgeline.engine.server_tools import (
+from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
     wire_tool_call,
 )
-from ridgeline.engine.worker import EngineUnavailableError, EngineWorker
-from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -118,22 +120,14 @@ class ServedModel:
                 "parent": base, "max_model_len": self.max_model_len}
 
 
-def fast_variant_config(config: Any) -> Any | None:
-    """The EngineConfig of the high-speed variant, when the engine knows how to build one
-    (an `EngineConfig.fast_variant()` returning a config with speculative decoding and a
-    quantized KV cache); None until then, and only the standard variant is served."""
-    make = getattr(config, "fast_variant", None)
-    return make() if callable(make) else None
-
-
-def build_engines(config: Any, served_name: str | None = None,
+def build_engines(config: EngineConfig, served_name: str | None = None,
                   fast: bool = True) -> dict[str, LLMEngine]:
-    """`{name: standard engine}` plus `{name:fast: high-speed engine}` when available."""
+    """`{name: standard engine}`, plus `{name:fast: high-speed engine}` unless `fast` is
+    False (`ridgeline serve --no-fast`: half the memory, one model)."""
     name = served_name or config.model
     engines = {name: LLMEngine(config)}
-    fast_config = fast_variant_config(config) if fast else None
-    if fast_config is not None:
-        engines[name + FAST_SUFFIX] = LLMEngine(fast_config)
+    if fast:
+        engines[name + FAST_SUFFIX] = LLMEngine(config.fast_variant())
     return engines
 
 
@@ -598,17 +592,15 @@ def _chat_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
 
 def _chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, tools: Any,
                      prefix: str) -> list[int]:
-    """The conversation rendered by the chat template, plus the forced `prefix`, as ids."""
-    from ridgeline.llm.chat_template import render_prompt
-
+    """The conversation's prompt ids, the forced `prefix` included, exactly as
+    `EngineClient` would encode it (`encode_chat`); a template error is the client's."""
     try:
-        text = render_prompt(tokenizer, to_messages(req.messages), tools)
+        return encode_chat(tokenizer, to_messages(req.messages), tools, reply_prefix=prefix)
     except RidgelineError:
         raise
     except Exception as e:  # the template's own checks (role order, missing fields)
         raise RequestError(f"the chat template rejected the messages: {_clip(str(e), 300)}",
                            param="messages") from None
-    return list(tokenizer.encode(text + prefix, add_special_tokens=False))
 
 
 async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
@@ -892,5 +884,4 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines",
-           "create_app", "fast_variant_config"]
+__all__ = ["FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines", "create_app"]

@@ -26,7 +26,8 @@ def serve(
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
     fast: bool = typer.Option(True, "--fast/--no-fast",
-                              help="Also serve <model>:fast when the engine supports it."),
+                              help="Also serve <model>:fast (speculative decoding, "
+                              "quantized KV cache)."),
     # Request limits; left unset, ServerLimits' defaults apply (in brackets).
     max_body_bytes: int | None = typer.Option(
         None, "--max-body-bytes", min=1, help="Largest request body, larger get 413 [4 MiB]."),
@@ -45,8 +46,8 @@ def serve(
 
     from ridgeline.config import load_config, load_model
     from ridgeline.engine.config import EngineConfig
-    from ridgeline.engine.server import build_engines, create_app
-    from ridgeline.engine.server_protocol import ServerLimits
+    from ridgeline.serve.app import build_engines, create_app
+    from ridgeline.serve.protocol import ServerLimits
 
     values: dict[str, object] = {}
     if config is not None:
@@ -90,7 +91,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
 
 
-if __name__ == "__main__":  # python -m ridgeline.engine.serve_cli --model default
+if __name__ == "__main__":  # python -m ridgeline.serve.cli --model default
     standalone = typer.Typer(add_completion=False)
     standalone.callback()(lambda: None)  # a group, so that "serve" stays a subcommand
     register(standalone)

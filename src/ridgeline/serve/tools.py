@@ -1,10 +1,10 @@
 """Tools in a chat request: turning wire messages into prompts, and the model's tool calls
 back into OpenAI `tool_calls`, whole or while streaming.
 
-Prompts are rendered by `ridgeline.llm.chat_template` (tools natively when the template
-takes them, Hermes-style in the system message otherwise) and each call block is parsed by
-`ridgeline.llm.tool_parser`, so the server and the in-process `EngineClient` read a model
-the same way. The convention is Hermes/Qwen: ``<tool_call>{"name": ..., "arguments": ...}
+Prompts are rendered and encoded by `ridgeline.llm.chat_template.encode_chat` (tools
+natively when the template takes them, Hermes-style in the system message otherwise) and
+each call block is parsed by `ridgeline.llm.tool_parser`, so the server and the in-process
+`EngineClient` feed and read a model the same way. The convention is Hermes/Qwen: ``<tool_call>{"name": ..., "arguments": ...}
 </tool_call>``.
 
 While streaming, text outside call blocks goes out as content as soon as it cannot be the
@@ -25,9 +25,9 @@ import json
 import uuid
 from typing import Any
 
-from ridgeline.engine.server_protocol import ChatMessage, NamedToolChoice, RequestError, ToolDef
 from ridgeline.llm.base import Message, ToolCall, ToolSpec
 from ridgeline.llm.tool_parser import coerce_arguments, parse_one_call, parse_tool_calls
+from ridgeline.serve.protocol import ChatMessage, NamedToolChoice, RequestError, ToolDef
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"

@@ -1,0 +1,74 @@
+"""The import order of shared/DESIGN.md, `sandbox, engine -> llm -> tasks -> agent -> rl,
+eval -> platform`, with `serve` above engine and llm (docs/architecture.md): a module may
+import a subsystem to its left, never one beside it or to its right. Checked on the source
+(every import, lazy ones inside functions included) and on what importing loads."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ridgeline
+
+SRC = Path(ridgeline.__file__).parent
+# Lower layers first (errors and config are the foundation every subsystem uses);
+# packages in one layer may not import each other.
+LAYERS = [{"errors"}, {"config"}, {"sandbox", "engine"}, {"llm"}, {"tasks", "serve"},
+          {"agent"}, {"rl", "eval"}, {"platform"}, {"cli"}]
+LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+
+
+def imported_subsystems(path: Path) -> list[tuple[str, int]]:
+    """`(subsystem, line)` for every absolute `ridgeline.<subsystem>` import in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "ridgeline":  # from ridgeline import engine
+                names = [f"ridgeline.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ridgeline" and len(parts) > 1 and parts[1] in LAYER:
+                found.append((parts[1], node.lineno))
+    return found
+
+
+def source_files() -> list[Path]:
+    # builtin tasks hold the programs agents fix (some deliberately broken): not ours
+    return [p for p in SRC.rglob("*.py") if "builtin" not in p.relative_to(SRC).parts]
+
+
+def test_no_module_imports_beside_or_to_its_right() -> None:
+    wrong = []
+    for path in source_files():
+        owner = path.relative_to(SRC).parts[0].removesuffix(".py")
+        if owner not in LAYER:  # ridgeline/__init__.py
+            continue
+        for target, line in imported_subsystems(path):
+            if target != owner and LAYER[target] >= LAYER[owner]:
+                wrong.append(f"{path.relative_to(SRC)}:{line} ({owner}) imports ridgeline.{target}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(("module", "must_not_load"), [
+    ("ridgeline.engine", ("ridgeline.llm", "ridgeline.serve")),
+    # EngineClient imports the engine when it builds one, not before
+    ("ridgeline.llm", ("ridgeline.engine", "ridgeline.serve", "torch")),
+    # `ridgeline --help` mounts serve's CLI; FastAPI loads only when serving
+    ("ridgeline.serve.cli", ("ridgeline.serve.app", "fastapi")),
+])
+def test_importing_loads_only_what_is_to_the_left(module: str,
+                                                  must_not_load: tuple[str, ...]) -> None:
+    code = (f"import sys, {module}; "
+            f"print(sorted(m for m in sys.modules if m.startswith({must_not_load!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", f"importing {module} loaded {out.strip()}"

@@ -109,13 +109,14 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for native in (False, True):
                 fmt = "tool_calls" if native else "text"
-                result = run_agent("Keep notes in notes.txt.", sandbox,
-                                   ReplayModel(args.steps, native), config,
-                                   trajectory_path=Path(tmp) / f"{fmt}.jsonl")
-                assert result.status.value == "finished", result.error
-                assert all(s.observation is None or s.observation.ok for s in result.trajectory.steps)
-                n_condensations += result.n_condensations
-                overhead[fmt] = [s.timings.overhead_s * 1000 for s in result.trajectory.steps]
+                episode = run_agent("Keep notes in notes.txt.", sandbox,
+                                    ReplayModel(args.steps, native), config,
+                                    trajectory_path=Path(tmp) / f"{fmt}.jsonl")
+                assert episode.result.status.value == "finished", episode.result.error
+                steps = episode.trajectory.steps
+                assert all(s.observation is None or s.observation.ok for s in steps)
+                n_condensations += episode.result.n_condensations
+                overhead[fmt] = [s.timings.overhead_s * 1000 for s in steps]
     finally:
         sandbox.close()
 

@@ -10,10 +10,22 @@ import pytest
 from ridgeline.sandbox import Sandbox, SandboxSpec, create_sandbox
 
 
-@pytest.fixture
-def sandbox() -> Iterator[Sandbox]:
+def _local_sandbox() -> Sandbox:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "local provides no isolation"
-        sb = create_sandbox(SandboxSpec(), backend="local")
+        return create_sandbox(SandboxSpec(), backend="local")
+
+
+@pytest.fixture
+def sandbox() -> Iterator[Sandbox]:
+    sb = _local_sandbox()
+    yield sb
+    sb.close()
+
+
+@pytest.fixture(scope="module")
+def module_sandbox() -> Iterator[Sandbox]:
+    """One sandbox for a module-scoped episode that several tests inspect."""
+    sb = _local_sandbox()
     yield sb
     sb.close()

@@ -3,14 +3,17 @@ actions, huge outputs and a history longer than the context window; limits; erro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-
 import pytest
 
 from scripted_model import ScriptedModel, tool_reply
-from ridgeline.agent import AgentConfig, ExitStatus, Trajectory, run_agent
+from ridgeline.agent import (
+    AgentConfig, AgentResult, ExitStatus, InstructionTask, Trajectory, run_agent,
+)
 from ridgeline.errors import ModelEndpointError
 from ridgeline.llm.base import Completion, Message
+from ridgeline.sandbox import Sandbox
 
 TASK = "Create report.txt containing the word DONE. (task text that must stay verbatim)"
 
@@ -19,12 +22,28 @@ def bash(cmd: str) -> str:
     return f"Next I run a command.\n```bash\n{cmd}\n```"
 
 
-def test_recovers_from_malformed_actions_huge_output_and_overlong_history(sandbox, tmp_path: Path) -> None:
+# -- one long episode: malformed actions, a huge output, a history past the window -------
+
+@dataclass
+class LongEpisode:
+    episode: AgentResult
+    model: ScriptedModel
+    n_replies: int
+    window: int
+    path: Path
+    report: bytes
+    summary_seen: list[bool]  # per final reply: did its prompt hold the condensed summary?
+
+
+@pytest.fixture(scope="module")
+def long_episode(module_sandbox: Sandbox, tmp_path_factory: pytest.TempPathFactory
+                 ) -> LongEpisode:
+    """Played once for the tests below, each of which checks one thing it must show."""
     window = 2500  # tokens (4 chars each): ~10 KB of prompt
-    seen_summary: list[bool] = []
+    summary_seen: list[bool] = []
 
     def final(messages: list[Message]) -> str:
-        seen_summary.append(any("condensed" in m.content for m in messages))
+        summary_seen.append(any("condensed" in m.content for m in messages))
         return "<write_file path=\"report.txt\">DONE\n</write_file>"
 
     script = [
@@ -38,64 +57,102 @@ def test_recovers_from_malformed_actions_huge_output_and_overlong_history(sandbo
     model = ScriptedModel(script, context_window=window)
     config = AgentConfig(observation_max_bytes=2000, keep_recent_steps=3, step_limit=30,
                          sampling=AgentConfig().sampling.model_copy(update={"max_tokens": 200}))
-    path = tmp_path / "episode.jsonl"
-    result = run_agent(TASK, sandbox, model, config, trajectory_path=path)
+    path = tmp_path_factory.mktemp("long") / "episode.jsonl"
+    episode = run_agent(TASK, module_sandbox, model, config, trajectory_path=path)
+    return LongEpisode(episode, model, len(script), window, path,
+                       module_sandbox.read_file("report.txt"), summary_seen)
 
+
+def test_long_episode_finishes_the_task(long_episode: LongEpisode) -> None:
+    result = long_episode.episode.result
     assert result.status is ExitStatus.FINISHED, result.error
-    assert result.steps == len(script) and result.n_format_errors == 2
-    assert result.summary == "wrote the report"
-    assert sandbox.read_file("report.txt") == b"DONE\n"
-    steps = result.trajectory.steps
-    # malformed replies got a format hint and the loop went on
-    assert "no action found" in steps[0].format_error
-    assert "not valid JSON" in steps[1].format_error
-    assert "Format error" in steps[1].messages[-1].content and "```bash" in steps[1].messages[-1].content
-    # the huge output was cut to its head and tail
-    huge = steps[2].observation
+    assert result.steps == long_episode.n_replies and result.summary == "wrote the report"
+    assert long_episode.report == b"DONE\n"
+
+
+def test_reply_without_an_action_gets_a_format_hint(long_episode: LongEpisode) -> None:
+    first = long_episode.episode.trajectory.steps[0]
+    assert "no action found" in first.format_error and first.action is None
+    assert long_episode.episode.result.n_format_errors == 2  # this one and the bad JSON
+
+
+def test_bad_tool_call_json_gets_the_error_and_the_format_help(long_episode: LongEpisode) -> None:
+    second = long_episode.episode.trajectory.steps[1]
+    assert "not valid JSON" in second.format_error
+    hint = second.messages[-1].content
+    assert "Format error" in hint and "```bash" in hint
+
+
+def test_huge_output_keeps_its_head_and_tail(long_episode: LongEpisode) -> None:
+    step = long_episode.episode.trajectory.steps[2]
+    huge = step.observation
     assert huge.truncated and "elided" in huge.text
     assert "\n1\n2\n3\n" in huge.text and huge.text.rstrip().endswith("99999\n100000")
-    assert len(steps[2].messages[-1].content.encode()) < 2400
-    # everything the agent saw, together, was far longer than the window ...
+    assert len(step.messages[-1].content.encode()) < 2400
+
+
+def test_history_longer_than_the_window_is_condensed(long_episode: LongEpisode) -> None:
+    steps = long_episode.episode.trajectory.steps
     all_text = sum(len(m.content) for s in steps for m in s.messages)
-    assert all_text > 2 * window * 4
-    # ... so it condensed, every prompt fit (the model refuses otherwise), and the task and
-    # system prompt stayed verbatim at the top of every prompt
-    assert result.n_condensations >= 1 and any(s.condensed for s in steps)
+    assert all_text > 2 * long_episode.window * 4  # far more than ever fit at once
+    assert long_episode.episode.result.n_condensations >= 1 and any(s.condensed for s in steps)
+
+
+def test_every_prompt_fits_and_keeps_the_task_verbatim(long_episode: LongEpisode) -> None:
+    model = long_episode.model
+    assert len(model.prompts) == long_episode.n_replies
     for prompt in model.prompts:
-        assert model.count_tokens(prompt) < window
+        assert model.count_tokens(prompt) < long_episode.window
         assert prompt[0].role == "system" and TASK in prompt[1].content
-    assert seen_summary == [True]
+
+
+def test_condensed_summary_holds_model_summary_and_digest(long_episode: LongEpisode) -> None:
+    assert long_episode.summary_seen == [True]  # the model saw the summary afterwards
+    steps = long_episode.episode.trajectory.steps
     condensed = [s.condensed for s in steps if s.condensed][-1]
     assert condensed.by_model and "notes: work in progress" in condensed.summary
     assert "step 3: bash: seq 1 100000 -> ok" in condensed.summary
-    # the JSONL on disk is the same trajectory, and carries the token ids for RL
-    loaded = Trajectory.load(path)
-    assert loaded == result.trajectory
-    assert len(loaded.turns()) == len(script) and loaded.turns()[0].logprobs
 
 
-def test_failed_command_nudges_reflection_and_timeouts_restart_the_shell(sandbox) -> None:
-    model = ScriptedModel([bash("cd /tmp && export X=1; false"), bash("sleep 20"),
-                           bash("echo alive X=$X"), "<finish/>"])
-    result = run_agent(TASK, sandbox, model, AgentConfig(command_timeout_s=1.5))
-    steps = result.trajectory.steps
-    assert result.status is ExitStatus.FINISHED
-    assert steps[0].observation.exit_code == 1 and not steps[0].observation.ok
-    assert "reflect on why" in steps[0].messages[-1].content
+def test_trajectory_file_is_the_same_trajectory_with_token_ids(long_episode: LongEpisode) -> None:
+    loaded = Trajectory.load(long_episode.path)
+    assert loaded == long_episode.episode.trajectory
+    turns = loaded.turns()
+    assert len(turns) == long_episode.n_replies and turns[0].logprobs
+
+
+# -- shorter episodes ---------------------------------------------------------------------
+
+def test_failed_command_nudges_reflection(sandbox) -> None:
+    episode = run_agent(TASK, sandbox, ScriptedModel([bash("false"), "<finish/>"]))
+    first = episode.trajectory.steps[0]
+    assert episode.result.status is ExitStatus.FINISHED
+    assert first.observation.exit_code == 1 and not first.observation.ok
+    assert "reflect on why" in first.messages[-1].content
+
+
+def test_timed_out_command_is_stopped_and_the_shell_keeps_its_state(sandbox) -> None:
+    model = ScriptedModel([bash("cd /tmp && export X=1"), bash("sleep 20"),
+                           bash("echo alive X=$X in $PWD"), "<finish/>"])
+    episode = run_agent(TASK, sandbox, model, AgentConfig(command_timeout_s=1.5))
+    steps = episode.trajectory.steps
     assert steps[1].observation.timed_out and "timed out" in steps[1].observation.text
     # the shell survived the timeout: variables and directory persist
-    assert steps[2].observation.ok and "alive X=1" in steps[2].observation.text
+    assert steps[2].observation.ok and "alive X=1 in /tmp" in steps[2].observation.text
 
 
-def test_repeats_are_nudged_and_an_exited_shell_is_replaced(sandbox) -> None:
-    model = ScriptedModel([bash("echo same"), bash("echo same"), bash("cd /tmp; exit 0"),
-                           bash("echo fresh"), "<finish/>"])
-    result = run_agent(TASK, sandbox, model)
-    steps = result.trajectory.steps
+def test_repeated_action_is_nudged(sandbox) -> None:
+    model = ScriptedModel([bash("echo same"), bash("echo same"), "<finish/>"])
+    steps = run_agent(TASK, sandbox, model).trajectory.steps
     assert "repeated your previous action" not in steps[0].messages[-1].content
     assert "repeated your previous action" in steps[1].messages[-1].content
-    assert "the shell exited" in steps[2].observation.text
-    assert steps[3].observation.ok and "fresh" in steps[3].observation.text
+
+
+def test_exited_shell_is_replaced(sandbox) -> None:
+    model = ScriptedModel([bash("cd /tmp; exit 0"), bash("echo fresh"), "<finish/>"])
+    steps = run_agent(TASK, sandbox, model).trajectory.steps
+    assert "the shell exited" in steps[0].observation.text
+    assert steps[1].observation.ok and "fresh" in steps[1].observation.text
 
 
 def test_file_tools_report_mistakes_as_observations(sandbox) -> None:
@@ -107,13 +164,13 @@ def test_file_tools_report_mistakes_as_observations(sandbox) -> None:
         '<edit path="a.py"><old>y = 1</old><new>y = 3</new></edit>',    # unique
         '<read_file path="a.py"/>',
         "<finish/>"])
-    result = run_agent(TASK, sandbox, model)
-    obs = [s.observation for s in result.trajectory.steps]
+    episode = run_agent(TASK, sandbox, model)
+    obs = [s.observation for s in episode.trajectory.steps]
     assert not obs[0].ok and "missing.txt" in obs[0].text
     assert not obs[1].ok and "occurs 2 times" in obs[1].text
     assert not obs[2].ok and "not found" in obs[2].text
     assert obs[3].ok and obs[4].text == "x = 1\ny = 3\n"
-    assert result.n_format_errors == 0
+    assert episode.result.n_format_errors == 0
 
 
 @pytest.mark.parametrize("config,status", [
@@ -123,11 +180,18 @@ def test_file_tools_report_mistakes_as_observations(sandbox) -> None:
 ])
 def test_limits_end_the_episode(sandbox, config: AgentConfig, status: ExitStatus) -> None:
     model = ScriptedModel([bash("sleep 0.4; echo again")] * 50)
-    result = run_agent(TASK, sandbox, model, config)
-    assert result.status is status
-    assert result.trajectory.result.status is status
+    episode = run_agent(TASK, sandbox, model, config)
+    assert episode.result.status is status
+    assert episode.trajectory.result.status is status
     if status is ExitStatus.STEP_LIMIT:
-        assert result.steps == 3
+        assert episode.result.steps == 3
+
+
+def test_task_time_limit_is_honoured(sandbox) -> None:
+    task = InstructionTask(TASK, agent_timeout_s=1.0)  # shorter than the config's 900 s
+    episode = run_agent(task, sandbox, ScriptedModel([bash("sleep 0.4; echo again")] * 50))
+    assert episode.result.status is ExitStatus.TIME_LIMIT
+    assert episode.trajectory.header.task_id == "adhoc"
 
 
 def test_replies_are_capped_by_the_time_left(sandbox) -> None:
@@ -138,8 +202,8 @@ def test_replies_are_capped_by_the_time_left(sandbox) -> None:
         return bash("echo " + "x" * 150)
 
     model = ScriptedModel([slow] * 20)
-    result = run_agent(TASK, sandbox, model, AgentConfig(time_limit_s=3.0))
-    assert result.status is ExitStatus.TIME_LIMIT
+    episode = run_agent(TASK, sandbox, model, AgentConfig(time_limit_s=3.0))
+    assert episode.result.status is ExitStatus.TIME_LIMIT
     assert len(model.samplings) >= 2
     assert model.samplings[0].max_tokens == 512  # speed unknown yet
     # < 2.6 s left at <= ~125 tokens/s: fewer than 512 tokens can be asked for
@@ -148,8 +212,8 @@ def test_replies_are_capped_by_the_time_left(sandbox) -> None:
 
 def test_task_that_cannot_fit_the_window_is_a_context_limit(sandbox) -> None:
     model = ScriptedModel(["<finish/>"], context_window=300)
-    result = run_agent("x" * 4000, sandbox, model)
-    assert result.status is ExitStatus.CONTEXT_LIMIT and result.steps == 0
+    episode = run_agent("x" * 4000, sandbox, model)
+    assert episode.result.status is ExitStatus.CONTEXT_LIMIT and episode.result.steps == 0
 
 
 def test_endpoint_failure_ends_with_error_and_keeps_the_steps(sandbox, tmp_path: Path) -> None:
@@ -157,8 +221,9 @@ def test_endpoint_failure_ends_with_error_and_keeps_the_steps(sandbox, tmp_path:
         raise ModelEndpointError("POST http://x/v1/chat/completions failed after 5 attempts")
 
     path = tmp_path / "t.jsonl"
-    result = run_agent(TASK, sandbox, ScriptedModel([bash("echo one"), down]), trajectory_path=path)
-    assert result.status is ExitStatus.ERROR and "ModelEndpointError" in result.error
+    episode = run_agent(TASK, sandbox, ScriptedModel([bash("echo one"), down]), trajectory_path=path)
+    assert episode.result.status is ExitStatus.ERROR and "ModelEndpointError" in episode.result.error
+    assert isinstance(episode.exception, ModelEndpointError)
     loaded = Trajectory.load(path)
     assert len(loaded.steps) == 1 and loaded.result.status is ExitStatus.ERROR
 
@@ -172,9 +237,9 @@ def test_a_down_endpoint_from_the_start_is_an_error_result(sandbox, tmp_path: Pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     model = OpenAIClient(f"http://127.0.0.1:{port}/v1", max_retries=1, backoff_s=0.01)
-    result = run_agent(TASK, sandbox, model, trajectory_path=tmp_path / "t.jsonl")
-    assert result.status is ExitStatus.ERROR and result.error_type == "ModelEndpointError"
-    assert "failed after 2 attempts" in result.error and result.steps == 0
+    episode = run_agent(TASK, sandbox, model, trajectory_path=tmp_path / "t.jsonl")
+    assert episode.result.status is ExitStatus.ERROR and isinstance(episode.exception, ModelEndpointError)
+    assert "failed after 2 attempts" in episode.result.error and episode.result.steps == 0
     assert Trajectory.load(tmp_path / "t.jsonl").result.error_type == "ModelEndpointError"
 
 
@@ -183,8 +248,8 @@ def test_text_format_stops_at_the_action_and_restores_its_closer(sandbox) -> Non
     # without it (the model would otherwise go on to invent the command's output).
     cut = Completion(text="Plan: look.\n<bash>echo hi", finish_reason="stop", stop_reason="</bash>")
     model = ScriptedModel([cut, "<finish/>"])
-    result = run_agent(TASK, sandbox, model)
-    first = result.trajectory.steps[0]
+    episode = run_agent(TASK, sandbox, model)
+    first = episode.trajectory.steps[0]
     assert first.observation.ok and "hi" in first.observation.text
     assert first.response.content.endswith("<bash>echo hi</bash>")
     stops = model.samplings[0].stop
@@ -198,9 +263,9 @@ def test_bad_native_calls_are_answered_by_id(sandbox) -> None:
                                           ToolCall(id="x2", name="bash", arguments={"command": "echo 2"})])
     model = ScriptedModel([tool_reply("bash", call_id="bad"),  # no command argument
                            two, tool_reply("finish", call_id="f")], supports_tools=True)
-    result = run_agent(TASK, sandbox, model)
-    first, second = result.trajectory.steps[:2]
-    assert result.n_format_errors == 1
+    episode = run_agent(TASK, sandbox, model)
+    first, second = episode.trajectory.steps[:2]
+    assert episode.result.n_format_errors == 1
     assert [(m.role, m.tool_call_id) for m in first.messages[1:]] == [("tool", "bad")]
     assert "needs the argument 'command'" in first.messages[1].content
     # two calls in one reply: the first runs, the second is answered as not run
@@ -213,9 +278,9 @@ def test_native_tool_calls(sandbox) -> None:
         tool_reply("write_file", "Plan: write, check, finish.", path="n.txt", content="42\n"),
         tool_reply("bash", call_id="c2", command="cat n.txt"),
         tool_reply("finish", call_id="c3", summary="ok")], supports_tools=True)
-    result = run_agent(TASK, sandbox, model)
-    assert result.status is ExitStatus.FINISHED and result.trajectory.header.action_format == "tool_calls"
-    second = result.trajectory.steps[1].messages
+    episode = run_agent(TASK, sandbox, model)
+    assert episode.result.status is ExitStatus.FINISHED and episode.trajectory.header.action_format == "tool_calls"
+    second = episode.trajectory.steps[1].messages
     assert second[0].tool_calls[0].id == "c2"
     assert second[1].role == "tool" and second[1].tool_call_id == "c2" and "42" in second[1].content
     assert "one tool per reply" in model.prompts[0][0].content

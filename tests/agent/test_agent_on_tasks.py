@@ -44,13 +44,13 @@ def test_scripted_model_solves_a_task(task, script, tools: bool, tmp_path: Path)
     model = ScriptedModel(script(), supports_tools=tools)
     path = tmp_path / "episode.jsonl"
     with prepare_environment(task) as sb:
-        result = run_agent(task, sb, model, trajectory_path=path)
+        episode = run_agent(task, sb, model, trajectory_path=path)
         verdict = verify(task, sb)
-    assert result.status is ExitStatus.FINISHED, result.error
-    assert all(s.observation.ok for s in result.trajectory.steps), [
-        s.observation.text for s in result.trajectory.steps]
+    assert episode.result.status is ExitStatus.FINISHED, episode.result.error
+    assert all(s.observation.ok for s in episode.trajectory.steps), [
+        s.observation.text for s in episode.trajectory.steps]
     assert verdict.status.value == "passed", verdict.detail
-    result.attach_verdict(verdict)
+    episode.attach_verdict(verdict)
     loaded = Trajectory.load(path)
     assert loaded.header.task_id == "copy-config" and loaded.verdict["status"] == "passed"
     assert task.instruction in loaded.header.messages[1].content
@@ -60,17 +60,17 @@ def test_scripted_model_solves_a_task(task, script, tools: bool, tmp_path: Path)
 def test_a_wrong_solution_fails_verification(task) -> None:
     model = ScriptedModel(["```bash\ncp config/default.conf config/local.conf\n```", "<finish/>"])
     with prepare_environment(task) as sb:
-        result = run_agent(task, sb, model)
+        episode = run_agent(task, sb, model)
         verdict = verify(task, sb)
-    assert result.status is ExitStatus.FINISHED and verdict.status.value == "failed"
+    assert episode.result.status is ExitStatus.FINISHED and verdict.status.value == "failed"
 
 
 @pytest.mark.parametrize("agent,expected", [("oracle", "passed"), ("null", "failed")])
 def test_scripted_agents(task, agent: str, expected: str, tmp_path: Path) -> None:
     with prepare_environment(task) as sb:
-        result = run_agent(task, sb, agent, trajectory_path=tmp_path / "t.jsonl")
+        episode = run_agent(task, sb, agent, trajectory_path=tmp_path / "t.jsonl")
         verdict = verify(task, sb)
-    assert result.status is ExitStatus.FINISHED and result.error is None
-    assert verdict.status.value == expected
+    assert episode.result.status is ExitStatus.FINISHED and episode.result.error is None
+    assert episode.exception is None and verdict.status.value == expected
     assert Trajectory.load(tmp_path / "t.jsonl").header.agent == agent
-    assert result.steps == (1 if agent == "oracle" else 0)
+    assert episode.result.steps == (1 if agent == "oracle" else 0)

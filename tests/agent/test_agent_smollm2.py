@@ -22,12 +22,12 @@ def test_smollm2_agent_episode(tmp_path: Path) -> None:
     task = load_task(builtin_suite_dir() / "create-directory")
     config = AgentConfig(step_limit=3, sampling=Sampling(max_tokens=64))
     with prepare_environment(task) as sb:
-        result = run_agent(task, sb, model, config, trajectory_path=tmp_path / "t.jsonl")
+        episode = run_agent(task, sb, model, config, trajectory_path=tmp_path / "t.jsonl")
         verdict = verify(task, sb)
-    assert result.status in (ExitStatus.FINISHED, ExitStatus.STEP_LIMIT, ExitStatus.TIME_LIMIT)
+    assert episode.result.status in (ExitStatus.FINISHED, ExitStatus.STEP_LIMIT, ExitStatus.TIME_LIMIT)
     assert verdict.status.value in ("passed", "failed")
     loaded = Trajectory.load(tmp_path / "t.jsonl")
-    assert loaded.result is not None and len(loaded.steps) == result.steps >= 1
+    assert loaded.result is not None and len(loaded.steps) == episode.result.steps >= 1
     for step, turn in zip(loaded.steps, loaded.turns(), strict=True):
         assert turn.prompt_token_ids and turn.completion_token_ids
         assert len(turn.logprobs) == len(turn.completion_token_ids) <= 64

@@ -38,11 +38,12 @@ def test_written_step_by_step_and_loaded_back(tmp_path: Path) -> None:
     assert [json.loads(line)["type"] for line in path.read_text().splitlines()] == ["header", "step"]
     w.step(StepRecord(index=2, started_at=1.0, response=Message(role="assistant", content="b")))
     traj = w.finish(TrajectoryResult(status=ExitStatus.STEP_LIMIT, steps=2))
-    result = AgentResult.from_trajectory(traj, path)
-    result.attach_verdict(Verdict(Status.PASSED, 3, 4))
+    episode = AgentResult(traj, path)
+    assert episode.result is traj.result and episode.result.total_tokens == 0
+    episode.attach_verdict(Verdict(Status.PASSED, 3, 4))
 
     loaded = Trajectory.load(path)
-    assert loaded == result.trajectory
+    assert loaded == episode.trajectory
     assert loaded.verdict == {"status": "passed", "tests_passed": 3, "tests_total": 4}
     assert loaded.result is not None and loaded.result.status is ExitStatus.STEP_LIMIT
     (turn,) = loaded.turns()  # only step 1 had token ids

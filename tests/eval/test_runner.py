@@ -18,18 +18,22 @@ from ridgeline.tasks import load_tasks
 IDS = [t.id for t in load_tasks("builtin")][:3]
 
 
-def test_oracle_passes_and_null_fails(tmp_path):
+def test_oracle_passes_every_task(tmp_path):
     seen = []
-    ok = run_eval(EvalConfig(agent="oracle", task_ids=IDS, concurrency=3, out=tmp_path / "o"),
+    ok = run_eval(EvalConfig(agent="oracle", task_ids=IDS, concurrency=3, out=tmp_path),
                   on_result=seen.append)
     assert ok.summary.n_passed == 3 and ok.summary.pass_rate == 1.0 and len(seen) == 3
-    null = run_eval(EvalConfig(agent="null", task_ids=IDS, concurrency=3, samples=2, out=tmp_path / "n"))
+    assert {r.steps for r in ok.results} == {1}
+
+
+def test_null_agent_fails_every_sample_and_the_report_says_so(tmp_path):
+    null = run_eval(EvalConfig(agent="null", task_ids=IDS, concurrency=3, samples=2, out=tmp_path))
     assert null.summary.n_episodes == 6 and null.summary.n_passed == 0
     assert null.summary.failure_classes == {"tests_failed": 6}
     assert null.summary.pass_at_k["pass@2"] == 0.0
-    data = json.loads((tmp_path / "n" / "results.json").read_text())
+    data = json.loads((tmp_path / "results.json").read_text())
     assert {e["task_id"] for e in data["episodes"]} == set(IDS)
-    assert (tmp_path / "n" / "report.md").read_text().startswith("# Evaluation: null")
+    assert (tmp_path / "report.md").read_text().startswith("# Evaluation: null")
 
 
 def test_unknown_task_id_is_a_config_error(tmp_path):

@@ -24,19 +24,18 @@ def test_oracle_passes_and_untouched_fails(task):
     assert not task.check(init, init.clone())[0]
 
 
-def test_tool_misuse_is_a_recoverable_error():
+@pytest.mark.parametrize("tool,args,error", [
+    ("buy", {"symbol": "ACME", "quantity": 3}, "insufficient cash"),
+    ("get_price", {"symbol": "NOPE"}, "unknown symbol"),
+    ("buy", {"symbol": "ACME", "quantity": 1.5}, "whole number"),
+    ("buy", {"ticker": "ACME"}, "bad arguments"),
+    ("rm_rf", {}, "unknown tool"),
+], ids=["cash", "symbol", "quantity", "arguments", "tool"])
+def test_tool_misuse_is_a_recoverable_error(tool, args, error):
     w = World(cash=10.0, prices={"ACME": 5.0})
-    with pytest.raises(ToolUseError, match="insufficient cash"):
-        call_tool(w, "buy", {"symbol": "ACME", "quantity": 3})
-    with pytest.raises(ToolUseError, match="unknown symbol"):
-        call_tool(w, "get_price", {"symbol": "NOPE"})
-    with pytest.raises(ToolUseError, match="whole number"):
-        call_tool(w, "buy", {"symbol": "ACME", "quantity": 1.5})
-    with pytest.raises(ToolUseError, match="bad arguments"):
-        call_tool(w, "buy", {"ticker": "ACME"})
-    with pytest.raises(ToolUseError, match="unknown tool"):
-        call_tool(w, "rm_rf", {})
-    assert w.cash == 10.0 and not w.positions  # nothing changed by failed calls
+    with pytest.raises(ToolUseError, match=error):
+        call_tool(w, tool, args)
+    assert w.cash == 10.0 and not w.positions  # nothing changed by the failed call
 
 
 def test_tool_specs_are_json_schemas():

@@ -17,29 +17,51 @@ from ridgeline.sandbox import Mount, SandboxSpec, create_sandbox
 from sandbox_helpers import needs_bwrap
 
 
-def test_local_backend_warns_loudly_and_works(caplog):
+def test_local_backend_warns_loudly(caplog):
     with pytest.warns(RuntimeWarning, match="NO ISOLATION"):
         sb = create_sandbox(SandboxSpec(), backend="local")
+    sb.close()
     assert "NO ISOLATION" in caplog.text
+
+
+@pytest.fixture
+def local():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "NO ISOLATION", checked above
+        sb = create_sandbox(SandboxSpec(), backend="local")
     with sb:
-        assert sb.run("pwd").stdout.strip() == str(sb.workspace_dir)
-        assert sb.run("exit 4").exit_code == 4
-        assert sb.run(["no-such-command-xyz"]).exit_code == 127
-        tag = f"{os.getpid()}.{time.time_ns() % 10**6}"  # sleeps no one else runs
-        r = sb.run(f"sleep 1{tag} & sleep 2{tag}", timeout=0.5)
-        assert r.timed_out
-        left = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout
-        assert "sleep" not in left
-        sb.write_file("a/b.txt", "x")
-        assert sb.run("cat a/b.txt").stdout == "x"
-        sh = sb.shell()
-        sh.send("cd a; V=1")
-        assert sh.send("ls; echo $V").stdout == "b.txt\n1\n"
-        snap = sb.snapshot()
-        sb.run("rm -r a")
-        sb.restore(snap)
-        assert sb.read_file("a/b.txt") == b"x"
-        assert sb.health().healthy
+        yield sb
+
+
+def test_local_backend_runs_commands_in_the_workspace(local):
+    assert local.run("pwd").stdout.strip() == str(local.workspace_dir)
+    assert local.run("exit 4").exit_code == 4
+    assert local.run(["no-such-command-xyz"]).exit_code == 127
+
+
+def test_local_backend_timeout_kills_the_whole_command(local):
+    tag = f"{os.getpid()}.{time.time_ns() % 10**6}"  # sleeps no one else runs
+    r = local.run(f"sleep 1{tag} & sleep 2{tag}", timeout=0.5)
+    assert r.timed_out
+    left = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True).stdout
+    assert "sleep" not in left
+
+
+def test_local_backend_files_and_shell(local):
+    local.write_file("a/b.txt", "x")
+    assert local.run("cat a/b.txt").stdout == "x"
+    sh = local.shell()
+    sh.send("cd a; V=1")
+    assert sh.send("ls; echo $V").stdout == "b.txt\n1\n"
+
+
+def test_local_backend_snapshot_restore_and_health(local):
+    local.write_file("a/b.txt", "x")
+    snap = local.snapshot()
+    local.run("rm -r a")
+    local.restore(snap)
+    assert local.read_file("a/b.txt") == b"x"
+    assert local.health().healthy
 
 
 def test_local_backend_refuses_mounts(tmp_path):

@@ -35,7 +35,7 @@ def test_released_sandboxes_come_back_clean(tmp_path):
     assert sb.closed
 
 
-def test_concurrency_limit_and_misuse():
+def test_acquire_waits_for_a_release_up_to_its_timeout():
     with SandboxPool(SandboxSpec(), size=1, max_concurrency=2) as pool:
         a, b = pool.acquire(), pool.acquire()
         with pytest.raises(SandboxError, match="no sandbox became free"):
@@ -48,14 +48,25 @@ def test_concurrency_limit_and_misuse():
         t.join()
         assert got and got[0].run("echo ok").stdout == "ok\n"
         pool.release(b)
-        with pytest.raises(SandboxError, match="not leased"):
-            pool.release(b)  # twice
-        with create_sandbox(SandboxSpec()) as stranger:
-            with pytest.raises(SandboxError, match="not leased"):
-                pool.release(stranger)
         pool.release(got[0])
         with pool.lease() as sb:
             assert sb.alive
+
+
+def test_releasing_what_is_not_leased_is_an_error():
+    with SandboxPool(SandboxSpec(), size=1) as pool:
+        sb = pool.acquire()
+        pool.release(sb)
+        with pytest.raises(SandboxError, match="not leased"):
+            pool.release(sb)  # twice
+        with create_sandbox(SandboxSpec()) as stranger:
+            with pytest.raises(SandboxError, match="not leased"):
+                pool.release(stranger)
+
+
+def test_a_closed_pool_lends_nothing():
+    with SandboxPool(SandboxSpec(), size=1) as pool:
+        pass
     with pytest.raises(SandboxError, match="closed"):
         pool.acquire()
 

@@ -14,13 +14,25 @@ from sandbox_helpers import cmdline, needs_bwrap, needs_root, pids_in_namespace
 pytestmark = needs_bwrap
 
 
-def test_results_exit_codes_env_cwd_stdin(sandbox):
+def test_result_has_exit_code_and_both_streams(sandbox):
     r = sandbox.run("echo out; echo err >&2; exit 3")
     assert (r.exit_code, r.stdout, r.stderr, r.ok) == (3, "out\n", "err\n", False)
+
+
+def test_argv_list_is_not_parsed_by_a_shell(sandbox):
     assert sandbox.run(["printf", "%s|", "a b", "c"]).stdout == "a b|c|"
+
+
+def test_env_is_passed(sandbox):
     assert sandbox.run("echo $FOO", env={"FOO": "bar"}).stdout == "bar\n"
+
+
+def test_cwd_is_the_workspace_unless_given(sandbox):
     assert sandbox.run("pwd").stdout == "/workspace\n"
     assert sandbox.run(["pwd"], cwd="/tmp").stdout == "/tmp\n"
+
+
+def test_stdin_small_and_larger_than_a_pipe_buffer(sandbox):
     assert sandbox.run("tr a-z A-Z", stdin=b"hello").stdout == "HELLO"
     assert sandbox.run(["cat"], stdin=b"x" * 300_000).stdout_bytes == b"x" * 300_000
 

@@ -18,7 +18,8 @@ import html
 import re
 from typing import TYPE_CHECKING, Any, Callable
 
-from ridgeline.agent.tools import TOOL_NAMES, Action, ActionError, validate_action
+from ridgeline.agent.tools import TOOL_NAMES, ActionError, validate_action
+from ridgeline.agent.trajectory import Action
 from ridgeline.llm.base import Completion
 from ridgeline.llm.tool_parser import parse_one_call
 
@@ -51,7 +52,7 @@ def parse_actions(completion: Completion, env: ToolEnvironment | None = None) ->
         first, *rest = completion.tool_calls
         validate = env.validate if env is not None else validate_action
         return [validate(first.name, first.arguments, first.id),
-                *(Action(c.name, c.arguments, c.id) for c in rest)]
+                *(Action(tool=c.name, args=c.arguments, call_id=c.id) for c in rest)]
     if completion.tool_call_errors:
         raise ActionError("; ".join(completion.tool_call_errors))
     actions = parse_text_actions(completion.text, env)

@@ -18,12 +18,13 @@ from typing import Protocol
 
 from ridgeline.agent.action_parser import parse_actions
 from ridgeline.agent.config import AgentConfig, fill
-from ridgeline.agent.environment import ToolEnvironment, describe_tools
+from ridgeline.agent.environment import ToolEnvironment
 from ridgeline.agent.history import History, HistoryStep, condense
-from ridgeline.agent.tools import Action, ActionError, Observation, Workbench, one_line
+from ridgeline.agent.observation import one_line
+from ridgeline.agent.tools import ActionError, Workbench
 from ridgeline.agent.trajectory import (
-    ActionRecord, AgentResult, CondenseRecord, ExitStatus, ObservationRecord, StepRecord,
-    StepTimings, TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
+    Action, AgentResult, CondenseRecord, ExitStatus, Observation, StepRecord, StepTimings,
+    TrajectoryHeader, TrajectoryResult, TrajectoryWriter,
 )
 from ridgeline.errors import RidgelineError
 from ridgeline.llm.base import ChatModel, Completion, ContextLengthError, Message, Sampling
@@ -34,47 +35,52 @@ MIN_REPLY_TOKENS = 32
 
 
 class TaskLike(Protocol):
-    """What the agent needs of a task (`ridgeline.tasks.Task` has it)."""
+    """What the agent needs of a task: `ridgeline.tasks.Task` and toolbench's `ToolTask`
+    have it, and a plain instruction becomes an `InstructionTask`."""
 
-    id: str
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def instruction(self) -> str: ...
+
+    @property
+    def workdir(self) -> str | None:
+        """Where commands start, for the prompt (None: the task has no file system)."""
+
+    @property
+    def agent_timeout_s(self) -> float | None:
+        """The task's own limit on the episode's wall time (None: the config's)."""
+
+
+@dataclass(frozen=True)
+class InstructionTask:
+    """A task given as a plain instruction: `run_agent("make the tests pass", sb, model)`."""
+
     instruction: str
+    workdir: str | None = None
+    id: str = "adhoc"
+    agent_timeout_s: float | None = None
 
 
-@dataclass
-class TaskInfo:
-    id: str
-    instruction: str
-    workdir: str | None
-    timeout_s: float | None
-
-    @classmethod
-    def of(cls, task: TaskLike | str, sandbox: Sandbox | None = None) -> "TaskInfo":
-        if isinstance(task, str):
-            return cls("adhoc", task, _sandbox_cwd(sandbox), None)
-        timeout = None
-        for attr in ("agent_timeout_s", "agent_timeout_sec", "max_agent_timeout_sec",
-                     "agent_timeout"):
-            value = getattr(task, attr, None)
-            if isinstance(value, (int, float)) and value > 0:
-                timeout = float(value)
-                break
-        workdir = getattr(task, "workdir", None)
-        return cls(str(getattr(task, "id", None) or getattr(task, "name", "task")),
-                   task.instruction, str(workdir) if workdir else _sandbox_cwd(sandbox), timeout)
+def as_task(task: TaskLike | str, sandbox: Sandbox | None = None) -> TaskLike:
+    """`task`, or the instruction it is as a task that starts in the sandbox's cwd."""
+    if isinstance(task, str):
+        return InstructionTask(task, sandbox.spec.cwd if sandbox is not None else None)
+    return task
 
 
-def _sandbox_cwd(sandbox: Sandbox | None) -> str | None:
-    spec = getattr(sandbox, "spec", None)
-    return getattr(spec, "cwd", None)
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class _EndEpisode(Exception):
     def __init__(self, status: ExitStatus, detail: str | None = None,
-                 error_type: str | None = None) -> None:
+                 cause: RidgelineError | None = None) -> None:
         super().__init__(status.value)
         self.status = status
         self.detail = detail
-        self.error_type = error_type
+        self.cause = cause
 
 
 class Agent:
@@ -96,16 +102,13 @@ class Agent:
             trajectory_path: str | Path | None = None) -> AgentResult:
         """One episode in a sandbox (bash and file tools) or any other `ToolEnvironment`."""
         if isinstance(sandbox, ToolEnvironment):
-            env: ToolEnvironment = sandbox
-            info = TaskInfo.of(task, getattr(env, "sandbox", None))
-        else:
-            env = Workbench(sandbox, self.config.observation_max_bytes)
-            info = TaskInfo.of(task, sandbox)
-        return Episode(self, info, env, trajectory_path).run()
+            return Episode(self, as_task(task), sandbox, trajectory_path).run()
+        env = Workbench(sandbox, self.config.observation_max_bytes)
+        return Episode(self, as_task(task, sandbox), env, trajectory_path).run()
 
 
 class Episode:
-    def __init__(self, agent: Agent, task: TaskInfo, env: ToolEnvironment,
+    def __init__(self, agent: Agent, task: TaskLike, env: ToolEnvironment,
                  trajectory_path: str | Path | None) -> None:
         self.model = agent.model
         self.config = cfg = agent.config
@@ -113,16 +116,12 @@ class Episode:
         self.env = env
         self.native = agent.action_format() == "tool_calls"
         self.tools = env.tools if self.native else None
-        if isinstance(env, Workbench):
-            self.format_help = cfg.tool_format_help if self.native else cfg.text_format_help
-        else:  # the prompt must teach tools it does not know of
-            self.format_help = cfg.native_tool_format_help if self.native else \
-                fill(cfg.tool_call_format_help, tools=describe_tools(env.tools))
+        self.format_help = env.format_help(cfg, self.native)
         self.sampling = cfg.sampling
         if not self.native:
             stops = list(dict.fromkeys([*cfg.sampling.stop, *cfg.action_closers, *cfg.extra_stop]))
             self.sampling = cfg.sampling.model_copy(update={"stop": stops})
-        self.time_limit_s = min(cfg.time_limit_s, task.timeout_s or cfg.time_limit_s)
+        self.time_limit_s = min(cfg.time_limit_s, task.agent_timeout_s or cfg.time_limit_s)
         head = [Message(role="system", content=fill(cfg.system_template,
                                                     format_help=self.format_help)),
                 Message(role="user", content=fill(cfg.instance_template,
@@ -145,14 +144,13 @@ class Episode:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> AgentResult:
-        status, error, error_type = ExitStatus.ERROR, None, None
         try:
             while True:
                 self.step()
         except _EndEpisode as end:
-            status, error, error_type = end.status, end.detail, end.error_type
+            status, error, cause = end.status, end.detail, end.cause
         except RidgelineError as e:  # the endpoint is down, the sandbox is gone...
-            status, error, error_type = ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__
+            status, error, cause = ExitStatus.ERROR, _describe(e), e
         except BaseException:  # a bug or an interrupt: keep the steps written so far
             self.writer.close()
             raise
@@ -162,8 +160,10 @@ class Episode:
             status=status, steps=self.n_steps, n_format_errors=self.n_format_errors,
             n_condensations=self.n_condensations, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens, wall_s=self.elapsed(),
-            summary=self.summary, error=error, error_type=error_type, messages=self.history.messages()))
-        return AgentResult.from_trajectory(trajectory, self.path)
+            summary=self.summary, error=error,
+            error_type=type(cause).__name__ if cause is not None else None,
+            messages=self.history.messages()))
+        return AgentResult(trajectory, self.path, cause)
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -215,13 +215,13 @@ class Episode:
     def act(self, actions: list[Action], record: StepRecord) -> tuple[list[Message], str]:
         """Run the first action (or finish) and observe it."""
         action = actions[0]
-        record.action = ActionRecord(tool=action.tool, args=action.args, call_id=action.call_id)
+        record.action = action
         if action.tool == "finish":
             self.summary = action.args.get("summary") or None
-            obs = Observation("finished", ok=True)
+            obs = Observation(text="finished", ok=True)
         else:
             obs = self.execute_action(action)
-        record.observation = ObservationRecord(**vars(obs))
+        record.observation = obs
         repeated = (action.tool, action.args, obs.text) == self._previous
         self._previous = (action.tool, action.args, obs.text)
         digest = f"step {self.n_steps}: {action.describe()} -> " + (
@@ -277,7 +277,7 @@ class Episode:
         try:
             return self.env.execute(action, timeout)
         except RidgelineError as e:  # e.g. no shell could be started: nothing more can be done
-            raise _EndEpisode(ExitStatus.ERROR, f"{type(e).__name__}: {e}", type(e).__name__) from None
+            raise _EndEpisode(ExitStatus.ERROR, _describe(e), e) from None
 
     def observe(self, action: Action, obs: Observation, dropped: list[Action],
                 repeated: bool = False) -> list[Message]:

@@ -1,5 +1,6 @@
-"""Keeping observations short: the head and the tail of a long output, with a marker
-that says how much was cut (errors are usually at the end, context at the start)."""
+"""Keeping what the model and the logs are shown short: the head and the tail of a long
+output, with a marker that says how much was cut (errors are usually at the end, context
+at the start), and one-line digests."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ def truncate_middle(text: str, max_bytes: int) -> tuple[str, bool]:
     cut = data[len(head.encode()):len(data) - len(tail.encode())]
     marker = MARKER.format(cut=len(cut), lines=cut.count(b"\n"))
     return head + marker + tail, True
+
+
+def one_line(text: str, limit: int) -> str:
+    """`text` on one line (whitespace runs become one space), cut to `limit` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -9,13 +9,14 @@ command, a shell it killed) comes back as an observation, never as an exception.
 from __future__ import annotations
 
 import base64
-import json
+import logging
 import shlex
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from ridgeline.agent.config import AgentConfig
 from ridgeline.agent.observation import truncate_middle
+from ridgeline.agent.trajectory import Action, Observation
 from ridgeline.errors import RidgelineError
 from ridgeline.llm.base import ToolSpec
 from ridgeline.sandbox.base import ExecResult, Sandbox, ShellSession
@@ -44,6 +45,8 @@ TOOLS: list[ToolSpec] = [
 ]
 TOOL_NAMES = {t.name for t in TOOLS}
 
+log = logging.getLogger(__name__)
+
 # Names small models (and other agent frameworks) use for the same arguments.
 _ALIASES = {"cmd": "command", "file": "path", "filename": "path", "file_path": "path",
             "text": "content", "old_str": "old", "new_str": "new", "old_text": "old",
@@ -53,33 +56,6 @@ _ALIASES = {"cmd": "command", "file": "path", "filename": "path", "file_path": "
 class ActionError(Exception):
     """An action the model got wrong (bad tool, missing argument); its message goes back
     to the model as a format hint."""
-
-
-@dataclass
-class Action:
-    tool: str
-    args: dict[str, Any]
-    call_id: str | None = None  # the native tool call this answers
-
-    def describe(self) -> str:
-        """One line for digests and logs."""
-        if self.tool == "bash":
-            return f"bash: {one_line(self.args['command'], 120)}"
-        if self.tool == "finish":
-            return "finish"
-        if "path" in self.args:
-            return f"{self.tool} {self.args['path']}"
-        return f"{self.tool} {one_line(json.dumps(self.args, default=str), 100)}"
-
-
-@dataclass
-class Observation:
-    text: str
-    ok: bool
-    exit_code: int | None = None
-    duration_s: float = 0.0
-    timed_out: bool = False
-    truncated: bool = False
 
 
 def validate_action(tool: str, args: dict[str, Any], call_id: str | None = None) -> Action:
@@ -97,7 +73,7 @@ def validate_action(tool: str, args: dict[str, Any], call_id: str | None = None)
     if tool in ("read_file", "write_file", "edit") and not args["path"].strip():
         raise ActionError(f"{tool} got an empty path")
     known = set(spec.parameters.get("properties", {}))
-    return Action(tool, {k: v for k, v in args.items() if k in known}, call_id)
+    return Action(tool=tool, args={k: v for k, v in args.items() if k in known}, call_id=call_id)
 
 
 class Workbench:
@@ -127,17 +103,23 @@ class Workbench:
         try:
             obs = handler(timeout=timeout, **action.args)
         except _ShellFailed as e:
-            obs = Observation(f"error: the shell failed ({e}); a new shell will be started "
-                              "(directory and variables were reset)", ok=False)
+            obs = Observation(text=f"error: the shell failed ({e}); a new shell will be started "
+                                   "(directory and variables were reset)", ok=False)
         obs.duration_s = time.perf_counter() - t0
         return obs
+
+    def format_help(self, config: AgentConfig, native: bool) -> str:
+        """The sandbox's own prompts: its tools are the ones they describe."""
+        return config.tool_format_help if native else config.text_format_help
 
     def close(self) -> None:
         if self._shell is not None:
             try:
                 self._shell.close()
-            except (RidgelineError, OSError):
-                pass  # the sandbox may already be gone; nothing left to release
+            except RidgelineError:
+                pass  # the sandbox is already closed: nothing is left to release
+            except OSError as e:  # unexpected: the shell's processes may still run
+                log.warning("closing the agent's shell failed: %s", e)
             self._shell = None
 
     def _send(self, command: str, timeout: float) -> ExecResult:
@@ -171,7 +153,7 @@ class Workbench:
             self.close()
             body += "\n(the shell exited; the next command starts a new shell: directory " \
                     "and variables were reset)"
-        return Observation(f"{header}\n{body}", ok=res.ok, exit_code=res.exit_code,
+        return Observation(text=f"{header}\n{body}", ok=res.ok, exit_code=res.exit_code,
                            timed_out=res.timed_out, truncated=truncated or res.truncated)
 
     def _read_bytes(self, path: str, limit: int | None) -> bytes | Observation:
@@ -179,10 +161,11 @@ class Workbench:
             f"command cat -- {shlex.quote(path)}"
         res = self._send(f"( set -o pipefail; {head} | command base64 -w0 )", self.file_timeout_s)
         if not res.ok:
-            return Observation(f"error: cannot read {path}: {res.stderr.strip() or res.stdout.strip()}",
-                               ok=False, exit_code=res.exit_code)
+            why = res.stderr.strip() or res.stdout.strip()
+            return Observation(text=f"error: cannot read {path}: {why}", ok=False,
+                               exit_code=res.exit_code)
         if res.truncated:
-            return Observation(f"error: {path} is too large for this tool; use bash "
+            return Observation(text=f"error: {path} is too large for this tool; use bash "
                                "(sed -n, head, tail, grep) to look at parts of it", ok=False)
         return base64.b64decode(res.stdout_bytes.strip())
 
@@ -193,8 +176,9 @@ class Workbench:
                          f"builtin printf '%s' '{encoded}' | command base64 -d > {q}",
                          self.file_timeout_s)
         if not res.ok:
-            return Observation(f"error: cannot write {path}: {res.stderr.strip() or res.stdout.strip()}",
-                               ok=False, exit_code=res.exit_code)
+            why = res.stderr.strip() or res.stdout.strip()
+            return Observation(text=f"error: cannot write {path}: {why}", ok=False,
+                               exit_code=res.exit_code)
         return None
 
     def _read_file(self, path: str, timeout: float) -> Observation:
@@ -205,45 +189,41 @@ class Workbench:
         try:
             text = data[:limit].decode("utf-8")
         except UnicodeDecodeError:
-            return Observation(f"error: {path} is not a UTF-8 text file", ok=False)
+            return Observation(text=f"error: {path} is not a UTF-8 text file", ok=False)
         shown, truncated = truncate_middle(text, self.max_bytes)
         if len(data) > limit:
             shown, truncated = shown + "\n[... the file continues; use bash to see the rest]", True
-        return Observation(shown if shown else f"({path} is empty)", ok=True, truncated=truncated)
+        return Observation(text=shown if shown else f"({path} is empty)", ok=True,
+                           truncated=truncated)
 
     def _write_file(self, path: str, content: str, timeout: float) -> Observation:
         data = content.encode("utf-8")
         return self._write_bytes(path, data) or Observation(
-            f"wrote {len(data)} bytes to {path}", ok=True)
+            text=f"wrote {len(data)} bytes to {path}", ok=True)
 
     def _edit(self, path: str, old: str, new: str, timeout: float) -> Observation:
         if not old:
-            return Observation("error: edit needs a non-empty `old` text", ok=False)
+            return Observation(text="error: edit needs a non-empty `old` text", ok=False)
         data = self._read_bytes(path, None)
         if isinstance(data, Observation):
             return data
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            return Observation(f"error: {path} is not a UTF-8 text file", ok=False)
+            return Observation(text=f"error: {path} is not a UTF-8 text file", ok=False)
         count = text.count(old)
         if count == 0:
-            return Observation(f"error: the `old` text was not found in {path}; read the file "
-                               "and copy the text exactly (whitespace included)", ok=False)
+            return Observation(text=f"error: the `old` text was not found in {path}; read the "
+                               "file and copy the text exactly (whitespace included)", ok=False)
         if count > 1:
-            return Observation(f"error: the `old` text occurs {count} times in {path}; include "
-                               "more surrounding lines so it is unique", ok=False)
+            return Observation(text=f"error: the `old` text occurs {count} times in {path}; "
+                               "include more surrounding lines so it is unique", ok=False)
         return self._write_bytes(path, text.replace(old, new, 1).encode("utf-8")) or Observation(
-            f"edited {path}: replaced 1 occurrence", ok=True)
+            text=f"edited {path}: replaced 1 occurrence", ok=True)
 
     def _finish(self, timeout: float, summary: str = "") -> Observation:
-        return Observation("finished", ok=True)
+        return Observation(text="finished", ok=True)
 
 
 class _ShellFailed(Exception):
     pass
-
-
-def one_line(text: str, limit: int) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, Field, TypeAdapter
 
+from ridgeline.agent.observation import one_line
 from ridgeline.errors import NotFoundError, RidgelineError
 from ridgeline.llm.base import Message, ToolSpec, Usage
 
@@ -38,13 +40,28 @@ class ExitStatus(str, Enum):
     ERROR = "error"
 
 
-class ActionRecord(BaseModel):
+class Action(BaseModel):
+    """One tool call the model asked for, checked by its environment: what the loop runs
+    and what the step records."""
+
     tool: str
     args: dict[str, Any] = Field(default_factory=dict)
-    call_id: str | None = None
+    call_id: str | None = Field(None, description="the native tool call this answers")
+
+    def describe(self) -> str:
+        """One line for digests and logs."""
+        if self.tool == "bash":
+            return f"bash: {one_line(self.args['command'], 120)}"
+        if self.tool == "finish":
+            return "finish"
+        if "path" in self.args:
+            return f"{self.tool} {self.args['path']}"
+        return f"{self.tool} {one_line(json.dumps(self.args, default=str), 100)}"
 
 
-class ObservationRecord(BaseModel):
+class Observation(BaseModel):
+    """What an action did: what the model is shown (`text`) and what the step records."""
+
     text: str
     ok: bool
     exit_code: int | None = None
@@ -76,8 +93,8 @@ class StepRecord(BaseModel):
     started_at: float
     response: Message
     finish_reason: str | None = None
-    action: ActionRecord | None = None
-    observation: ObservationRecord | None = None
+    action: Action | None = None
+    observation: Observation | None = None
     format_error: str | None = None
     messages: list[Message] = Field(default_factory=list, description="appended this step")
     condensed: CondenseRecord | None = None
@@ -115,6 +132,10 @@ class TrajectoryResult(BaseModel):
     error: str | None = None
     error_type: str | None = Field(None, description="class of the error, e.g. ModelEndpointError")
     messages: list[Message] = Field(default_factory=list, description="the final history")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
 
 
 class Turn(BaseModel):
@@ -238,35 +259,29 @@ def _dumps(record: BaseModel | dict[str, Any]) -> str:
     return json.dumps(record)
 
 
-class AgentResult(BaseModel):
-    """What `run_agent` returns: the exit status and counts, and the full trajectory."""
+@dataclass
+class AgentResult:
+    """What an agent's `run` returns: the episode's trajectory and where it was written.
 
-    status: ExitStatus
-    steps: int = 0
-    n_format_errors: int = 0
-    n_condensations: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    summary: str | None = None
-    error: str | None = None
-    error_type: str | None = None
+    The exit status and counts have one owner, the trajectory's result record
+    (`result`). `exception` is the error that ended the episode, if one did: the record
+    keeps only its name and message, and callers must tell a model endpoint that went
+    down (`ModelEndpointError`, infrastructure) from the agent's own failure by type."""
+
     trajectory: Trajectory
     trajectory_path: Path | None = None
+    exception: RidgelineError | None = None
+
+    def __post_init__(self) -> None:
+        if self.trajectory.result is None:
+            raise ValueError("an AgentResult needs a finished trajectory (it has no result record)")
 
     @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+    def result(self) -> TrajectoryResult:
+        """Exit status, steps, token counts, summary and error of the episode."""
+        assert self.trajectory.result is not None
+        return self.trajectory.result
 
     def attach_verdict(self, verdict: Any) -> None:
         """Store the grader's verdict in the trajectory (and its file, if any)."""
         attach_verdict(self.trajectory, verdict, self.trajectory_path)
-
-    @classmethod
-    def from_trajectory(cls, trajectory: Trajectory, path: Path | None) -> "AgentResult":
-        r = trajectory.result
-        assert r is not None, "the trajectory has no result record yet"
-        return cls(status=r.status, steps=r.steps, n_format_errors=r.n_format_errors,
-                   n_condensations=r.n_condensations, prompt_tokens=r.prompt_tokens,
-                   completion_tokens=r.completion_tokens, wall_s=r.wall_s, summary=r.summary,
-                   error=r.error, error_type=r.error_type, trajectory=trajectory, trajectory_path=path)

@@ -15,6 +15,9 @@ from pydantic import BaseModel, Field
 
 Status = Literal["passed", "failed", "infra_error", "unsupported"]
 
+#: The failure class of an episode whose model endpoint failed: it stops the run.
+MODEL_ERROR = "model_error"
+
 
 class EpisodeResult(BaseModel):
     task_id: str

@@ -13,27 +13,29 @@ and reported as such; set-up failures are infrastructure errors, never scored.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, make_agent
+from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, TrajectoryResult, make_agent
 from ridgeline.errors import ConfigError, ModelEndpointError, RidgelineError
 from ridgeline.eval.report import write_report
-from ridgeline.eval.results import EpisodeResult, Summary, summarize
+from ridgeline.eval.results import MODEL_ERROR, EpisodeResult, Summary, summarize
 from ridgeline.llm.base import ChatModel
 from ridgeline.tasks import (
-    EnvironmentSetupError, Task, TaskUnsupported, Verdict, VerdictStatus, load_tasks,
-    prepare_environment, verdict_from_error, verify,
+    Task, Verdict, VerdictStatus, load_tasks, prepare_environment, verdict_from_error, verify,
 )
 
 AgentKind = Literal["llm", "oracle", "null"]
 Job = tuple[Any, int]  # (task, sample)
+
+log = logging.getLogger(__name__)
 
 #: `--tasks demo`: a representative slice of the built-in suite (each domain, mostly easy
 #: tasks) that the default 135M model finishes in minutes on 2 cores; used by `make demo`.
@@ -104,16 +106,69 @@ def select_tasks(config: EvalConfig) -> list[Task]:
     return tasks
 
 
-def _failure_class(verdict: Verdict, agent: AgentResult | None) -> str | None:
+class EvalTask(Protocol):
+    """What an episode's result names: a terminal `Task` and a toolbench `ToolTask`."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def domain(self) -> str: ...
+
+    @property
+    def difficulty(self) -> str: ...
+
+
+def _failure_class(verdict: Verdict, run: TrajectoryResult | None) -> str | None:
     if verdict.status is VerdictStatus.PASSED:
         return None
     if verdict.status is VerdictStatus.UNSUPPORTED:
         return f"unsupported:{verdict.detail[:80]}"
     if verdict.status is VerdictStatus.INFRA_ERROR:
         return f"infra:{verdict.reason or 'error'}"
-    if agent is not None and agent.status is not ExitStatus.FINISHED:
-        return "agent_error" if agent.status is ExitStatus.ERROR else agent.status.value
-    return "tests_failed"
+    if run is not None and run.status is not ExitStatus.FINISHED:
+        return "agent_error" if run.status is ExitStatus.ERROR else run.status.value
+    return verdict.reason or "tests_failed"
+
+
+def episode_result(task: EvalTask, sample: int, verdict: Verdict, agent: AgentResult | None,
+                   wall_s: float, trajectory_path: Path,
+                   endpoint_error: ModelEndpointError | None = None,
+                   steps: int | None = None) -> EpisodeResult:
+    """The one place a graded episode becomes its result (terminal tasks and toolbench).
+
+    A model endpoint that failed, before the agent ran (`endpoint_error`) or during its
+    episode (the agent's exception), is infrastructure: `infra_error` and `model_error`,
+    never the agent's fault, with the endpoint's message as the detail. `steps` counts
+    the episode when no agent result does (toolbench's oracle)."""
+    run = agent.result if agent is not None else None
+    if endpoint_error is None and agent is not None and \
+            isinstance(agent.exception, ModelEndpointError):
+        endpoint_error = agent.exception
+    if endpoint_error is not None:
+        status, failure, detail = "infra_error", MODEL_ERROR, str(endpoint_error)
+    else:
+        status, failure = verdict.status.value, _failure_class(verdict, run)
+        detail = verdict.detail or (run.error if run is not None else None) or ""
+    return EpisodeResult(
+        task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
+        status=status, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
+        steps=run.steps if run is not None else steps or 0,
+        tokens=run.total_tokens if run is not None else 0, wall_s=wall_s,
+        failure_class=failure, agent_exit=run.status.value if run is not None else None,
+        detail=detail[:500], trajectory=str(trajectory_path) if agent is not None else None)
+
+
+def record_verdict(agent: AgentResult | None, verdict: Verdict) -> None:
+    """Append the verdict to the agent's trajectory file. The file is a convenience for
+    reading an episode later: one that cannot be written is logged, and the episode's
+    result (results.json) still counts."""
+    if agent is None:
+        return
+    try:
+        agent.attach_verdict(verdict)
+    except OSError as e:
+        log.warning("could not append the verdict to %s: %s", agent.trajectory_path, e)
 
 
 def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], config: EvalConfig,
@@ -122,37 +177,20 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     task or sandbox problems; those become unsupported / infra_error results."""
     t0 = time.perf_counter()
     agent_result: AgentResult | None = None
-    endpoint_error: str | None = None
+    endpoint_error: ModelEndpointError | None = None
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
     try:
         with prepare_environment(task, backend=config.backend) as sb:
             agent_result = make_agent(agent_factory(), config.agent_config).run(task, sb, traj_path)
             verdict = verify(task, sb)
     except ModelEndpointError as e:  # raised outside the loop (e.g. probing the endpoint)
-        endpoint_error = str(e)
+        endpoint_error = e
         verdict = verdict_from_error(e, time.perf_counter() - t0)
-    except (TaskUnsupported, EnvironmentSetupError, RidgelineError, OSError) as e:
+    except (RidgelineError, OSError) as e:  # unsupported task, set-up or sandbox failure
         verdict = verdict_from_error(e, time.perf_counter() - t0)
-    if agent_result is not None:
-        try:
-            agent_result.attach_verdict(verdict)
-        except OSError:
-            pass  # the trajectory file is a convenience; the result below is what counts
-    endpoint_down = endpoint_error is not None or (
-        agent_result is not None and agent_result.error_type == "ModelEndpointError")
-    res = EpisodeResult(
-        task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
-        # A model server that failed is infrastructure, not the agent's fault.
-        status="infra_error" if endpoint_down else verdict.status.value,
-        tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
-        steps=agent_result.steps if agent_result else 0,
-        tokens=agent_result.total_tokens if agent_result else 0,
-        wall_s=time.perf_counter() - t0,
-        failure_class="model_error" if endpoint_down else _failure_class(verdict, agent_result),
-        agent_exit=agent_result.status.value if agent_result else None,
-        detail=(endpoint_error or verdict.detail or (agent_result.error if agent_result else "") or "")[:500],
-        trajectory=str(traj_path) if agent_result is not None else None,
-    )
+    record_verdict(agent_result, verdict)
+    res = episode_result(task, sample, verdict, agent_result, time.perf_counter() - t0,
+                         traj_path, endpoint_error)
     return res, agent_result
 
 
@@ -196,7 +234,7 @@ def run_jobs(jobs: list[Job], run_one: Callable[[Job], EpisodeResult], concurren
                 results.append(res)
                 if on_result is not None:
                     on_result(res)
-                if res.failure_class == "model_error":
+                if res.failure_class == MODEL_ERROR:
                     stop.set()
                     endpoint_error = res.detail
                 submit_next()

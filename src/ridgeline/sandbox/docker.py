@@ -15,6 +15,7 @@ exec's process tree through its host pid. Images are never pulled at run time.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -29,6 +30,8 @@ from ridgeline.sandbox.base import ExecResult, SandboxSpec, ShellSession
 from ridgeline.sandbox.host_sandbox import HostSandbox, default_root, prepare_root
 from ridgeline.sandbox.process import TreeTracker, communicate, kill_process_tree, to_exec_result
 from ridgeline.sandbox.shell import BashSession
+
+log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "python:3.12-slim"
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -93,8 +96,10 @@ class _ExecProcess:
         try:
             while data := os.read(fd, 65536):
                 self._sock.sendall(data)
-        except OSError:
-            pass
+        except ConnectionError:
+            pass  # the exec ended and closed its socket; its exit status tells the rest
+        except OSError as e:
+            log.warning("docker exec %s: sending its input failed: %s", self._id, e)
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -115,8 +120,10 @@ class _ExecProcess:
                 kind, size = header[0], struct.unpack(">I", header[4:])[0]
                 payload = self._recv_exact(size)
                 os.write(self._err_w if kind == 2 else self._out_w, payload)
-        except OSError:
-            pass
+        except ConnectionError:
+            pass  # the exec's socket was reset, or our reader is gone (the command was killed)
+        except OSError as e:
+            log.warning("docker exec %s: reading its output failed: %s", self._id, e)
         finally:
             os.close(self._out_w)
             os.close(self._err_w)

@@ -258,12 +258,6 @@ class HostSandbox(abc.ABC):
                                     hint="use an id returned by snapshot() of this sandbox")
             snapshots.restore(self.workspace_dir, snap)
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        with self._lock:
-            snap = self._snapshots.pop(snapshot_id, None)
-            if snap is not None and snap.store.is_relative_to(self.dir):
-                shutil.rmtree(snap.store, ignore_errors=True)
-
     def stop_processes(self) -> None:
         """Kill every process in the sandbox (background ones included); the sandbox
         stays usable with the same workspace. The verifier calls this before grading so

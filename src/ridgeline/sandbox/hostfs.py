@@ -45,7 +45,7 @@ def clear_dir(path: Path | str) -> None:
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                continue
+                continue  # removed since the listing: nothing left to delete
             if stat.S_ISDIR(st.st_mode):
                 shutil.rmtree(name, dir_fd=fd)  # fd-based and link-safe on Linux
             else:

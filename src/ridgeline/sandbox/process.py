@@ -8,15 +8,18 @@ plainly) and hands the `Popen` to `communicate`, so limits behave the same every
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import selectors
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import IO, Callable
 
 from ridgeline.sandbox.base import ExecResult
+
+log = logging.getLogger(__name__)
 
 #: After the command exits, output still buffered (or written by a background process
 #: that inherited the pipes) is collected for at most this long.
@@ -152,11 +155,7 @@ def communicate(proc: subprocess.Popen, *, stdin: bytes | None, timeout: float |
         if pidfd is not None:
             os.close(pidfd)
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if pipe is not None and not pipe.closed:
-                try:
-                    pipe.close()
-                except OSError:
-                    pass
+            close_pipe(pipe)
     try:
         rc = proc.wait(timeout=KILL_GRACE_S if (timed_out or output_killed) else None)
     except subprocess.TimeoutExpired:
@@ -228,10 +227,7 @@ def kill_process_tree(pid: int, keep: frozenset[int] = frozenset()) -> None:
     except psutil.Error:
         descendants = set()
     for v in descendants - keep - {os.getpid()}:
-        try:
-            os.kill(v, signal.SIGKILL)
-        except OSError:
-            pass
+        sigkill(v)
     end = time.monotonic() + 0.5
     while descendants and time.monotonic() < end:  # let `pid` reap them
         try:
@@ -240,11 +236,34 @@ def kill_process_tree(pid: int, keep: frozenset[int] = frozenset()) -> None:
         except psutil.Error:
             break
         time.sleep(0.002)
-    for kill in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            kill()
-        except OSError:
-            pass
+    sigkill(pid, group=True)
+    sigkill(pid)
+
+
+def sigkill(pid: int, group: bool = False) -> None:
+    """SIGKILL the process `pid` (or the process group it leads), which may have exited
+    already: that is expected and fine. Any other failure (EPERM: the pid is not ours)
+    is logged, never hidden."""
+    try:
+        (os.killpg if group else os.kill)(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # gone already, or (group) not a group leader: nothing left to kill
+    except OSError as e:
+        log.warning("could not kill %s %d: %s", "process group" if group else "process", pid, e)
+
+
+def close_pipe(pipe: IO[bytes] | None) -> None:
+    """Close one of a child's pipes. Closing its stdin flushes what is still buffered,
+    which fails with BrokenPipeError once the child has exited: expected, there is no
+    one left to read it. Any other failure is logged."""
+    if pipe is None or pipe.closed:
+        return
+    try:
+        pipe.close()
+    except BrokenPipeError:
+        pass
+    except OSError as e:
+        log.warning("closing a pipe of a sandbox command failed: %s", e)
 
 
 class TreeTracker:
@@ -273,10 +292,7 @@ class TreeTracker:
             if not victims:
                 return
             for v in victims:
-                try:
-                    os.kill(v, signal.SIGKILL)
-                except OSError:
-                    pass
+                sigkill(v)
             time.sleep(0.005)
 
     def kill_all(self) -> None:

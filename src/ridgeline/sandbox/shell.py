@@ -14,6 +14,7 @@ known directory on the next `send`; the result says that variables were reset.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import selectors
@@ -23,7 +24,9 @@ from typing import Callable, Protocol
 
 from ridgeline.errors import SandboxError
 from ridgeline.sandbox.base import ExecResult
-from ridgeline.sandbox.process import TIMEOUT_EXIT_CODE, Capture, kill_threshold
+from ridgeline.sandbox.process import TIMEOUT_EXIT_CODE, Capture, close_pipe, kill_threshold
+
+log = logging.getLogger(__name__)
 
 INTERRUPT_GRACE_S = 2.0
 START_TIMEOUT_S = 30.0
@@ -136,15 +139,11 @@ class BashSession:
             proc, self._proc = self._proc, None
             if proc is not None:
                 for pipe in (proc.stdin, proc.stdout, proc.stderr):
-                    if pipe is not None:
-                        try:
-                            pipe.close()
-                        except OSError:
-                            pass
+                    close_pipe(pipe)
                 try:
-                    proc.kill()
-                except OSError:
-                    pass
+                    proc.kill()  # a no-op once bash has exited
+                except OSError as e:
+                    log.warning("could not kill the shell's bash (pid %d): %s", proc.pid, e)
                 try:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
@@ -199,8 +198,10 @@ class BashSession:
         try:
             self._proc.stdin.write(cmd.encode() + b"\0")
             self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
+        except BrokenPipeError:
             pass  # bash is gone; reported below from its exit status
+        except OSError as e:
+            log.warning("could not send a command to the shell's bash: %s", e)
         done = self._wait_markers(t0 + timeout)
         timed_out = killed = False
         if not done and self._proc.poll() is None and not self._out.eof:

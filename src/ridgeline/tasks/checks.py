@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
 import statistics
@@ -25,6 +26,8 @@ from ridgeline.tasks.environment import TaskUnsupported, prepare_environment
 from ridgeline.tasks.model import Task
 from ridgeline.tasks.solution import apply_solution
 from ridgeline.tasks.verifier import Verdict, VerdictStatus, verdict_from_error, verify
+
+log = logging.getLogger(__name__)
 
 # Bump when a harness change can turn a cached verdict stale.
 CHECK_VERSION = "1"
@@ -114,8 +117,8 @@ def _save(check: TaskCheck) -> None:
         tmp = d / f".{check.task_hash}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(check.to_dict(), indent=1))
         tmp.replace(d / f"{check.task_hash}.json")
-    except OSError:
-        pass            # a cache we cannot write only costs a re-check
+    except OSError as e:  # a cache we cannot write only costs a re-check, but say why
+        log.warning("could not cache the check of %s in %s: %s", check.task_id, d, e)
 
 
 def _episode(task: Task, backend: str, oracle: bool) -> tuple[Verdict, dict[str, float], str]:

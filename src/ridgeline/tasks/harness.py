@@ -23,6 +23,7 @@ unpredictable `mkdtemp` name that nobody can pre-create), with a warning.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import hashlib
 import json
@@ -188,8 +189,9 @@ def tools_dir(parent: Path, python: str) -> Path:
     try:
         os.rename(tmp, root)    # fails if anything (not an empty dir) is there already
         tmp = root
-    except OSError:
-        pass
+    except OSError as e:        # whatever is at `root` is checked just below
+        if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):  # not "another process made it"
+            log.warning("could not move the harness directory %s to %s: %s", tmp, root, e)
     if (reason := untrusted_reason(root, tree)) is None:
         if tmp != root:         # another process made it first
             shutil.rmtree(tmp, ignore_errors=True)

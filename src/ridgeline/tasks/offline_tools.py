@@ -78,7 +78,7 @@ def installed(extra_dirs: list[str] = ()) -> dict[str, Path]:
         try:
             entries = os.listdir(d)
         except OSError:
-            continue
+            continue  # a site directory this machine lacks, or the sandbox hides
         for e in entries:
             if e.endswith((".dist-info", ".egg-info")):
                 name = e.rsplit(".", 1)[0].split("-", 1)[0]
@@ -147,8 +147,8 @@ def record(names: list[str], venv: Path | None = None) -> None:
             t.parent.mkdir(parents=True, exist_ok=True)
             with t.open("a") as f:
                 f.writelines(n + "\n" for n in names)
-        except OSError:
-            pass
+        except OSError as e:  # only costs these packages' pytest plugins: say so, go on
+            note(f"cannot record the requested packages in {t}: {e}")
 
 
 def requested(venv: Path | None) -> list[str]:
@@ -156,8 +156,10 @@ def requested(venv: Path | None) -> list[str]:
     for t in [state_file()] + ([venv / "requested.txt"] if venv else []):
         try:
             names += t.read_text().split()
-        except OSError:
-            pass
+        except FileNotFoundError:
+            pass  # nothing was requested (yet)
+        except OSError as e:
+            note(f"cannot read the requested packages from {t}: {e}")
     return names
 
 

@@ -59,11 +59,6 @@ class Verdict:
     def passed(self) -> bool:
         return self.status is VerdictStatus.PASSED
 
-    @property
-    def counts_as_attempt(self) -> bool:
-        """Whether this verdict grades the agent (passed or failed)."""
-        return self.status in (VerdictStatus.PASSED, VerdictStatus.FAILED)
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["status"] = self.status.value

@@ -16,16 +16,21 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ridgeline.agent import Agent, AgentConfig, AgentResult, ExitStatus
+from ridgeline.agent import Agent, AgentConfig, AgentResult
 from ridgeline.agent.config import INSTANCE_TEMPLATE, SYSTEM_TEMPLATE
+from ridgeline.agent.environment import tool_call_format_help
 from ridgeline.agent.observation import truncate_middle
-from ridgeline.agent.tools import Action, ActionError, Observation
+from ridgeline.agent.tools import ActionError
+from ridgeline.agent.trajectory import Action, Observation
 from ridgeline.errors import ConfigError
 from ridgeline.eval.results import EpisodeResult
-from ridgeline.eval.runner import EvalConfig, EvalRun, make_model, run_episodes, run_meta
+from ridgeline.eval.runner import (
+    EvalConfig, EvalRun, episode_result, make_model, record_verdict, run_episodes, run_meta,
+)
 from ridgeline.eval.toolbench.tasks import TOOL_TASKS, ToolTask
 from ridgeline.eval.toolbench.world import ToolUseError, World, call_tool, tool_specs
 from ridgeline.llm.base import ChatModel, ToolSpec
+from ridgeline.tasks import Verdict, VerdictStatus
 
 FINISH = ToolSpec(name="finish", description="End the episode when the task is done.",
                   parameters={"type": "object",
@@ -55,6 +60,9 @@ class WorldEnvironment:
         self.tools: list[ToolSpec] = [*tool_specs(), FINISH]
         self._specs = {t.name: t for t in self.tools}
 
+    def format_help(self, config: AgentConfig, native: bool) -> str:
+        return tool_call_format_help(config, self.tools, native)
+
     def validate(self, tool: str, args: dict[str, Any], call_id: str | None = None) -> Action:
         spec = self._specs.get(tool)
         if spec is None:
@@ -67,7 +75,7 @@ class WorldEnvironment:
         for name in spec.parameters.get("required", []):
             if name not in args:
                 raise ActionError(f"{tool} needs the argument {name!r}")
-        return Action(tool, dict(args), call_id)
+        return Action(tool=tool, args=dict(args), call_id=call_id)
 
     def execute(self, action: Action, timeout: float) -> Observation:
         t0 = time.perf_counter()
@@ -79,7 +87,7 @@ class WorldEnvironment:
         except (TypeError, ValueError) as e:  # e.g. a string where the tool needs a number
             text, ok = f"error: bad arguments for {action.tool}: {e}", False
         shown, truncated = truncate_middle(text, self.max_bytes)
-        return Observation(shown, ok=ok, truncated=truncated,
+        return Observation(text=shown, ok=ok, truncated=truncated,
                            duration_s=time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -124,49 +132,30 @@ def run_tool_episode(task: ToolTask, sample: int, config: EvalConfig, agent: Age
     world = initial.clone()
     agent_result: AgentResult | None = None
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
-    detail = ""
-    steps = 0
+    oracle_error = ""
     if config.agent == "oracle":
-        steps = 1
         try:
             task.oracle(world)
         except ToolUseError as e:  # a broken reference solution: show it, do not crash
-            detail = f"the reference solution failed: {e}"
+            oracle_error = f"the reference solution failed: {e}"
     elif config.agent == "llm":
         assert agent is not None
         env = WorldEnvironment(world, agent.config.observation_max_bytes)
         agent_result = agent.run(task, env, traj_path)
-        steps = agent_result.steps
     ok, reason = task.check(initial, world)
-    if agent_result is not None:
-        try:
-            agent_result.attach_verdict({"status": "passed" if ok else "failed",
-                                         "tests_passed": int(ok), "tests_total": 1,
-                                         "detail": reason})
-        except OSError:
-            pass  # the trajectory file is a convenience; the result below is what counts
-    endpoint_down = agent_result is not None and agent_result.error_type == "ModelEndpointError"
-    if endpoint_down:
-        failure: str | None = "model_error"
-    elif ok:
-        failure = None
-    elif agent_result is not None and agent_result.status is not ExitStatus.FINISHED:
-        failure = "agent_error" if agent_result.status is ExitStatus.ERROR \
-            else agent_result.status.value
-    else:
-        failure = "state_mismatch"
-    return EpisodeResult(
-        task_id=task.id, domain=task.domain, difficulty=task.difficulty, sample=sample,
-        # A model server that failed is infrastructure, not the agent's fault.
-        status="infra_error" if endpoint_down else "passed" if ok else "failed",
-        tests_passed=int(ok), tests_total=1, steps=steps,
-        tokens=agent_result.total_tokens if agent_result else 0,
-        wall_s=time.perf_counter() - t0, failure_class=failure,
-        agent_exit=agent_result.status.value if agent_result else None,
-        detail=(detail or (agent_result.error if endpoint_down and agent_result else "")
-                or ("" if ok else reason) or "")[:500],
-        trajectory=str(traj_path) if agent_result is not None else None,
-    )
+    verdict = state_verdict(ok, oracle_error or reason)
+    record_verdict(agent_result, verdict)
+    return episode_result(task, sample, verdict, agent_result, time.perf_counter() - t0,
+                          traj_path, steps=1 if config.agent == "oracle" else 0)
+
+
+def state_verdict(ok: bool, detail: str) -> Verdict:
+    """The world's final state graded as one test, in the verdict terminal tasks get."""
+    if ok:
+        return Verdict(VerdictStatus.PASSED, tests_passed=1, tests_total=1, detail=detail,
+                       reward=1.0)
+    return Verdict(VerdictStatus.FAILED, tests_passed=0, tests_total=1, detail=detail,
+                   reward=0.0, reason="state_mismatch")
 
 
 def run_toolbench(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | None = None,

@@ -25,6 +25,10 @@ class ToolTask:
     setup: Callable[[], World]
     check: Check
     oracle: Callable[[World], None]
+    # What the agent's `TaskLike` asks of every task: a world has no file system, and the
+    # agent config's time limit applies.
+    workdir: str | None = None
+    agent_timeout_s: float | None = None
 
 
 def _market(cash: float = 10_000.0) -> World:

@@ -107,13 +107,18 @@ def read_regular(parent: Path | str, parts: list[str], max_bytes: int) -> bytes 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeEntryError(f"{'/'.join(parts)} is not a regular file")
-        chunks, got = [], 0
-        while got < max_bytes:
-            b = os.read(fd, min(max_bytes - got, 1 << 16))
-            if not b:
-                break
-            chunks.append(b)
-            got += len(b)
-        return b"".join(chunks)
+        return read_bounded(fd, max_bytes)
     finally:
         os.close(fd)
+
+
+def read_bounded(fd: int, limit: int) -> bytes:
+    """Up to `limit` bytes from an open file (fewer if it ends first)."""
+    chunks, got = [], 0
+    while got < limit:
+        b = os.read(fd, min(limit - got, 1 << 20))
+        if not b:
+            break
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)

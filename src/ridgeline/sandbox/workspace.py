@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from ridgeline.errors import NotFoundError, PathEscapeError, SandboxError
+from ridgeline.sandbox.hostfs import read_bounded
 
 MAX_SYMLINKS = 40
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -204,15 +205,8 @@ class Workspace:
                 raise SandboxError(f"{path} is a directory", hint="use list_files")
             if not stat.S_ISREG(st.st_mode):
                 raise SandboxError(f"{path} is not a regular file")
-            limit = st.st_size if max_bytes is None else min(max_bytes, st.st_size)
-            chunks, got = [], 0
-            while got < limit:
-                b = os.read(fd, min(limit - got, 1 << 20))
-                if not b:
-                    break
-                chunks.append(b)
-                got += len(b)
-            return b"".join(chunks)
+            return read_bounded(fd, st.st_size if max_bytes is None
+                                else min(max_bytes, st.st_size))
         finally:
             os.close(fd)
 

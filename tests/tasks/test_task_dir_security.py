@@ -399,3 +399,21 @@ def test_extra_file_inside_is_not_used(tmp_path, tree):
     d = harness.tools_dir(tmp_path, sys.executable)
     (d / "bin" / "python3").write_text("#!/bin/sh\n")
     assert "not part of the harness" in harness.untrusted_reason(d, tree)
+
+
+def test_our_own_bytecode_cache_keeps_the_shared_dir_in_use(tmp_path, tree):
+    """Python writes __pycache__ when a host process imports the harness's modules: that
+    must not make every later process build a private copy."""
+    d = harness.tools_dir(tmp_path, sys.executable)
+    cache = d / "__pycache__"
+    cache.mkdir(mode=0o755)
+    (cache / "offline_tools.cpython-311.pyc").write_bytes(b"\0" * 16)
+    os.chmod(cache / "offline_tools.cpython-311.pyc", 0o644)
+    assert harness.untrusted_reason(d, tree) is None
+    assert harness.tools_dir(tmp_path, sys.executable) == d
+    # ... but a cache someone else can write is as untrusted as any stray entry
+    os.chmod(cache / "offline_tools.cpython-311.pyc", 0o666)
+    assert "not part of the harness" in harness.untrusted_reason(d, tree)
+    os.chmod(cache / "offline_tools.cpython-311.pyc", 0o644)
+    (cache / "evil.py").write_text("import os\n")
+    assert "not part of the harness" in harness.untrusted_reason(d, tree)

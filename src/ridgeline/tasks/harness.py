@@ -143,9 +143,27 @@ def untrusted_reason(root: Path, tree: Tree) -> str | None:
     for dirpath, dirnames, filenames in os.walk(root):
         for n in dirnames + filenames:
             rel = os.path.relpath(os.path.join(dirpath, n), root)
-            if rel not in want:
+            if rel not in want and not _own_bytecode(root / rel, uid):
                 return f"{root / rel} is not part of the harness"
     return None
+
+
+def _own_bytecode(path: Path, uid: int) -> bool:
+    """A `__pycache__` directory (or a .pyc in one) that Python wrote for us when a host
+    process imported the harness's modules: ours and writable only by us, so as trusted
+    as the rest of the tree (anyone else's is refused like any other stray entry)."""
+    parts = path.parts
+    if "__pycache__" not in parts or (path.name != "__pycache__"
+                                      and not path.name.endswith(".pyc")):
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if path.name == "__pycache__" else \
+        stat.S_ISREG(st.st_mode)
+    return (kind_ok and st.st_uid == uid
+            and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _read_nofollow(path: Path) -> bytes | None:

@@ -35,6 +35,7 @@ import site
 import sys
 import sysconfig
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,8 +224,17 @@ def tools_dir(parent: Path, python: str) -> Path:
     return tmp
 
 
-@functools.cache
+_tools_lock = threading.Lock()
+
+
 def harness_tools() -> HarnessTools:
-    """Build (once per host Python and tool version) and return the tools directory."""
+    """Build (once per host Python and tool version) and return the tools directory.
+    Parallel episodes ask at once: one builds or checks it, the others wait."""
+    with _tools_lock:
+        return _harness_tools()
+
+
+@functools.cache
+def _harness_tools() -> HarnessTools:
     python = sys.executable
     return HarnessTools(tools_dir(Path(tempfile.gettempdir()), python), python)

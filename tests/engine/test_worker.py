@@ -146,3 +146,19 @@ def test_lookahead_refused_when_the_pool_is_short():
     free = bm.num_free_blocks
     assert not sched.reserve_lookahead(seq, 8)       # would need 2 more blocks
     assert bm.num_free_blocks == free and len(seq.block_table) == 2
+
+
+def test_tokens_carry_the_weights_version_they_were_sampled_under(model):
+    new = tiny_model("llama", seed=12)
+    llm = LLM.from_hf_model(model, num_kv_blocks=256, block_size=4)
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_versions == [0] * 12
+    long = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    handle = llm.worker.submit("v", PROMPTS[5], long)
+    first = next(iter(handle)).outputs[0]
+    llm.worker.update_weights(new.named_parameters(), version=7)
+    out = handle.result().outputs[0]
+    versions = out.token_versions
+    assert len(versions) == 80 and versions[:len(first.token_ids)] == [0] * len(first.token_ids)
+    assert versions[-1] == 7 and sorted(versions) == versions  # 0...0 then 7...7
+    assert set(versions) == {0, 7}
+    assert llm.worker.call(lambda e: e.policy_version) == 7

@@ -286,13 +286,22 @@ class LLMEngine:
     # ---- weights and memory -----------------------------------------------------------
 
     @torch.inference_mode()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> int:
         """Copy new values into the model's parameters in place (HF parameter names, any
         subset). The prefix cache is dropped: its KV came from the old weights. Requests
-        in flight keep their KV and continue. Returns how many tensors were loaded."""
+        in flight keep their KV and continue; tokens sampled from now on carry `version`
+        (default: the previous one + 1). Returns how many tensors were loaded."""
         loaded = self.runner.model.load_weights(named_tensors)
         self.block_manager.reset_prefix_cache()
+        self.processor.policy_version = (self.processor.policy_version + 1 if version is None
+                                         else int(version))
         return len(loaded)
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights new tokens are sampled under."""
+        return self.processor.policy_version
 
     def sleep(self) -> None:
         """Free the KV cache memory (weights stay). Only between requests."""

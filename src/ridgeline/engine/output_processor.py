@@ -21,11 +21,14 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._finish = finish  # releases a finished sequence (the scheduler's)
         self.num_generated_tokens = 0
+        #: the weights version new tokens are sampled under (set by the engine)
+        self.policy_version = 0
 
     def append_token(self, seq: Sequence, token: int, logprob: float,
                      top: dict[int, float] | None) -> None:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
+        seq.token_versions.append(self.policy_version)
         if seq.top_logprobs is not None and top is not None:
             seq.top_logprobs.append(top)
         self.num_generated_tokens += 1
@@ -71,6 +74,7 @@ class OutputProcessor:
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=tokens, logprobs=list(seq.logprobs),
                 top_logprobs=None if seq.top_logprobs is None else list(seq.top_logprobs),
+                token_versions=seq.token_versions[:len(tokens)],
                 finish_reason=seq.finish_reason,  # type: ignore[arg-type]
                 stop_reason=seq.stop_reason,
                 delta_text=text[seq.reported_text:],

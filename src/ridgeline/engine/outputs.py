@@ -23,6 +23,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
     delta_text: str = ""  # what this step added
     delta_token_ids: list[int] = field(default_factory=list)
+    # the weights version each token was sampled under (`LLMEngine.policy_version`)
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

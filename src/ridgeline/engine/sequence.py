@@ -46,6 +46,8 @@ class Sequence:
     num_preemptions: int = 0
     # outputs
     logprobs: list[float] = field(default_factory=list)
+    # the policy (weights) version each output token was sampled under (RL staleness)
+    token_versions: list[int] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] | None = None
     text: str = ""
     finish_reason: str | None = None

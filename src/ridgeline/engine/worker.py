@@ -245,10 +245,12 @@ class EngineWorker:
         self._post(_Call(fn, done))
         return done.result()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Swap weights between two steps; requests in flight continue on the new ones."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> int:
+        """Swap weights between two steps; requests in flight continue on the new ones,
+        and the tokens they sample from then on carry the new `version`."""
         tensors = list(named_tensors)
-        return self.call(lambda engine: engine.update_weights(tensors))
+        return self.call(lambda engine: engine.update_weights(tensors, version))
 
     def pause(self) -> None:
         """Stop stepping once the current step is done (requests stay in flight, new

@@ -1,0 +1,1 @@
+"""Asynchronous agentic RL post-training: rollouts, buffer, advantages, losses, trainer."""

@@ -17,17 +17,12 @@ import argparse
 import itertools
 import json
 import random
-import sys
 import time
-from pathlib import Path
 
 from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "rl"))
-
-from test_learning import DIGITS, shift_tasks, tiny_policy  # noqa: E402
-
 from ridgeline.engine import LLM  # noqa: E402
+from ridgeline.rl.digits import DIGITS, shift_reward, shift_tasks, tiny_policy  # noqa: E402
 from ridgeline.rl.loop import AsyncRLLoop, LoopConfig  # noqa: E402
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 
@@ -46,8 +41,7 @@ def run(eta: int, target: float, max_steps: int, threads: int, mean_episode_s: f
     def reward(task, completions):
         next(calls)
         time.sleep(next(draws))  # the episode's own time (tool calls, tests)
-        return [sum(int(c == a) for c, a in zip(comp, task.answer)) / len(task.answer)
-                for comp in completions]
+        return shift_reward(task, completions)
 
     cfg = LoopConfig(group_size=8, batch_groups=16, eta=eta, rollout_threads=threads,
                      max_tokens=DIGITS)

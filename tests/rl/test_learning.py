@@ -7,39 +7,11 @@ trainer steps and syncs its weights back into the engine."""
 from __future__ import annotations
 
 import itertools
-import random
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ridgeline.engine import LLM
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier, TokenTask
+from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks, tiny_policy
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
-
-DIGITS, SEP, BOS = 3, 10, 11
-# Runs inside the sandbox: the model's output is never evaluated on the host.
-SHIFT_VERIFIER = """
-import json, sys
-items = json.load(sys.stdin)
-print(json.dumps([sum(int(c == a) for c, a in zip(it["completion"], it["answer"]))
-                  / len(it["answer"]) for it in items]))
-"""
-
-
-def shift_tasks(seed: int):
-    """Digits in, each digit plus one (mod 10) out; partial credit per digit."""
-    rng = random.Random(seed)
-    for i in itertools.count():
-        digits = [rng.randrange(10) for _ in range(DIGITS)]
-        yield TokenTask(f"shift-{i}", [BOS, *digits, SEP], [(d + 1) % 10 for d in digits])
-
-
-def tiny_policy() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-        bos_token_id=BOS, eos_token_id=12, tie_word_embeddings=False))
 
 
 def test_a_tiny_model_learns_a_verifiable_task_through_the_async_pipeline():

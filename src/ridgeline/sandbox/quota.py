@@ -89,6 +89,9 @@ class _Watcher:
     def _loop(self) -> None:
         while True:
             with self._lock:
+                if not self._quotas:  # nothing to watch: the next add() starts a thread
+                    self._thread = None
+                    return
                 due = sorted(self._quotas, key=lambda q: q.next_due)
             now = time.monotonic()
             for q in due:

@@ -206,6 +206,7 @@ def test_n_samples_logprobs_and_token_ids(client: openai.OpenAI, tok: Any,
                              temperature=0, logprobs=3).outputs[0]
     choice = r.choices[0]
     assert choice.model_extra["token_ids"] == expected.token_ids
+    assert choice.model_extra["token_versions"] == [0] * len(expected.token_ids)
     assert r.model_extra["prompt_token_ids"] == chat_prompt_ids(tok, HELLO)
     content = choice.logprobs.content
     assert [t.token for t in content] == [tok.decode([i]) for i in expected.token_ids]

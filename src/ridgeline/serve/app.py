@@ -30,7 +30,8 @@ never stalls the event loop (or `/health`).
 
 Extensions beyond OpenAI's fields are vLLM's (see `serve.protocol`); with
 ``return_token_ids`` the response carries `prompt_token_ids` and each choice its
-`token_ids`, so RL clients never re-tokenise text.
+`token_ids` (and `token_versions`, the weights version each was sampled under), so
+RL clients never re-tokenise text.
 """
 
 from __future__ import annotations
@@ -555,6 +556,11 @@ def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, para
     return room if requested is None else min(requested, room)
 
 
+def _delta_versions(c: CompletionOutput) -> list[int]:
+    """The weights versions of the tokens this chunk adds (RL clients track staleness)."""
+    return c.token_versions[len(c.token_ids) - len(c.delta_token_ids):]
+
+
 def _delta_logprobs(c: CompletionOutput) -> tuple[list[float], list[dict[int, float]] | None]:
     k = len(c.delta_token_ids)
     lps = c.logprobs[len(c.logprobs) - k:] if k else []
@@ -646,6 +652,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                 "finish_reason": finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
+                choice["token_versions"] = c.token_versions
             choices.append(choice)
         body: dict[str, Any] = {"id": gen.request_id, "object": "chat.completion",
                                 "created": created, "model": model.name, "choices": choices,
@@ -698,6 +705,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                                                         req.return_tokens_as_token_ids)
                 if req.return_token_ids:
                     choice["token_ids"] = c.delta_token_ids
+                    choice["token_versions"] = _delta_versions(c)
                 if c.finished:
                     choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
                     choice["stop_reason"] = c.stop_reason
@@ -777,6 +785,7 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids
+                    choice["token_versions"] = c.token_versions
                     choice["prompt_token_ids"] = prompts[i][0]
                 choices.append(choice)
         body: dict[str, Any] = {"id": gen.request_id, "object": "text_completion",
@@ -813,6 +822,7 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
                         offsets.get(index, 0))
                 if req.return_token_ids:
                     choice["token_ids"] = c.delta_token_ids
+                    choice["token_versions"] = _delta_versions(c)
                 if c.finished:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason

@@ -85,9 +85,13 @@ class ModelOutput:
     num_tokens: int              # tokens in the pass
     seconds: float               # wall time of the pass
 
-    def rows(self, i: int) -> slice:
-        start = sum(self.widths[:i])
-        return slice(start, start + self.widths[i])
+    def row_slices(self) -> list[slice]:
+        """Each sampler's rows of `logits`, in order."""
+        out, start = [], 0
+        for w in self.widths:
+            out.append(slice(start, start + w))
+            start += w
+        return out
 
 
 class ModelRunner:

@@ -412,8 +412,7 @@ class Speculator:
         assert output.logits is not None
         spec_rows: list[int] = []
         plain_rows: list[int] = []
-        for i, seq in enumerate(output.samplers):
-            rows = output.rows(i)
+        for seq, rows in zip(output.samplers, output.row_slices()):
             (spec_rows if seq in proposals else plain_rows).extend(range(rows.start, rows.stop))
         logits = output.logits
         emitted: dict[Sequence, Emitted] = {}

@@ -28,7 +28,6 @@ class TokenEpisode:
     versions: list[int] = field(default_factory=list)          # -1 where mask is 0
     reward: float | None = None                                # None: masked (never 0)
     group: str = ""                                            # GRPO group (task id)
-    reason: str | None = None                                  # why masked, if it is
 
     @classmethod
     def start(cls, prompt_ids: list[int], group: str = "") -> TokenEpisode:
@@ -59,11 +58,6 @@ class TokenEpisode:
     def num_policy_tokens(self) -> int:
         return sum(self.loss_mask)
 
-    @property
-    def oldest_version(self) -> int | None:
-        vs = [v for v, m in zip(self.versions, self.loss_mask) if m]
-        return min(vs) if vs else None
-
 
 @dataclass
 class TokenBatch:
@@ -74,7 +68,6 @@ class TokenBatch:
     attention_mask: torch.Tensor      # [B, T] long
     loss_mask: torch.Tensor           # [B, T] float
     behaviour_logprobs: torch.Tensor  # [B, T] float
-    versions: torch.Tensor            # [B, T] long (-1 off-policy-token positions)
     advantages: torch.Tensor          # [B] float
 
     @classmethod
@@ -94,7 +87,6 @@ class TokenBatch:
             loss_mask=pad([e.loss_mask for e in episodes], 0, torch.float32),
             behaviour_logprobs=pad([e.behaviour_logprobs for e in episodes], 0.0,
                                    torch.float32),
-            versions=pad([e.versions for e in episodes], -1, torch.long),
             advantages=torch.tensor(advantages, dtype=torch.float32))
 
     def __len__(self) -> int:
@@ -103,4 +95,4 @@ class TokenBatch:
     def rows(self, index: slice) -> TokenBatch:
         return TokenBatch(self.token_ids[index], self.attention_mask[index],
                           self.loss_mask[index], self.behaviour_logprobs[index],
-                          self.versions[index], self.advantages[index])
+                          self.advantages[index])

@@ -151,11 +151,6 @@ class HostSandbox(abc.ABC):
         """How many times the sandbox's processes were killed for its disk quota."""
         return self._quota.exceeded if self._quota is not None else 0
 
-    def check_disk_quota(self) -> bool:
-        """Measure the sandbox's disk use now; True if it was over the quota (its
-        processes have then been killed)."""
-        return self._quota.check() if self._quota is not None else False
-
     # -- state -----------------------------------------------------------------------------
     @property
     def workspace_dir(self) -> Path:

@@ -21,15 +21,16 @@ import tempfile
 from pathlib import Path
 
 from ridgeline.errors import SandboxError
+from ridgeline.sandbox.rootfs import SYSTEM_DIRS
 
 CLONE_NEWNS = 0x00020000
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 BIND_OPTIONS = ("--bind", "--ro-bind", "--bind-try", "--ro-bind-try", "--dev-bind")
-#: Sources the sandbox uid can always read: world-readable system trees.
-PUBLIC_SOURCES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
-                  "/opt", "/dev/null")
+#: Sources the sandbox uid can always read: the host's system trees (rootfs binds them
+#: world-readable, root-only entries masked) and /dev/null.
+PUBLIC_SOURCES = (*(f"/{d}" for d in SYSTEM_DIRS), "/dev/null")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,

@@ -35,7 +35,6 @@ class DiskQuota:
         self.trees, self.limit, self.name = trees, limit, name
         self._on_exceeded = on_exceeded
         self.exceeded = 0          # how many times the quota was hit
-        self.last_bytes = 0
         self.next_due = time.monotonic() + MIN_INTERVAL_S
         _watcher.add(self)
 
@@ -50,7 +49,7 @@ class DiskQuota:
 
     def check(self) -> bool:
         """Measure now; True (and processes killed) if over the quota."""
-        used = self.last_bytes = self.used()
+        used = self.used()
         if used <= self.limit:
             return False
         self.exceeded += 1

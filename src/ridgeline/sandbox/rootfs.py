@@ -203,7 +203,8 @@ PROC_MASKED = ("/proc/kcore", "/proc/keys", "/proc/key-users", "/proc/timer_list
                "/proc/acpi", "/proc/scsi", "/proc/asound")
 
 
-def proc_hardening_args() -> list[str]:
+@functools.cache
+def proc_hardening_args() -> tuple[str, ...]:
     """bwrap arguments for the sandbox's /proc: the sysctl tree and trigger files bound
     read-only over themselves, secrets masked. Ownership already keeps the sandbox's uid
     from writing them (bwrap.py); this holds even where the sandbox runs as host root's
@@ -217,7 +218,7 @@ def proc_hardening_args() -> list[str]:
             args += ["--tmpfs", path, "--remount-ro", path]
         elif os.path.exists(path):
             args += ["--ro-bind", "/dev/null", path]
-    return args
+    return tuple(args)  # the host's /proc entries do not change: probed once
 
 
 def _make_room(top: _Node, parts: list[str]) -> None:

@@ -556,9 +556,13 @@ def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, para
     return room if requested is None else min(requested, room)
 
 
-def _delta_versions(c: CompletionOutput) -> list[int]:
-    """The weights versions of the tokens this chunk adds (RL clients track staleness)."""
-    return c.token_versions[len(c.token_ids) - len(c.delta_token_ids):]
+def _token_fields(c: CompletionOutput, delta: bool = False) -> dict[str, list[int]]:
+    """`return_token_ids`: a choice's token ids and the weights version each was sampled
+    under (RL clients track staleness), whole or only what this chunk adds."""
+    if not delta:
+        return {"token_ids": c.token_ids, "token_versions": c.token_versions}
+    start = len(c.token_ids) - len(c.delta_token_ids)
+    return {"token_ids": c.delta_token_ids, "token_versions": c.token_versions[start:]}
 
 
 def _delta_logprobs(c: CompletionOutput) -> tuple[list[float], list[dict[int, float]] | None]:
@@ -651,8 +655,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                 if req.logprobs else None,
                 "finish_reason": finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
             if req.return_token_ids:
-                choice["token_ids"] = c.token_ids
-                choice["token_versions"] = c.token_versions
+                choice.update(_token_fields(c))
             choices.append(choice)
         body: dict[str, Any] = {"id": gen.request_id, "object": "chat.completion",
                                 "created": created, "model": model.name, "choices": choices,
@@ -704,8 +707,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                                                         req.top_logprobs or 0,
                                                         req.return_tokens_as_token_ids)
                 if req.return_token_ids:
-                    choice["token_ids"] = c.delta_token_ids
-                    choice["token_versions"] = _delta_versions(c)
+                    choice.update(_token_fields(c, delta=True))
                 if c.finished:
                     choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
                     choice["stop_reason"] = c.stop_reason
@@ -784,8 +786,7 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
                     if req.logprobs is not None else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                    choice["token_versions"] = c.token_versions
+                    choice.update(_token_fields(c))
                     choice["prompt_token_ids"] = prompts[i][0]
                 choices.append(choice)
         body: dict[str, Any] = {"id": gen.request_id, "object": "text_completion",
@@ -821,8 +822,7 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
                         model, c.delta_token_ids, lps, tops, req.return_tokens_as_token_ids,
                         offsets.get(index, 0))
                 if req.return_token_ids:
-                    choice["token_ids"] = c.delta_token_ids
-                    choice["token_versions"] = _delta_versions(c)
+                    choice.update(_token_fields(c, delta=True))
                 if c.finished:
                     choice["finish_reason"] = c.finish_reason
                     choice["stop_reason"] = c.stop_reason

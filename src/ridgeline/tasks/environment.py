@@ -37,7 +37,6 @@ from pathlib import Path, PurePosixPath
 
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec
-from ridgeline.sandbox import hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
@@ -407,12 +406,6 @@ def _run_setup(task: Task, sb: TaskSandbox) -> None:
         if OFFLINE_MARK in res.stderr + res.stdout:
             raise TaskUnsupported(task.id, f"setup.sh: {_failure_reason(res)}")
         raise EnvironmentSetupError(task.id, f"setup.sh {_failure_reason(res)}")
-
-
-def clear_dir(path: Path) -> None:
-    """Empty a staging directory in place (it is bind-mounted, so it must stay); links
-    inside are removed, never followed."""
-    hostfs.clear_dir(path)
 
 
 def stage_copy(src: Path, dest_dir: Path, name: str | None = None) -> None:

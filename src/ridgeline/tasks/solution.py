@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ridgeline.errors import TaskError
+from ridgeline.sandbox import hostfs
 from ridgeline.sandbox.base import ExecResult
 from ridgeline.tasks.environment import (
-    SOLUTION_PATH, TaskSandbox, TaskUnsupported, clear_dir, stage_copy,
+    SOLUTION_PATH, TaskSandbox, TaskUnsupported, stage_copy,
 )
 from ridgeline.tasks.model import Task
 
@@ -20,7 +21,7 @@ def apply_solution(task: Task, sandbox: TaskSandbox, timeout: float | None = Non
                         f"solution.yaml or solution/solve.sh)",
                         hint="add one; the quality checks need it")
     limit = timeout if timeout is not None else task.agent_timeout_s
-    clear_dir(sandbox.solution_host_dir)
+    hostfs.clear_dir(sandbox.solution_host_dir)
     if task.solution_steps is not None:
         return _type_steps(task, sandbox, limit)
     assert task.solution_script is not None

@@ -24,7 +24,7 @@ from enum import Enum
 from ridgeline.errors import RidgelineError, SandboxError, TaskError
 from ridgeline.sandbox import hostfs
 from ridgeline.tasks.environment import (
-    LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported, clear_dir,
+    LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported,
     stage_copy,
 )
 from ridgeline.tasks.harness import OFFLINE_MARK
@@ -154,7 +154,7 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         return infra_error("test_script_missing", f"tests directory missing: "
                            f"{task.tests_dir}", t0)
     try:
-        clear_dir(sandbox.tests_host_dir)
+        hostfs.clear_dir(sandbox.tests_host_dir)
         for child in task.tests_dir.iterdir():
             stage_copy(child, sandbox.tests_host_dir)
         if task.layout is TaskLayout.TB_V1:

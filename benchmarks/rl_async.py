@@ -23,7 +23,7 @@ from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy bef
 
 from ridgeline.engine import LLM  # noqa: E402
 from ridgeline.rl.digits import DIGITS, shift_reward, shift_tasks, tiny_policy  # noqa: E402
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig  # noqa: E402
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout  # noqa: E402
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 
 
@@ -43,9 +43,9 @@ def run(eta: int, target: float, max_steps: int, threads: int, mean_episode_s: f
         time.sleep(next(draws))  # the episode's own time (tool calls, tests)
         return shift_reward(task, completions)
 
-    cfg = LoopConfig(group_size=8, batch_groups=16, eta=eta, rollout_threads=threads,
-                     max_tokens=DIGITS)
-    loop = AsyncRLLoop(llm, trainer, shift_tasks(seed), reward, cfg)
+    cfg = LoopConfig(group_size=8, batch_groups=16, eta=eta, rollout_threads=threads)
+    loop = AsyncRLLoop(trainer, TaskSampler(shift_tasks(seed), seed),
+                       TokenTaskRollout(llm, reward, max_tokens=DIGITS), llm.worker, cfg)
     rewards: list[float] = []
     staleness = 0.0
     t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import itertools
 
 from ridgeline.engine import LLM
 from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks, tiny_policy
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier, TaskSampler, TokenTaskRollout
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
 
@@ -20,9 +20,9 @@ def test_a_tiny_model_learns_a_verifiable_task_through_the_async_pipeline():
                             max_num_batched_tokens=2048)
     trainer = PolicyTrainer(model, TrainerConfig(lr=5e-4, micro_batch_size=128))
     verifier = SandboxVerifier(SHIFT_VERIFIER)
-    cfg = LoopConfig(group_size=8, batch_groups=16, eta=1, rollout_threads=2,
-                     max_tokens=DIGITS)
-    loop = AsyncRLLoop(llm, trainer, shift_tasks(0), verifier, cfg)
+    cfg = LoopConfig(group_size=8, batch_groups=16, eta=1, rollout_threads=2)
+    loop = AsyncRLLoop(trainer, TaskSampler(shift_tasks(0)),
+                       TokenTaskRollout(llm, verifier, max_tokens=DIGITS), llm.worker, cfg)
     rewards: list[float] = []
     staleness: list[float] = []
 
@@ -68,8 +68,9 @@ def test_a_failing_verifier_masks_its_groups_and_never_rewards_zero(monkeypatch)
         return real_of(episodes, advantages, **kw)
 
     monkeypatch.setattr(rl_loop.TokenBatch, "of", staticmethod(record))
-    loop = AsyncRLLoop(llm, trainer, shift_tasks(1), flaky,
-                       LoopConfig(group_size=4, batch_groups=6, eta=1, max_tokens=DIGITS))
+    loop = AsyncRLLoop(trainer, TaskSampler(shift_tasks(1)),
+                       TokenTaskRollout(llm, flaky, max_tokens=DIGITS), llm.worker,
+                       LoopConfig(group_size=4, batch_groups=6, eta=1))
     history = loop.run(steps=6)
     masked = sum(m["episodes_masked"] for m in history)
     assert masked >= 4                              # the fault really hit some groups

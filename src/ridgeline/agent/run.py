@@ -1,17 +1,22 @@
-"""`run_agent`: one episode of any agent (LLM, oracle, null) on one task in one sandbox."""
+"""`run_agent`: one episode of any agent (LLM, oracle, null) on one task in one sandbox;
+`run_task_episode`: the whole episode of a terminal task (environment, agent, verifier),
+as evaluation and RL both run it."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ridgeline.agent.config import AgentConfig
 from ridgeline.agent.loop import Agent, TaskLike
 from ridgeline.agent.scripted import NullAgent, OracleAgent
 from ridgeline.agent.trajectory import AgentResult
-from ridgeline.errors import ConfigError
+from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import ChatModel
 from ridgeline.sandbox.base import Sandbox
+from ridgeline.tasks import Task, Verdict, prepare_environment, verdict_from_error, verify
 
 SCRIPTED_AGENTS = {"oracle": OracleAgent, "null": NullAgent}
 
@@ -47,3 +52,33 @@ def run_agent(task: TaskLike, sandbox: Sandbox, agent: ChatModel | EpisodeRunner
               config: AgentConfig | None = None,
               trajectory_path: str | Path | None = None) -> AgentResult:
     return make_agent(agent, config).run(task, sandbox, trajectory_path)
+
+
+@dataclass
+class TaskEpisode:
+    """What one episode of a terminal task produced. `error` is the exception that ended
+    it before or outside the agent loop (set-up failure, endpoint down), already turned
+    into the verdict (infra_error or unsupported); `agent` is None then."""
+
+    verdict: Verdict
+    agent: AgentResult | None
+    error: BaseException | None
+    seconds: float
+
+
+def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
+                     config: AgentConfig | None = None, *, backend: str = "bwrap",
+                     trajectory_path: str | Path | None = None,
+                     env: dict[str, Any] | None = None) -> TaskEpisode:
+    """Prepare the task's environment, let the agent act, verify. Never raises for task,
+    sandbox or endpoint problems: they become the verdict (never a reward)."""
+    t0 = time.perf_counter()
+    result: AgentResult | None = None
+    try:
+        with prepare_environment(task, backend=backend, env=env) as sb:
+            result = make_agent(agent, config).run(task, sb, trajectory_path)
+            verdict = verify(task, sb)
+        error = None
+    except (RidgelineError, OSError) as e:  # unsupported task, set-up, sandbox, endpoint
+        verdict, error = verdict_from_error(e, time.perf_counter() - t0), e
+    return TaskEpisode(verdict, result, error, time.perf_counter() - t0)

@@ -23,14 +23,13 @@ from typing import Any, Callable, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, TrajectoryResult, make_agent
-from ridgeline.errors import ConfigError, ModelEndpointError, RidgelineError
+from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, TrajectoryResult
+from ridgeline.agent.run import run_task_episode
+from ridgeline.errors import ConfigError, ModelEndpointError
 from ridgeline.eval.report import write_report
 from ridgeline.eval.results import MODEL_ERROR, EpisodeResult, Summary, summarize
 from ridgeline.llm.base import ChatModel
-from ridgeline.tasks import (
-    Task, Verdict, VerdictStatus, load_tasks, prepare_environment, verdict_from_error, verify,
-)
+from ridgeline.tasks import Task, Verdict, VerdictStatus, load_tasks
 
 AgentKind = Literal["llm", "oracle", "null"]
 Job = tuple[Any, int]  # (task, sample)
@@ -175,23 +174,15 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
                 traj_dir: Path) -> tuple[EpisodeResult, AgentResult | None]:
     """One episode: prepare the environment, let the agent act, verify. Never raises for
     task or sandbox problems; those become unsupported / infra_error results."""
-    t0 = time.perf_counter()
-    agent_result: AgentResult | None = None
-    endpoint_error: ModelEndpointError | None = None
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
-    try:
-        with prepare_environment(task, backend=config.backend) as sb:
-            agent_result = make_agent(agent_factory(), config.agent_config).run(task, sb, traj_path)
-            verdict = verify(task, sb)
-    except ModelEndpointError as e:  # raised outside the loop (e.g. probing the endpoint)
-        endpoint_error = e
-        verdict = verdict_from_error(e, time.perf_counter() - t0)
-    except (RidgelineError, OSError) as e:  # unsupported task, set-up or sandbox failure
-        verdict = verdict_from_error(e, time.perf_counter() - t0)
-    record_verdict(agent_result, verdict)
-    res = episode_result(task, sample, verdict, agent_result, time.perf_counter() - t0,
-                         traj_path, endpoint_error)
-    return res, agent_result
+    ep = run_task_episode(task, agent_factory(), config.agent_config, backend=config.backend,
+                          trajectory_path=traj_path)
+    # raised outside the loop (e.g. probing the endpoint): the run stops starting episodes
+    endpoint_error = ep.error if isinstance(ep.error, ModelEndpointError) else None
+    record_verdict(ep.agent, ep.verdict)
+    res = episode_result(task, sample, ep.verdict, ep.agent, ep.seconds, traj_path,
+                         endpoint_error)
+    return res, ep.agent
 
 
 def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:

@@ -61,6 +61,9 @@ class Completion(BaseModel):
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    # The weights version each completion token was sampled under (RL staleness), when
+    # the engine or server reports it.
+    token_versions: list[int] | None = None
     usage: Usage = Field(default_factory=Usage)
     latency_s: float = 0.0
     # Tool-call blocks the client found in the text but could not parse (malformed JSON,

@@ -123,3 +123,43 @@ def encode_chat(tokenizer: Any, messages: list[Message], tools: list[ToolSpec] |
     and every role marker into the text, and a second BOS would change the ids."""
     text = render_prompt(tokenizer, messages, tools)
     return list(tokenizer.encode(text + reply_prefix, add_special_tokens=False))
+
+
+_REPLY_MARK = "ridgeline-reply-mark"
+
+
+def continuation_ids(tokenizer: Any, messages: list[Message], last_token_text: str = "") -> list[int]:
+    """The ids to append after an assistant reply the model just generated so that the
+    conversation goes on with `messages` (observations: user or tool turns) and a new
+    generation prompt, rendered by the same template as `encode_chat`.
+
+    Multi-turn RL appends these to the ids it already has instead of re-encoding the
+    whole conversation, so earlier turns keep exactly the ids that were sampled. The
+    template's closing of an assistant turn (e.g. ``<|im_end|>\\n``) comes first, minus
+    what the reply's last sampled token (`last_token_text`, e.g. the end-of-turn token)
+    already wrote."""
+    if not messages or any(m.role == "assistant" for m in messages):
+        raise ConfigError("a continuation holds the turns after a reply (user or tool), "
+                          "not another assistant message",
+                          hint="pass only the observations that follow the model's reply")
+    template = template_source(tokenizer)
+    native = "tools" in template
+    base = [Message(role="system", content="s"), Message(role="user", content="u"),
+            Message(role="assistant", content=_REPLY_MARK)]
+
+    def render(msgs: list[Message], generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages_to_dicts(msgs, native_tools=native),
+                                             tokenize=False, chat_template=template,
+                                             add_generation_prompt=generation_prompt)
+
+    before = render(base, False)
+    after = render(base + list(messages), True)
+    if not after.startswith(before) or _REPLY_MARK not in before:
+        raise ConfigError("this chat template rewrites earlier turns when a turn is added, "
+                          "so turns cannot be appended as token ids",
+                          hint="use a model whose template renders turns incrementally "
+                               "(ChatML, Llama 3, Qwen 2.5)")
+    closing = before[before.index(_REPLY_MARK) + len(_REPLY_MARK):]
+    if last_token_text and closing.startswith(last_token_text):
+        closing = closing[len(last_token_text):]
+    return list(tokenizer.encode(closing + after[len(before):], add_special_tokens=False))

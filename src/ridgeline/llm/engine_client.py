@@ -49,11 +49,18 @@ class EngineClient:
 
     def chat(self, messages: list[Message], tools: list[ToolSpec] | None = None,
              sampling: Sampling | None = None) -> Completion:
+        t0 = time.perf_counter()
+        return self.complete_ids(self.encode_prompt(messages, tools), sampling, tools, t0)
+
+    def complete_ids(self, prompt_ids: list[int], sampling: Sampling | None = None,
+                     tools: list[ToolSpec] | None = None, t0: float | None = None) -> Completion:
+        """Token-in generation: a completion of exactly `prompt_ids` (RL appends each
+        turn's observation as ids, never re-rendering earlier turns). Tool calls are
+        parsed from the text when `tools` are given."""
         from ridgeline.engine import PromptTooLongError, SamplingParams
 
         sampling = sampling or Sampling()
-        t0 = time.perf_counter()
-        prompt_ids = self.encode_prompt(messages, tools)
+        t0 = time.perf_counter() if t0 is None else t0
         room = self.context_window - len(prompt_ids)
         if room < 1:
             raise ContextLengthError(len(prompt_ids), self.context_window)
@@ -76,7 +83,8 @@ class EngineClient:
         return Completion(
             text=text, tool_calls=calls, finish_reason=out.finish_reason,
             stop_reason=out.stop_reason if isinstance(out.stop_reason, str) else None,
-            prompt_token_ids=prompt_ids, token_ids=token_ids, logprobs=logprobs,
+            prompt_token_ids=list(prompt_ids), token_ids=token_ids, logprobs=logprobs,
+            token_versions=[int(v) for v in out.token_versions],
             usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(token_ids)),
             latency_s=time.perf_counter() - t0, tool_call_errors=errors)
 

@@ -124,6 +124,52 @@ class OpenAIClient:
             self._chars_per_token = max(1.0, 0.5 * self._chars_per_token + 0.5 * ratio)
         return completion
 
+    def complete_ids(self, prompt_ids: list[int], sampling: Sampling | None = None,
+                     tools: list[ToolSpec] | None = None) -> Completion:
+        """Token-in generation over `/completions` (`prompt` as token ids, as vLLM and
+        `ridgeline serve` take it): the ids, logprobs and weights versions sampled, for RL
+        that appends each turn's observation as ids. Needs a server that returns token
+        ids (`return_token_ids`); one that does not is a `ModelEndpointError`."""
+        sampling = sampling or Sampling()
+        body: dict[str, Any] = {"model": self.model, "prompt": list(prompt_ids),
+                                "temperature": sampling.temperature, "top_p": sampling.top_p,
+                                "max_tokens": sampling.max_tokens, "logprobs": 0,
+                                "return_token_ids": True}
+        if sampling.stop:
+            body["stop"] = sampling.stop
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        body.update(self.extra_body)
+        t0 = time.perf_counter()
+        data = self._request("POST", "/completions", body,
+                             estimated_prompt_tokens=len(prompt_ids))
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise ModelEndpointError(f"{self.base_url} answered without choices: "
+                                     f"{json.dumps(data)[:300]}") from None
+        ids = choice.get("token_ids")
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        if not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
+            raise ModelEndpointError(
+                f"{self.base_url}/completions returned no token ids with logprobs",
+                hint="use a server that supports return_token_ids (ridgeline serve, vLLM)")
+        versions = choice.get("token_versions")
+        text = choice.get("text") or ""
+        calls, errors = [], []
+        if tools:
+            parsed = parse_tool_calls(text, known_tools={t.name for t in tools})
+            text, calls = parsed.content, parsed.calls
+            errors = [e.message for e in parsed.errors]
+        return Completion(
+            text=text, tool_calls=calls, finish_reason=choice.get("finish_reason"),
+            stop_reason=choice["stop_reason"] if isinstance(choice.get("stop_reason"), str) else None,
+            prompt_token_ids=list(prompt_ids), token_ids=[int(t) for t in ids],
+            logprobs=[float(x) for x in lps],
+            token_versions=[int(v) for v in versions] if isinstance(versions, list) else None,
+            usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(ids)),
+            latency_s=time.perf_counter() - t0, tool_call_errors=errors)
+
     def close(self) -> None:
         self._http.close()
 

@@ -6,9 +6,8 @@ exercised end to end in seconds."""
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -27,11 +26,14 @@ print(json.dumps([sum(int(c == a) for c, a in zip(it["completion"], it["answer"]
 """
 
 
-def shift_tasks(seed: int, digits: int = DIGITS) -> Iterator[TokenTask]:
-    rng = random.Random(seed)
-    for i in itertools.count():
+def shift_tasks(seed: int, digits: int = DIGITS) -> Callable[[int], TokenTask]:
+    """The family as a function of the draw number (for `TaskSampler`): task i is the
+    same in every run with this seed, so a resumed run sees the same tasks."""
+    def task(i: int) -> TokenTask:
+        rng = random.Random(seed * 1_000_003 + i)
         ds = [rng.randrange(10) for _ in range(digits)]
-        yield TokenTask(f"shift-{i}", [BOS, *ds, SEP], [(d + 1) % 10 for d in ds])
+        return TokenTask(f"shift-{i}", [BOS, *ds, SEP], [(d + 1) % 10 for d in ds])
+    return task
 
 
 def shift_reward(task: TokenTask, completions: list[list[int]]) -> list[float]:

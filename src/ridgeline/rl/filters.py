@@ -100,6 +100,7 @@ class EpisodeRecord:
     healthy: bool = True
     sample: Any = None
     detail: str = ""            # the verdict's own reason (test_timeout, sandbox_error...)
+    unusable: str | None = None  # why `sample` cannot be trained on (no token record...)
     mask: bool = True           # False: never reaches a gradient
     reason: str | None = None   # why it does not, when it does not
 
@@ -136,6 +137,8 @@ def filter_episode(ep: EpisodeRecord, config: FilterConfig | None = None) -> Epi
     """A copy of `ep` with `mask`, `reward` and `reason` decided by rules 1 and 2."""
     cfg = config or FilterConfig()
     ep = replace(ep, mask=True, reason=None)
+    if ep.unusable is not None:
+        return _masked(ep, ep.unusable)
     if not ep.healthy:
         return _masked(ep, UNHEALTHY)
     if ep.verdict in (INFRA_ERROR, UNSUPPORTED):

@@ -1,35 +1,39 @@
 """The asynchronous RL loop on token tasks: rollout threads generate groups on the engine
 while the trainer learns from earlier ones, with staleness bounded by admission control.
 
-    loop = AsyncRLLoop(llm, trainer, tasks, SandboxVerifier(script), LoopConfig(eta=1))
+    rollout = TokenTaskRollout(llm, SandboxVerifier(script), max_tokens=16)
+    loop = AsyncRLLoop(trainer, TaskSampler(tasks), rollout, llm.worker, LoopConfig(eta=1))
     for metrics in loop.run(steps=200): ...
 
 A rollout thread asks the buffer for admission (blocked while starting another group
-would leave it more than `eta` versions stale when consumed), samples a group of
-`group_size` completions of one task from the engine's worker (token ids, behaviour
-logprobs and weights versions recorded as sampled), and has the verifier score them.
-The verifier runs *inside a sandbox*: model output is untrusted and never evaluated on
-the host. A verifier that fails or gives no reward masks the group's episodes (reward
-None, with a reason): an infrastructure failure never becomes a reward of 0. The trainer
-takes `batch_groups` groups per step, filters them (masked episodes, zero-variance
-groups), computes GRPO advantages, steps, syncs the weights into the engine as a new
-version and publishes it to the buffer.
+would leave it more than `eta` versions stale when consumed), draws the next task from
+the `TaskSampler` and has the group rollout produce `group_size` episodes of it, each a
+`TokenEpisode` (token ids, behaviour logprobs and weights versions as sampled) with an
+`EpisodeRecord` (verdict, reward, exit status). Two rollouts exist: `TokenTaskRollout`
+(single-turn prompt ids in, completion ids out, scored by a verifier that runs in a
+sandbox: model output is never evaluated on the host) and `agent_rollout.AgentRollout`
+(the agent in a task sandbox, multi-turn, graded by the task's tests). A verifier that
+fails masks the group's episodes (reward None, with a reason): an infrastructure failure
+never becomes a reward of 0. The trainer takes `batch_groups` groups per step, filters
+them (masked episodes, zero-variance groups), computes GRPO advantages, steps, syncs the
+weights into the engine as a new version and publishes it to the buffer.
 
-Multi-turn agent episodes in task sandboxes go through the same buffer, filters, batches
-and trainer; this module drives single-turn token tasks (prompt ids in, completion ids
-out), which is what the pipeline test and quick experiments need.
+The sampler hands out tasks in a seeded order and knows which draws are not yet trained
+on, and episode seeds derive from (run seed, draw, sample): a checkpoint of the sampler
+and the buffer resumes the same data order.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
+import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,12 +60,78 @@ class TokenTask:
 
 @dataclass
 class EpisodeGroup:
-    """One task's group of sampled episodes, as the buffer holds it."""
+    """One task's group of sampled episodes, as the buffer holds it. `index` is the
+    sampler's draw number (the checkpoint's data order); `samples[i]` is None for an
+    episode with no token record (its record says why it is masked)."""
 
-    task: TokenTask
-    samples: list[TokenEpisode]
+    task: Any
+    samples: list[TokenEpisode | None]
     records: list[EpisodeRecord] = field(default_factory=list)
     seconds: float = 0.0
+    index: int = -1
+    tokens: int = 0        # tokens sampled for this group (throughput)
+
+
+class GroupRollout(Protocol):
+    """Plays `len(seeds)` episodes of one task, one per seed."""
+
+    def __call__(self, task: Any, seeds: list[int]) -> EpisodeGroup: ...
+
+
+def episode_seed(run_seed: int, draw: int, sample: int) -> int:
+    """A sampling seed per episode, a function of where it is in the data order only
+    (so a resumed run samples what the uninterrupted one would have)."""
+    return (run_seed * 1_000_003 + draw * 1009 + sample) % (2**31 - 1)
+
+
+class TaskSampler:
+    """Tasks in a seeded order: shuffled epochs over a list, or `tasks(i)` for a family
+    that generates task `i`. Tracks which draws are not yet consumed by a train step, so
+    a checkpoint resumes with them first and then where the order left off."""
+
+    def __init__(self, tasks: Sequence[Any] | Callable[[int], Any], seed: int = 0) -> None:
+        if not callable(tasks) and not tasks:
+            raise RidgelineError("no tasks to train on",
+                                 hint="check the task selection of the config")
+        self.tasks = tasks
+        self.seed = seed
+        self._lock = threading.Lock()
+        self._next = 0
+        self._redo: list[int] = []          # draws to hand out again (after a resume)
+        self._pending: set[int] = set()     # handed out, not yet consumed
+
+    def task(self, draw: int) -> Any:
+        if callable(self.tasks):
+            return self.tasks(draw)
+        n = len(self.tasks)
+        epoch, pos = divmod(draw, n)
+        order = list(range(n))
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return self.tasks[order[pos]]
+
+    def draw(self) -> tuple[int, Any]:
+        with self._lock:
+            if self._redo:
+                i = self._redo.pop(0)
+            else:
+                i, self._next = self._next, self._next + 1
+            self._pending.add(i)
+        return i, self.task(i)
+
+    def done(self, draw: int) -> None:
+        with self._lock:
+            self._pending.discard(draw)
+
+    def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
+        """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
+        with self._lock:
+            pending = sorted((self._pending | set(self._redo)) - set(exclude))
+            return {"seed": self.seed, "next": self._next, "redo": pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self.seed, self._next = int(state["seed"]), int(state["next"])
+            self._redo, self._pending = [int(i) for i in state["redo"]], set()
 
 
 class VerifierError(RidgelineError):
@@ -108,9 +178,7 @@ class LoopConfig(BaseModel):
     group_size: int = Field(8, ge=2, description="completions per task (a GRPO group)")
     batch_groups: int = Field(8, ge=1, description="groups per train step")
     eta: int = Field(1, ge=0, description="max policy versions between sampling and use")
-    rollout_threads: int = Field(2, ge=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    rollout_threads: int = Field(2, ge=1, description="groups played at once")
     normalize_std: bool = True
     filters: FilterConfig = Field(default_factory=FilterConfig)
 
@@ -118,38 +186,23 @@ class LoopConfig(BaseModel):
 Reward = Callable[[TokenTask, list[list[int]]], Sequence[float | None]]
 
 
-class AsyncRLLoop:
-    def __init__(self, llm: Any, trainer: Any, tasks: Iterator[TokenTask], reward: Reward,
-                 config: LoopConfig | None = None) -> None:
+class TokenTaskRollout:
+    """Single-turn groups of a `TokenTask` on the in-process engine, scored by `reward`
+    (e.g. a `SandboxVerifier`)."""
+
+    def __init__(self, llm: Any, reward: Reward, *, max_tokens: int = 16,
+                 temperature: float = 1.0) -> None:
         self.llm = llm
-        self.trainer = trainer
-        self.tasks = tasks
         self.reward = reward
-        self.config = cfg = config or LoopConfig()
-        self.buffer = RolloutBuffer(cfg.batch_groups, cfg.eta)
-        self._task_lock = threading.Lock()
-        self._seeds = itertools.count()
-        self._stop = threading.Event()
-        self.errors: list[str] = []
+        self.max_tokens = max_tokens
+        self.temperature = temperature
 
-    def stop(self) -> None:
-        """End `run()` after the current step (e.g. from `on_step` once a goal is met)."""
-        self._stop.set()
-
-    # ---- rollouts ---------------------------------------------------------------------
-
-    def _next_task(self) -> TokenTask:
-        with self._task_lock:
-            return next(self.tasks)
-
-    def rollout(self, task: TokenTask) -> EpisodeGroup:
-        """One group: sampled on the engine, scored by the verifier (in its sandbox)."""
-        cfg = self.config
+    def __call__(self, task: TokenTask, seeds: list[int]) -> EpisodeGroup:
         t0 = time.perf_counter()
         reqs = [(self.llm.new_request_id("rl"), task.prompt_ids,
-                 SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                ignore_eos=True, seed=next(self._seeds)))
-                for _ in range(cfg.group_size)]
+                 SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                                ignore_eos=True, seed=seed))
+                for seed in seeds]
         samples = []
         for handle in self.llm.worker.submit_many(reqs):
             c = handle.result().outputs[0]
@@ -167,23 +220,57 @@ class AsyncRLLoop:
         for ep, r in zip(samples, rewards):
             ep.reward = r
             records.append(EpisodeRecord(verdict=verdict, reward=r, sample=ep, detail=detail))
-        return EpisodeGroup(task, samples, records, time.perf_counter() - t0)
+        return EpisodeGroup(task, list(samples), records, time.perf_counter() - t0,
+                            tokens=sum(s.num_policy_tokens for s in samples))
+
+
+def passed(record: EpisodeRecord) -> bool:
+    """An episode counts as a pass when it is graded and earned the full reward."""
+    return record.verdict == "passed" and record.reward is not None and record.reward >= 1.0
+
+
+class AsyncRLLoop:
+    def __init__(self, trainer: Any, tasks: TaskSampler, rollout: GroupRollout, worker: Any,
+                 config: LoopConfig | None = None) -> None:
+        self.trainer = trainer
+        self.tasks = tasks
+        self.rollout = rollout
+        self.worker = worker          # where weights are synced (an EngineWorker)
+        self.config = cfg = config or LoopConfig()
+        self.buffer = RolloutBuffer(cfg.batch_groups, cfg.eta)
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+
+    def stop(self) -> None:
+        """End `run()` after the current step (e.g. from `on_step` once a goal is met)."""
+        self._stop.set()
+
+    # ---- rollouts ---------------------------------------------------------------------
 
     def _produce(self) -> None:
+        cfg = self.config
         while True:
             try:
                 ticket = self.buffer.admit()
             except BufferClosed:
                 return
+            draw = -1
             try:
-                group = self.rollout(self._next_task())
+                draw, task = self.tasks.draw()
+                seeds = [episode_seed(self.tasks.seed, draw, j) for j in range(cfg.group_size)]
+                group = self.rollout(task, seeds)
+                group.index = draw
             except BufferClosed:
                 return
             except BaseException as e:  # noqa: BLE001 - reported by run(); slot given back
                 self.errors.append(f"{type(e).__name__}: {e}")
+                log.warning("rollout failed: %s: %s", type(e).__name__, e)
                 self.buffer.abort(ticket)
-                if isinstance(e, StopIteration):
-                    return
+                if draw >= 0:
+                    self.tasks.done(draw)
+                if isinstance(e, (StopIteration, RidgelineError)) and not isinstance(
+                        e, VerifierError):
+                    return  # a broken setup, not a bad episode: this thread stops
                 continue
             try:
                 self.buffer.put(group, ticket)
@@ -192,39 +279,65 @@ class AsyncRLLoop:
 
     # ---- training ---------------------------------------------------------------------
 
-    def train_step(self, groups: list[EpisodeGroup]) -> dict[str, float]:
+    def train_step(self, groups: list[EpisodeGroup]) -> dict[str, Any]:
         cfg = self.config
         filtered = filter_batch([g.records for g in groups], cfg.filters)
         episodes, rewards, ids, valid = [], [], [], []
         for gi, fg in enumerate(filtered.groups):
             for rec in fg.episodes:
+                if rec.sample is None:
+                    continue
                 episodes.append(rec.sample)
                 rewards.append(float("nan") if rec.reward is None else rec.reward)
                 ids.append(gi)
                 valid.append(rec.mask)
-        metrics: dict[str, float] = {}
-        known = [ep.reward for g in groups for ep in g.samples if ep.reward is not None]
+        metrics: dict[str, Any] = {}
+        records = [r for g in groups for r in g.records]
+        known = [r.reward for r in records if r.reward is not None]
         metrics["reward_mean"] = sum(known) / len(known) if known else float("nan")
-        adv = group_advantages(torch.tensor(rewards), ids, mask=torch.tensor(valid),
-                               normalize_std=cfg.normalize_std)
-        keep = [i for i in range(len(episodes)) if bool(adv.trainable[i])]
+        graded = [r for r in records if r.reward is not None]
+        metrics["pass_rate"] = (sum(passed(r) for r in graded) / len(graded)
+                                if graded else float("nan"))
+        by_domain: dict[str, list[bool]] = {}
+        for g in groups:
+            domain = str(getattr(g.task, "domain", "") or "tasks")
+            by_domain.setdefault(domain, []).extend(passed(r) for r in g.records
+                                                    if r.reward is not None)
+        for domain, flags in sorted(by_domain.items()):
+            if flags:
+                metrics[f"pass_rate/{domain}"] = sum(flags) / len(flags)
         version = self.trainer.version
         staleness = [version - v for e in episodes for v, m in zip(e.versions, e.loss_mask) if m]
         metrics["staleness_max"] = float(max(staleness, default=0))
         metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
-        metrics["episodes_masked"] = float(sum(not v for v in valid))
+        metrics["staleness_hist"] = {str(k): v for k, v in sorted(Counter(staleness).items())}
+        metrics["episodes_masked"] = float(sum(not r.mask for fg in filtered.groups
+                                               for r in fg.episodes if r.reason != "zero_variance"
+                                               and r.reason != "too_few_valid"))
         metrics["groups_skipped"] = float(len(filtered.skipped))
+        reasons = filtered.stats.reasons
+        for reason, count in sorted(reasons.items()):
+            metrics[f"masked/{reason}"] = float(count)
+        adv = group_advantages(torch.tensor(rewards), ids, mask=torch.tensor(valid, dtype=torch.bool),
+                               normalize_std=cfg.normalize_std) if episodes else None
+        keep = [i for i in range(len(episodes)) if adv is not None and bool(adv.trainable[i])]
         if keep:
             batch = TokenBatch.of([episodes[i] for i in keep],
                                   [float(adv.advantages[i]) for i in keep])
             metrics.update(self.trainer.step(batch))
-        metrics.update(self.trainer.sync(self.llm.worker))
+            if metrics.get("train_seconds"):
+                metrics["train_tokens_per_s"] = float(batch.attention_mask.sum()) / \
+                    metrics["train_seconds"]
+        metrics.update(self.trainer.sync(self.worker))
         self.buffer.publish_version()
+        for g in groups:
+            self.tasks.done(g.index)
         return metrics
 
-    def run(self, steps: int, on_step: Callable[[int, dict[str, float]], None] | None = None
-            ) -> list[dict[str, float]]:
-        """Train `steps` steps; metrics per step. Rollout threads stop when it returns."""
+    def run(self, steps: int, on_step: Callable[[int, dict[str, Any]], None] | None = None,
+            start_step: int = 0) -> list[dict[str, Any]]:
+        """Train steps `start_step .. steps-1`; metrics per step. Rollout threads stop
+        when it returns."""
         threads = [threading.Thread(target=self._produce, daemon=True,
                                     name=f"ridgeline-rollout-{i}")
                    for i in range(self.config.rollout_threads)]
@@ -232,7 +345,7 @@ class AsyncRLLoop:
             t.start()
         history = []
         try:
-            for step in range(steps):
+            for step in range(start_step, steps):
                 if self._stop.is_set():
                     break
                 t0 = time.perf_counter()
@@ -242,11 +355,13 @@ class AsyncRLLoop:
                     if groups is None and not any(t.is_alive() for t in threads):
                         raise RidgelineError(
                             "every rollout thread stopped: " + "; ".join(self.errors[-3:]),
-                            hint="check the tasks and the verifier")
+                            hint="check the tasks, the model and the verifier")
                 wait = time.perf_counter() - t0
                 metrics = self.train_step(groups)
-                metrics.update(step=float(step), wait_seconds=wait,
-                               rollout_seconds=sum(g.seconds for g in groups),
+                rollout_s = sum(g.seconds for g in groups)
+                metrics.update(step=step, wait_seconds=wait, rollout_seconds=rollout_s,
+                               rollout_tokens_per_s=sum(g.tokens for g in groups) / rollout_s
+                               if rollout_s > 0 else 0.0,
                                step_seconds=time.perf_counter() - t0)
                 history.append(metrics)
                 if on_step is not None:
@@ -254,5 +369,5 @@ class AsyncRLLoop:
         finally:
             self.buffer.close()
             for t in threads:
-                t.join(timeout=30)
+                t.join(timeout=60)
         return history

@@ -1,0 +1,78 @@
+"""Agentic rollouts: the agent on terminal tasks, each episode in its own task sandbox,
+recorded token by token for the trainer.
+
+    rollout = AgentRollout(EngineClient(llm), tokenizer, agent_config, sampling)
+    group = rollout(task, seeds)          # len(seeds) episodes of one task, in parallel
+
+Each episode is exactly what evaluation runs (`agent.run_task_episode`: the task's
+environment is built in a fresh sandbox, the agent acts, the task's tests grade it); only
+the model differs: a `TokenChat` that generates token-in and records every sampled id,
+its behaviour logprob and weights version, with observations appended as ids. The
+verdict becomes the `EpisodeRecord` the filters read: an episode whose environment could
+not be set up, whose verifier failed or whose sandbox failed its health probe is masked
+(reason kept), never scored 0. Episodes of a group run in parallel threads, so the
+engine decodes them in one batch.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ridgeline.agent import AgentConfig
+from ridgeline.agent.run import TaskEpisode, run_task_episode
+from ridgeline.llm.base import Sampling
+from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.loop import EpisodeGroup
+from ridgeline.rl.token_chat import TokenChat, TokenGenerator
+
+
+def rl_agent_config(config: AgentConfig | None = None) -> AgentConfig:
+    """The agent config for training: no history condensation (an episode must stay one
+    token sequence; condensing would rewrite earlier turns), else as given."""
+    config = config or AgentConfig()
+    return config.model_copy(update={"condense_at_fraction": 1.0, "summary_by_model": False})
+
+
+class AgentRollout:
+    def __init__(self, generator: TokenGenerator, tokenizer: Any,
+                 agent_config: AgentConfig | None = None, sampling: Sampling | None = None, *,
+                 backend: str = "bwrap", trajectory_dir: Path | None = None,
+                 version: Any = None) -> None:
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.agent_config = rl_agent_config(agent_config)
+        self.sampling = sampling or Sampling(temperature=1.0, max_tokens=256)
+        self.backend = backend
+        self.trajectory_dir = trajectory_dir
+        self.version = version  # callable -> the current weights version, for servers
+        #                        that do not report one per token
+
+    def episode(self, task: Any, seed: int, sample: int) -> tuple[EpisodeRecord, TaskEpisode]:
+        chat = TokenChat(self.generator, self.tokenizer, group=task.id,
+                         sampling=self.sampling.model_copy(update={"seed": seed}),
+                         version=self.version() if callable(self.version) else 0)
+        path = None
+        if self.trajectory_dir is not None:
+            path = self.trajectory_dir / f"{task.id}.{seed}.jsonl"
+        ep = run_task_episode(task, chat, self.agent_config, backend=self.backend,
+                              trajectory_path=path)
+        status = ep.agent.result.status if ep.agent is not None else "error"
+        sample_ep, unusable = chat.sample()
+        record = EpisodeRecord.from_verdict(ep.verdict, status, sample=sample_ep)
+        record.unusable = unusable
+        if sample_ep is not None:
+            sample_ep.reward = record.reward
+        return record, ep
+
+    def __call__(self, task: Any, seeds: list[int]) -> EpisodeGroup:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(seeds), thread_name_prefix="ridgeline-episode") as ex:
+            results = list(ex.map(lambda js: self.episode(task, js[1], js[0]),
+                                  enumerate(seeds)))
+        records = [r for r, _ in results]
+        samples = [r.sample for r in records]
+        return EpisodeGroup(task, samples, records, time.perf_counter() - t0,
+                            tokens=sum(s.num_policy_tokens for s in samples if s is not None))

@@ -1,0 +1,630 @@
+"""The run directory of an RL training run: per-step metrics, TensorBoard events, plots.
+
+    run_dir/
+      metrics.jsonl   one JSON object per training step: {"step", "time", **metrics}
+      tensorboard/    tensorboardX event files (`tensorboard --logdir run_dir/tensorboard`)
+      plots/          PNGs drawn from metrics.jsonl by `plot_run` (reward, pass rates,
+                      staleness, time split, throughput, held-out eval)
+      checkpoint/     written by the checkpointing module, not by this one
+
+    with RunLog(run_dir) as run:               # a new run (refuses a used directory)
+        for step, metrics in ...: run.log(step, metrics)
+    RunLog(run_dir, resume_step=k)             # after restoring the checkpoint of step k
+
+`metrics.jsonl` is the record of the run; TensorBoard is a view of it. Every line is
+flushed and `os.fsync`ed before `log` returns, so a run that is killed (OOM, preemption,
+Ctrl-C) loses no step it logged; at worst the line being written is torn, and readers
+drop a torn last line. Steps must be strictly increasing.
+
+Resuming: a checkpoint is taken after some step k, but the run may have gone on logging
+steps k+1.. before it died. Those steps run again after the restore, so
+`RunLog(run_dir, resume_step=k)` keeps the lines with step <= k, drops every later line
+and a torn one (rewriting the file atomically: temp file, fsync, `os.replace`), accepts
+only steps > k from then on, and opens TensorBoard with `purge_step=k+1` (a SessionLog
+START at step k+1, on which TensorBoard discards the superseded events of the earlier
+files). Opening a directory whose metrics.jsonl already has lines *without* resume_step
+is refused: two runs are never mixed in one file. Log step k before writing checkpoint k,
+or a kill between the two loses step k's line.
+
+Values: numbers, strings, None, and dicts/lists of them (numpy and torch scalars are
+converted). Non-finite floats (NaN, inf) are written as JSON `null`, so the file is
+strict JSON (jq, other languages); readers get None back. TensorBoard receives every
+finite int/float (not bool) as a scalar under its key as given (`reward_mean`,
+`pass_rate/shell-basics`), and a dict of numbers as one scalar per entry under
+`key/subkey` -- in particular the histogram `staleness_hist`, {"0": tokens, "1": tokens,
+...} (policy versions of lag -> number of trained tokens; JSON keys are strings), becomes
+`staleness_hist/0`, `staleness_hist/1`, ... Lists and strings go to the JSONL only.
+
+Metric keys `plot_run` and `format_progress` understand: reward_mean, pass_rate,
+pass_rate/<domain>, staleness_mean, staleness_hist, rollout_wait_seconds (or
+wait_seconds), train_seconds, sync_seconds, step_seconds, rollout_tokens_per_s,
+train_tokens_per_s, eval/pass_rate and eval/pass_rate/<domain>.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ridgeline.errors import ConfigError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOTS_DIR = "plots"
+RESERVED = ("step", "time")
+
+
+# ---- values -----------------------------------------------------------------------------
+
+def _jsonable(value: Any, key: str) -> Any:
+    """`value` as plain JSON data; non-finite floats become None."""
+    if value is None or isinstance(value, (bool, str, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v, f"{key}/{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, key) for v in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return _jsonable(float(value), key)
+    item = getattr(value, "item", None)  # numpy / torch scalars (0-d tensors)
+    if callable(item):
+        try:
+            return _jsonable(item(), key)
+        except (ValueError, RuntimeError, TypeError):
+            pass
+    raise TypeError(f"metric {key!r}: a {type(value).__name__} cannot be written as JSON "
+                    f"(use a number, string, None, or a dict/list of them)")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The TensorBoard view of one record: tag -> finite number. Dicts nest as
+    `key/subkey`; bools, strings, lists, None and non-finite values are left out."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        tag = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten_scalars(v, f"{tag}/"))
+        elif _is_number(v) and math.isfinite(v):
+            out[tag] = v
+    return out
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+def _load(path: Path) -> tuple[list[tuple[dict[str, Any], str]], bool]:
+    """(record, raw line) pairs of a metrics file, and whether a torn last line was
+    dropped. A bad line anywhere but last is corruption and raises ConfigError."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [], False
+    lines = data.split(b"\n")
+    numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
+    out: list[tuple[dict[str, Any], str]] = []
+    torn = False
+    for idx, (lineno, raw) in enumerate(numbered):
+        rec = None
+        try:
+            text = raw.decode("utf-8")
+            rec = json.loads(text)
+        except (UnicodeDecodeError, ValueError):
+            pass
+        ok = (isinstance(rec, dict) and isinstance(rec.get("step"), int)
+              and not isinstance(rec.get("step"), bool))
+        if ok:
+            out.append((rec, text.strip()))
+        elif idx == len(numbered) - 1:
+            torn = True  # the process was killed while writing it
+            log.warning("%s: dropping a torn last line (%d bytes)", path, len(raw))
+        else:
+            raise ConfigError(f"{path} line {lineno} is not a metrics record",
+                              hint="the file is corrupt; repair or remove that line")
+    return out, torn
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """Every logged step of a run, in file order (a torn last line is left out; an
+    absent metrics.jsonl is an empty run). Non-finite values read back as None."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotFoundError(f"run directory {run_dir} does not exist",
+                            hint="pass the directory `ridgeline train` wrote")
+    return [rec for rec, _ in _load(run_dir / METRICS_FILE)[0]]
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class RunLog:
+    """Appends per-step metrics to `run_dir/metrics.jsonl` (fsynced) and TensorBoard.
+
+    `resume_step=k`: continue a run restored from the checkpoint of step k (lines after
+    k are dropped, TensorBoard purges from k+1). `resume_step=None`: a new run; a
+    directory that already holds logged steps is refused. One process writes a run
+    directory at a time."""
+
+    def __init__(self, run_dir: Path | str, *, resume_step: int | None = None,
+                 tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.tensorboard_dir = self.run_dir / TENSORBOARD_DIR
+        if resume_step is not None and (isinstance(resume_step, bool)
+                                        or not isinstance(resume_step, int)
+                                        or resume_step < 0):
+            raise ConfigError(f"resume_step must be a step number >= 0, not {resume_step!r}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._last_step: int | None = None
+        if resume_step is None:
+            if self._has_content():
+                raise ConfigError(
+                    f"{self.metrics_path} already holds the metrics of a run",
+                    hint="pass --resume to continue it from its checkpoint, or choose a "
+                         "new run directory")
+        else:
+            self._truncate(resume_step)
+            self._last_step = resume_step
+        existed = self.metrics_path.exists()
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+        if not existed:
+            _fsync_dir(self.run_dir)
+        self._writer = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError as e:  # pragma: no cover - a declared dependency
+                self._file.close()
+                raise ConfigError("tensorboardX is not installed",
+                                  hint="install it, or pass tensorboard=False") from e
+            # Event files are named by the second they were opened in and opened with
+            # "wb": a zero-padded nanosecond suffix keeps a resumed run that starts in
+            # the same second from overwriting the earlier file, and keeps name order
+            # (which TensorBoard reads in) chronological.
+            self._writer = SummaryWriter(
+                logdir=str(self.tensorboard_dir),
+                purge_step=None if resume_step is None else resume_step + 1,
+                flush_secs=10, filename_suffix=f".{time.time_ns():020d}")
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step logged (after a resume: resume_step until a step is logged)."""
+        return self._last_step
+
+    def _has_content(self) -> bool:
+        try:
+            with open(self.metrics_path, "rb") as f:
+                return any(line.strip() for line in f)
+        except FileNotFoundError:
+            return False
+
+    def _truncate(self, resume_step: int) -> None:
+        records, torn = _load(self.metrics_path)
+        keep = [(rec, raw) for rec, raw in records if rec["step"] <= resume_step]
+        dropped = len(records) - len(keep)
+        if keep and keep[-1][0]["step"] < resume_step:
+            log.warning("%s: resuming at step %d but the last logged step is %d; the "
+                        "steps between were not logged", self.metrics_path, resume_step,
+                        keep[-1][0]["step"])
+        if not self.metrics_path.exists():
+            return
+        text = "".join(raw + "\n" for _, raw in keep)
+        if not dropped and not torn and self.metrics_path.read_text("utf-8",
+                                                                    "replace") == text:
+            return
+        if dropped:
+            log.info("%s: dropped %d lines after step %d (they run again)",
+                     self.metrics_path, dropped, resume_step)
+        tmp = self.metrics_path.with_name(METRICS_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.metrics_path)
+        _fsync_dir(self.run_dir)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append step's metrics (durable when this returns) and write its scalars to
+        TensorBoard. A `step` entry in metrics (AsyncRLLoop puts one) must equal `step`
+        and is not repeated; `time` is reserved."""
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ConfigError(f"step must be an integer >= 0, not {step!r}")
+        step = int(step)
+        body: dict[str, Any] = {}
+        for k, v in metrics.items():
+            if not isinstance(k, str):
+                raise TypeError(f"metric names must be strings, not {k!r}")
+            if k == "step":
+                if (isinstance(v, bool) or not isinstance(v, numbers.Real)
+                        or float(v) != step):
+                    raise ConfigError(f"metrics['step'] is {v!r} but the step logged is {step}",
+                                      hint="drop the 'step' entry or make it match")
+                continue
+            if k == "time":
+                raise ConfigError("'time' is a reserved metric name (the log adds the "
+                                  "wall-clock time itself)", hint="rename the metric")
+            body[k] = _jsonable(v, k)
+        with self._lock:
+            if self._file is None:
+                raise ValueError("the run log is closed")
+            if self._last_step is not None and step <= self._last_step:
+                raise ConfigError(
+                    f"step {step} is not after the last logged step {self._last_step}",
+                    hint="steps must be strictly increasing; to redo steps, resume from "
+                         "a checkpoint (resume_step)")
+            now = time.time()
+            line = json.dumps({"step": step, "time": now, **body}, allow_nan=False,
+                              separators=(",", ":"))
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._last_step = step
+            if self._writer is not None:
+                for tag, value in flatten_scalars(body).items():
+                    self._writer.add_scalar(tag, value, step, walltime=now)
+                self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the file and the TensorBoard writer (idempotent)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+    def __enter__(self) -> RunLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- progress line ----------------------------------------------------------------------
+
+def _finite(metrics: Mapping[str, Any], key: str) -> float | None:
+    v = metrics.get(key)
+    return float(v) if _is_number(v) and math.isfinite(v) else None
+
+
+def _rate(x: float) -> str:
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:.1f}M"
+    if abs(x) >= 1e4:
+        return f"{x / 1e3:.0f}k"
+    if abs(x) >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_progress(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+    """One line for a progress bar's postfix, e.g.
+    `reward 0.42 | pass 0.38 | stale 0.6 | 12.3 s/step | 850 tok/s | eta 39m48s`.
+
+    reward = reward_mean, pass = pass_rate, eval = eval/pass_rate, stale =
+    staleness_mean (policy versions), s/step = step_seconds, tok/s = rollout (generation)
+    tokens per second, else training tokens per second. `step` is the step just
+    finished, counted from 0 as `AsyncRLLoop.run` passes it, out of `total`; the ETA is
+    the remaining steps at this step's pace. Absent and non-finite values are left out."""
+    parts = []
+    for key, label, fmt in (("reward_mean", "reward", "{:.2f}"), ("pass_rate", "pass", "{:.2f}"),
+                            ("eval/pass_rate", "eval", "{:.2f}"),
+                            ("staleness_mean", "stale", "{:.1f}")):
+        v = _finite(metrics, key)
+        if v is not None:
+            parts.append(f"{label} {fmt.format(v)}")
+    secs = _finite(metrics, "step_seconds")
+    if secs is not None:
+        parts.append(f"{secs:.1f} s/step" if secs < 100 else f"{secs:.0f} s/step")
+    tps = _finite(metrics, "rollout_tokens_per_s")
+    if tps is None:
+        tps = _finite(metrics, "train_tokens_per_s")
+    if tps is not None:
+        parts.append(f"{_rate(tps)} tok/s")
+    remaining = total - step - 1
+    if secs is not None and remaining > 0:
+        parts.append(f"eta {_duration(secs * remaining)}")
+    return " | ".join(parts)
+
+
+# ---- plots ------------------------------------------------------------------------------
+
+_BLUE, _GREEN, _ORANGE, _RED, _GREY = "#3b7dd8", "#2e9e5b", "#e08a1e", "#c9503c", "#8c8c8c"
+
+
+def _series(flat: list[tuple[int, dict[str, Any]]], *keys: str
+            ) -> tuple[list[int], list[float]] | None:
+    """(steps, values) of the first of `keys` each record has; None if no finite value.
+    None (a logged NaN) becomes NaN, a gap in the line."""
+    steps, values = [], []
+    for step, rec in flat:
+        for key in keys:
+            if key in rec:
+                v = rec[key]
+                steps.append(step)
+                values.append(float(v) if _is_number(v) else math.nan)
+                break
+    if not any(math.isfinite(v) for v in values):
+        return None
+    return steps, values
+
+
+def _flat_all(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Per record: its step and its tags (dicts flattened as for TensorBoard, None kept)."""
+    def flat(m: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in m.items():
+            if isinstance(v, Mapping):
+                out.update(flat(v, f"{prefix}{k}/"))
+            elif v is None or _is_number(v):
+                out[f"{prefix}{k}"] = v
+        return out
+    return [(rec["step"], flat({k: v for k, v in rec.items() if k not in RESERVED}))
+            for rec in records]
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        win = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
+        out.append(sum(win) / len(win) if win else math.nan)
+    return out
+
+
+def _figure(width: float = 8.0, height: float = 4.5) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)  # Agg, without pyplot's global state
+    ax = fig.add_subplot()
+    ax.grid(True, alpha=0.3)
+    ax.set_axisbelow(True)
+    return fig, ax
+
+
+def _steps_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("training step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:  # a single step: a readable axis, not ticks at 0.015 apart
+        mid = (lo + hi) / 2
+        ax.set_xlim(mid - 1, mid + 1)
+
+
+def _marker(n: int) -> dict[str, Any]:
+    return {"marker": "o", "markersize": 4 if n <= 50 else 2}
+
+
+def _save(fig: Any, out_dir: Path, name: str, paths: dict[str, Path]) -> None:
+    fig.tight_layout()
+    path = out_dir / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    paths[name] = path
+
+
+def _bar_width(steps: list[int]) -> float:
+    gaps = [b - a for a, b in zip(steps, steps[1:]) if b > a]
+    return 0.8 * min(gaps) if gaps else 0.8
+
+
+def _plot_reward(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    reward, passed = _series(flat, "reward_mean"), _series(flat, "pass_rate")
+    if reward is None and passed is None:
+        return
+    fig, ax = _figure()
+    if reward is not None:
+        steps, values = reward
+        ax.plot(steps, values, color=_BLUE, alpha=0.45, linewidth=1, label="mean reward",
+                **_marker(len(steps)))
+        if len(steps) >= 4:
+            window = max(3, min(50, len(steps) // 10))
+            ax.plot(steps, _moving_average(values, window), color=_BLUE, linewidth=2.2,
+                    label=f"mean reward, moving average of {window} steps")
+    if passed is not None:
+        steps, values = passed
+        ax.plot(steps, values, color=_GREEN, linewidth=1.5, label="pass rate (fraction)",
+                **_marker(len(steps)))
+    ax.set_title("Training reward per step")
+    ax.set_ylabel("mean episode reward / pass rate (0-1)")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, out_dir, "reward", paths)
+
+
+def _plot_domains(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    domains = sorted({k[len("pass_rate/"):] for _, rec in flat for k in rec
+                      if k.startswith("pass_rate/")})
+    lines = [(d, s) for d in domains if (s := _series(flat, f"pass_rate/{d}")) is not None]
+    if not lines:
+        return
+    fig, ax = _figure(9 if len(lines) > 6 else 8)
+    for domain, (steps, values) in lines:
+        ax.plot(steps, [100 * v for v in values], linewidth=1.5, label=domain,
+                **_marker(len(steps)))
+    ax.set_ylim(-3, 103)
+    ax.set_title("Training pass rate by task domain")
+    ax.set_ylabel("pass rate (% of the step's scored episodes)")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize=8, ncol=2 if len(lines) > 6 else 1, title="domain",
+              title_fontsize=8)
+    _save(fig, out_dir, "pass_rate_by_domain", paths)
+
+
+def _plot_staleness(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    counts: dict[int, float] = {}
+    for _, rec in flat:
+        for k, v in rec.items():
+            if not k.startswith("staleness_hist/") or not _is_number(v) or not math.isfinite(v):
+                continue
+            try:
+                lag = int(k[len("staleness_hist/"):])
+            except ValueError:
+                continue
+            counts[lag] = counts.get(lag, 0.0) + v
+    total = sum(counts.values())
+    if not counts or total <= 0:
+        return
+    lags = sorted(counts)
+    fig, ax = _figure(max(6.0, min(12.0, 0.6 * len(lags) + 4)))
+    bars = ax.bar(lags, [counts[lag] for lag in lags], color=_ORANGE, width=0.7)
+    for bar, lag in zip(bars, lags):
+        ax.annotate(f"{100 * counts[lag] / total:.0f}%",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    mean = sum(lag * c for lag, c in counts.items()) / total
+    ax.set_xticks(lags)
+    ax.set_title(f"Staleness of trained tokens, all steps (mean {mean:.2f} versions)")
+    ax.set_xlabel("policy versions between sampling and training (lag)")
+    ax.set_ylabel("trained tokens")
+    ax.margins(y=0.12)
+    _save(fig, out_dir, "staleness", paths)
+
+
+def _plot_time_split(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    parts = [(("rollout_wait_seconds", "wait_seconds"), "waiting for rollouts", _GREY),
+             (("train_seconds",), "training (optimizer step)", _BLUE),
+             (("sync_seconds",), "weight sync to the engine", _ORANGE)]
+    found = [(keys, label, color, s) for keys, label, color in parts
+             if (s := _series(flat, *keys)) is not None]
+    if not found:
+        return
+    steps = sorted({step for *_, (ss, _) in found for step in ss})
+    by_step = {step: rec for step, rec in flat}
+
+    def value(step: int, keys: tuple[str, ...]) -> float:
+        for k in keys:
+            v = by_step[step].get(k)
+            if _is_number(v) and math.isfinite(v):
+                return max(0.0, float(v))
+        return 0.0
+
+    stacks = [(label, color, [value(s, keys) for s in steps]) for keys, label, color, _ in found]
+    other = []
+    for i, s in enumerate(steps):
+        total = by_step[s].get("step_seconds")
+        known = sum(vals[i] for *_, vals in stacks)
+        other.append(max(0.0, total - known) if _is_number(total) and math.isfinite(total)
+                     else 0.0)
+    if any(v > 0 for v in other):
+        stacks.append(("other (filters, advantages, bookkeeping)", "#c7c7c7", other))
+    fig, ax = _figure()
+    bottom = [0.0] * len(steps)
+    width = _bar_width(steps)
+    for label, color, vals in stacks:
+        ax.bar(steps, vals, bottom=bottom, width=width, color=color, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylim(0, 1.3 * max(max(bottom), 1e-3))  # headroom for the legend
+    ax.set_title("Where each training step's time went")
+    ax.set_ylabel("seconds")
+    _steps_axis(ax)
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
+    _save(fig, out_dir, "time_split", paths)
+
+
+def _plot_throughput(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    lines = [(label, color, s) for key, label, color in
+             (("rollout_tokens_per_s", "rollouts (generated tokens)", _GREEN),
+              ("train_tokens_per_s", "training (trained tokens)", _BLUE))
+             if (s := _series(flat, key)) is not None]
+    if not lines:
+        return
+    fig, ax = _figure()
+    for label, color, (steps, values) in lines:
+        ax.plot(steps, values, color=color, linewidth=1.5, label=label, **_marker(len(steps)))
+    finite = [v for *_, (_, vals) in lines for v in vals if math.isfinite(v)]
+    if len(lines) > 1 and min(finite) > 0 and max(finite) / min(finite) > 30:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.set_title("Throughput per training step")
+    ax.set_ylabel("tokens per second")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, out_dir, "throughput", paths)
+
+
+def _plot_eval(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+    overall = _series(flat, "eval/pass_rate")
+    domains = sorted({k[len("eval/pass_rate/"):] for _, rec in flat for k in rec
+                      if k.startswith("eval/pass_rate/")})
+    lines = [(d, s) for d in domains if (s := _series(flat, f"eval/pass_rate/{d}")) is not None]
+    if overall is None and not lines:
+        return
+    fig, ax = _figure()
+    for domain, (steps, values) in lines:
+        ax.plot(steps, [100 * v for v in values], linewidth=1, linestyle="--", alpha=0.7,
+                label=domain, **_marker(len(steps)))
+    if overall is not None:
+        steps, values = overall
+        ax.plot(steps, [100 * v for v in values], color="black", linewidth=2.2,
+                label="all held-out tasks", **_marker(len(steps)))
+        if len(steps) <= 20:
+            for s, v in zip(steps, values):
+                if math.isfinite(v):
+                    ax.annotate(f"{100 * v:.0f}%", (s, 100 * v), textcoords="offset points",
+                                xytext=(0, 6), ha="center", fontsize=8)
+    ax.set_ylim(-3, 108)
+    ax.set_title("Held-out evaluation pass rate")
+    ax.set_ylabel("pass rate (% of scored episodes)")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, out_dir, "eval", paths)
+
+
+def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path]:
+    """Draw a run's PNGs (default into run_dir/plots/) from its metrics.jsonl; returns
+    {name: path} for those drawn: reward, pass_rate_by_domain, staleness, time_split,
+    throughput, eval. A plot whose metrics are absent (or never finite) is skipped."""
+    run_dir = Path(run_dir)
+    flat = _flat_all(read_metrics(run_dir))
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
+    paths: dict[str, Path] = {}
+    if not flat:
+        return paths
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for plot in (_plot_reward, _plot_domains, _plot_staleness, _plot_time_split,
+                 _plot_throughput, _plot_eval):
+        plot(flat, out_dir, paths)
+    return paths

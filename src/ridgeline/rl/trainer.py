@@ -8,6 +8,11 @@ micro-batches, gradient-norm clipping, optional bfloat16 autocast: this CPU has
 AVX512_BF16). `sync(worker)` copies the weights into the engine between two of its
 steps (`EngineWorker.update_weights`, which drops the prefix cache and stamps new tokens
 with the new version) and times it.
+
+The model is a `policy.Policy` (`load_policy`: the engine's own weights, optionally with
+LoRA adapters; sync sends `Policy.engine_weights()`, the merged adapted tensors only with
+LoRA) or a plain transformers module (sync sends all of `named_parameters()`). The
+optimizer sees the trainable parameters only.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ridgeline.errors import ConfigError
 from ridgeline.rl.losses import policy_loss, token_logprobs
+from ridgeline.rl.policy import Policy, named_tensor_bytes
 from ridgeline.rl.tokens import TokenBatch
 
 
@@ -41,12 +48,23 @@ class TrainerConfig(BaseModel):
 
 
 class PolicyTrainer:
-    def __init__(self, model: torch.nn.Module, config: TrainerConfig | None = None,
+    def __init__(self, model: torch.nn.Module | Policy, config: TrainerConfig | None = None,
                  reference: torch.nn.Module | None = None) -> None:
-        self.model = model
+        if isinstance(model, Policy):
+            self.policy: Policy | None = model
+            self.model = model.model
+            params = model.trainable_parameters()
+        else:
+            self.policy = None
+            self.model = model
+            params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError("the policy has no trainable parameters",
+                              hint="unfreeze some, or load it with load_policy()")
         self.config = cfg = config or TrainerConfig()
         self.reference = reference  # frozen, for the optional KL term
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+        self.params = params  # what the optimizer updates (LoRA: the adapters)
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr,
                                            weight_decay=cfg.weight_decay, betas=cfg.betas)
         self.version = 0            # the weights version; the engine's after each sync
         self.num_steps = 0
@@ -101,8 +119,7 @@ class PolicyTrainer:
                 sums[k] = sums.get(k, 0.0) + float(v) * tokens
         grad_norm = None
         if cfg.grad_clip is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             cfg.grad_clip))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         self.optimizer.step()
         self.num_steps += 1
         out = {k: v / max(total_tokens, 1.0) for k, v in sums.items()}
@@ -112,23 +129,62 @@ class PolicyTrainer:
         return out
 
     def sync(self, worker: Any) -> dict[str, float]:
-        """Copy the weights into the engine (between two of its steps) as a new version."""
+        """Copy the weights into the engine (between two of its steps) as a new version:
+        `Policy.engine_weights()` (LoRA: the merged adapted tensors only), or a plain
+        module's `named_parameters()`. `sync_seconds` includes the LoRA merge
+        (`sync_merge_seconds`)."""
         t0 = time.perf_counter()
         self.version += 1
         with torch.no_grad():
-            tensors = [(name, p.detach()) for name, p in self.model.named_parameters()]
+            if self.policy is not None:
+                tensors = self.policy.engine_weights()
+            else:
+                tensors = [(name, p.detach()) for name, p in self.model.named_parameters()]
+            t1 = time.perf_counter()
             worker.update_weights(tensors, version=self.version)
-        return {"sync_seconds": time.perf_counter() - t0, "version": float(self.version)}
+        t2 = time.perf_counter()
+        return {"sync_seconds": t2 - t0, "sync_merge_seconds": t1 - t0,
+                "sync_tensors": float(len(tensors)),
+                "sync_bytes": float(named_tensor_bytes(tensors)),
+                "version": float(self.version)}
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state; with LoRA the trainable adapters only (the frozen base is
+        the model directory's, named by the policy's identity)."""
+        state = self.model.state_dict()
+        if self.policy is None or self.policy.lora is None:
+            return state
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
 
     def state_dict(self) -> dict[str, Any]:
         """A copy (not views of the live tensors: AdamW keeps updating those)."""
-        return copy.deepcopy({"model": self.model.state_dict(),
+        return copy.deepcopy({"model": self._model_state(),
                               "optimizer": self.optimizer.state_dict(),
                               "version": self.version, "num_steps": self.num_steps})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         state = copy.deepcopy(state)  # loading on CPU would alias the given tensors
-        self.model.load_state_dict(state["model"])
+        if self.policy is None:
+            self.model.load_state_dict(state["model"])
+        else:
+            self._load_policy_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])
         self.num_steps = int(state["num_steps"])
+
+    def _load_policy_state(self, model_state: dict[str, torch.Tensor]) -> None:
+        """A policy's state (LoRA: the adapters only). One that does not fit (saved with
+        or without LoRA, another rank) is a ConfigError, raised before anything loads."""
+        expected = {k: tuple(v.shape) for k, v in self._model_state().items()}
+        given = {k: tuple(v.shape) for k, v in model_state.items()}
+        if given != expected:
+            missing = sorted(set(expected) - set(given))
+            unexpected = sorted(set(given) - set(expected))
+            shapes = sorted(k for k in set(given) & set(expected) if given[k] != expected[k])
+            raise ConfigError(
+                f"the checkpoint's model state does not fit this policy (missing "
+                f"{missing[:2]}, unexpected {unexpected[:2]}, other shape {shapes[:2]})",
+                hint="resume with the policy config (lora) the checkpoint was trained with")
+        self.model.load_state_dict(model_state, strict=self.policy is None
+                                   or self.policy.lora is None)

@@ -1,0 +1,132 @@
+"""Checkpoints of a training run: everything `--resume` needs to go on as if the run had
+never stopped.
+
+    RUN_DIR/checkpoint/
+      config.json, model.safetensors, tokenizer files   the policy as a Hugging Face dir
+                                                       (`ridgeline eval --model RUN_DIR/checkpoint`)
+      trainer.pt     trainer state (weights as trained, LoRA adapters included; AdamW
+                     moments; version), the rollout buffer (finished groups not yet
+                     trained on) and the RNG states
+      state.json     step, policy identity, task sampler position (draws handed out but
+                     not trained on are handed out again), written last
+
+A checkpoint is written to `checkpoint.tmp` and swapped in by renames, so a run killed at
+any moment leaves the previous checkpoint (or `checkpoint.old` during the swap) intact;
+`load` picks whichever is complete and deletes a torn `checkpoint.tmp`. A checkpoint of
+another model (identity differs) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ridgeline.errors import ConfigError
+
+FORMAT = 1
+NAME = "checkpoint"
+
+
+@dataclass
+class Checkpoint:
+    step: int                   # the last train step it includes
+    path: Path
+    state: dict[str, Any]       # state.json
+    trainer: dict[str, Any]     # PolicyTrainer.state_dict()
+    buffer: dict[str, Any]      # RolloutBuffer.state_dict()
+    rng: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: dict[str, Any],
+         sampler_state: dict[str, Any], identity: dict[str, Any]) -> Path:
+    """Write the checkpoint of `step` (the trainer between two steps, rollouts may run)."""
+    t0 = time.perf_counter()
+    final, tmp, old = run_dir / NAME, run_dir / f"{NAME}.tmp", run_dir / f"{NAME}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if policy is not None:
+        policy.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save({"trainer": trainer.state_dict(), "buffer": buffer_state,
+                "rng": rng_state()}, tmp / "trainer.pt")
+    state = {"format": FORMAT, "step": step, "version": trainer.version,
+             "identity": identity, "sampler": sampler_state, "time": time.time()}
+    with open(tmp / "state.json", "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    state["seconds"] = time.perf_counter() - t0
+    return final
+
+
+def _complete(path: Path) -> bool:
+    return (path / "state.json").is_file() and (path / "trainer.pt").is_file()
+
+
+def find(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of the run, if any."""
+    for name in (NAME, f"{NAME}.old"):
+        if _complete(run_dir / name):
+            return run_dir / name
+    return None
+
+
+def load(run_dir: Path, identity: dict[str, Any] | None = None) -> Checkpoint:
+    path = find(run_dir)
+    if path is None:
+        raise ConfigError(f"{run_dir} has no complete checkpoint to resume from",
+                          hint="start the run without --resume (or point --out at the run)")
+    shutil.rmtree(run_dir / f"{NAME}.tmp", ignore_errors=True)  # a torn write
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"{path} is a checkpoint of format {state.get('format')}, "
+                          f"this Ridgeline reads {FORMAT}", hint="resume it with the version "
+                          "that wrote it, or start a new run")
+    if identity is not None and not same_model(state.get("identity"), identity):
+        raise ConfigError(
+            f"the checkpoint in {path} is of another model ({_describe(state.get('identity'))}) "
+            f"than the config's ({_describe(identity)})",
+            hint="resume with the config the run was started with, or start a new run dir")
+    blob = torch.load(path / "trainer.pt", weights_only=False)
+    return Checkpoint(int(state["step"]), path, state, blob["trainer"], blob["buffer"],
+                      blob["rng"])
+
+
+def same_model(a: Any, b: dict[str, Any]) -> bool:
+    """Whether two policy identities are of one base model (the name it was given by may
+    differ: "default" and the path of its conversion are the same weights)."""
+    if not isinstance(a, dict):
+        return False
+    return {k: v for k, v in a.items() if k != "model"} == \
+        {k: v for k, v in b.items() if k != "model"}
+
+
+def _describe(identity: Any) -> str:
+    if not isinstance(identity, dict):
+        return "unknown"
+    keys = ("name", "architecture", "num_layers", "hidden_size", "fingerprint")
+    return ", ".join(f"{k}={str(identity[k])[:16]}" for k in keys if k in identity)

@@ -1,0 +1,338 @@
+"""A training run: `ridgeline train --config FILE [--resume]`.
+
+    config = load_train_config("train.yaml")
+    result = train(config)                  # or train(config, resume=True)
+
+Builds the policy (`load_policy`: the engine's own weights), the in-process engine on
+the same Hugging Face directory, the tasks (terminal tasks played by the agent in task
+sandboxes, or the token family `shift` for quick experiments), the rollout, the
+asynchronous loop and the run directory (`run_log`), then trains. After every step the
+metrics line is written (fsynced), then every `checkpoint_every` steps a checkpoint;
+`--resume` restores the newest one (weights, optimizer, buffer, task order, RNG),
+drops the metrics of later steps and goes on with the step after it.
+
+Problems that would otherwise surface mid-run are checked at the start: a missing model,
+a task selection that is empty or where every task fails its quality check (the oracle
+must pass and the null agent fail), a checkpoint of another model, a sandbox backend that
+cannot start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ridgeline.config import load_config
+from ridgeline.errors import ConfigError, RidgelineError
+from ridgeline.llm.base import Sampling
+from ridgeline.rl import checkpoint
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout, passed
+from ridgeline.rl.policy import PolicyConfig, load_policy
+from ridgeline.rl.run_log import RunLog, plot_run
+from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class TaskSelection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field("builtin", description="'builtin', a task or suite dir, or 'shift' "
+                        "(the token-level digit family, for quick experiments)")
+    ids: list[str] = Field(default_factory=list, description="training tasks (empty: all)")
+    eval_ids: list[str] = Field(default_factory=list, description="held-out tasks, "
+                                "evaluated before training, every `eval_every` steps and at the end")
+    check: bool = Field(True, description="run each training task's quality check first "
+                        "(oracle passes, null agent fails) and leave out those that fail")
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_num_seqs: int = Field(32, ge=1)
+    max_model_len: int | None = Field(None, ge=64)
+    num_kv_blocks: int | None = Field(None, ge=16)
+
+
+class RolloutSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(256, ge=1, description="per model reply")
+    step_limit: int = Field(6, ge=1, description="agent replies per episode")
+    backend: str = Field("bwrap", description="sandbox backend")
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    tasks: TaskSelection = Field(default_factory=TaskSelection)
+    steps: int = Field(20, ge=1)
+    seed: int = 0
+    out: Path = Path("runs/train")
+    checkpoint_every: int = Field(1, ge=1)
+    eval_every: int = Field(0, ge=0, description="0: only before and after training")
+    eval_samples: int = Field(2, ge=1)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    plots: bool = True
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    return load_config(TrainConfig, path)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+# ---- tasks --------------------------------------------------------------------------------
+
+
+def _terminal_tasks(sel: TaskSelection, ids: list[str]) -> list[Any]:
+    from ridgeline.tasks import load_tasks
+    from ridgeline.tasks.loader import builtin_suite_dir
+
+    root = str(builtin_suite_dir()) if sel.source == "builtin" else sel.source
+    tasks = load_tasks(root)
+    if not ids:
+        return tasks
+    by_id = {t.id: t for t in tasks}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise ConfigError(f"tasks not found in {sel.source}: {', '.join(missing)}",
+                          hint="`ridgeline tasks list` shows the ids")
+    return [by_id[i] for i in ids]
+
+
+def quality_checked(tasks: list[Any], backend: str) -> tuple[list[Any], dict[str, str]]:
+    """The tasks whose quality check (cached, or run now) passed: the oracle passes and the
+    untouched environment fails. The others: id -> reason."""
+    from ridgeline.tasks.checks import cached_check, check_tasks
+
+    results = {t.id: c for t in tasks if (c := cached_check(t)) is not None}
+    unchecked = [t for t in tasks if t.id not in results]
+    for c in check_tasks(unchecked, runs=1, backend=backend, concurrency=2):
+        results[c.task_id] = c
+    kept = [t for t in tasks if results[t.id].ok]
+    excluded = {t.id: "; ".join(results[t.id].reasons)[:300] or "quality check failed"
+                for t in tasks if not results[t.id].ok}
+    return kept, excluded
+
+
+# ---- the run ------------------------------------------------------------------------------
+
+
+class _Run:
+    """Everything one training run holds, built from the config."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = cfg = config
+        self.excluded: dict[str, str] = {}
+        self.verifier = None
+        self.eval_tasks: list[Any] = []
+        probe_sandbox(cfg.rollout.backend)
+        # tasks before the model: a bad selection fails in seconds, not after a load
+        tasks = None if cfg.tasks.source == "shift" else self._select_tasks()
+        self.policy = load_policy(cfg.policy)
+        self.identity = self.policy.identity
+        from ridgeline.engine import LLM
+
+        kwargs: dict[str, Any] = {"max_num_seqs": cfg.engine.max_num_seqs}
+        if cfg.engine.max_model_len is not None:
+            kwargs["max_model_len"] = cfg.engine.max_model_len
+        if cfg.engine.num_kv_blocks is not None:
+            kwargs["num_kv_blocks"] = cfg.engine.num_kv_blocks
+        self.llm = LLM(str(self.policy.model_dir), **kwargs)
+        self.trainer = PolicyTrainer(self.policy, cfg.trainer)
+        if tasks is None:
+            self._token_family()
+        else:
+            self._terminal(tasks)
+
+    def _select_tasks(self) -> list[Any]:
+        cfg = self.config
+        tasks = _terminal_tasks(cfg.tasks, cfg.tasks.ids)
+        if cfg.tasks.check:
+            tasks, self.excluded = quality_checked(tasks, cfg.rollout.backend)
+            for tid, why in self.excluded.items():
+                log.warning("task %s left out: %s", tid, why)
+            if not tasks:
+                raise ConfigError("every training task failed its quality check: "
+                                  + "; ".join(f"{k}: {v}" for k, v in
+                                              list(self.excluded.items())[:3]),
+                                  hint="`ridgeline tasks check` shows why; fix or pick other tasks")
+        self.eval_tasks = _terminal_tasks(cfg.tasks, cfg.tasks.eval_ids) \
+            if cfg.tasks.eval_ids else []
+        overlap = {t.id for t in tasks} & {t.id for t in self.eval_tasks}
+        if overlap:
+            raise ConfigError(f"tasks both trained on and held out: {', '.join(sorted(overlap))}",
+                              hint="a held-out task must not be in the training split")
+        return tasks
+
+    def _token_family(self) -> None:
+        from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks
+        from ridgeline.rl.loop import SandboxVerifier
+
+        cfg = self.config
+        self.verifier = SandboxVerifier(SHIFT_VERIFIER)
+        self.sampler = TaskSampler(shift_tasks(cfg.seed), cfg.seed)
+        self.rollout = TokenTaskRollout(self.llm, self.verifier, max_tokens=DIGITS,
+                                        temperature=cfg.rollout.temperature)
+
+    def _terminal(self, tasks: list[Any]) -> None:
+        from ridgeline.agent import AgentConfig
+        from ridgeline.llm.engine_client import EngineClient
+        from ridgeline.rl.agent_rollout import AgentRollout
+
+        cfg = self.config
+        if self.llm.tokenizer is None:
+            raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
+                              "cannot talk to it", hint="use a model directory with tokenizer files")
+        self.sampler = TaskSampler(tasks, cfg.seed)
+        r = cfg.rollout
+        self.rollout = AgentRollout(
+            EngineClient(self.llm), self.llm.tokenizer, AgentConfig(step_limit=r.step_limit),
+            Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
+            backend=r.backend)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The held-out tasks, `eval_samples` episodes each, with the rollout's sampling."""
+        from ridgeline.rl.loop import episode_seed
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        jobs = [(t, j) for t in self.eval_tasks for j in range(cfg.eval_samples)]
+        with ThreadPoolExecutor(min(len(jobs), cfg.engine.max_num_seqs) or 1) as ex:
+            records = list(ex.map(lambda tj: self.rollout.episode(
+                tj[0], episode_seed(cfg.seed + 1, -1 - self.eval_tasks.index(tj[0]), tj[1]),
+                tj[1])[0], jobs))
+        per_task: dict[str, list[bool]] = {}
+        for (task, _), rec in zip(jobs, records):
+            per_task.setdefault(task.id, []).append(passed(rec))
+        graded = [rec for rec in records if rec.reward is not None]
+        return {"step": step, "version": self.trainer.version,
+                "pass_rate": sum(passed(r) for r in graded) / len(graded) if graded else None,
+                "episodes": len(records), "ungraded": len(records) - len(graded),
+                "per_task": {k: sum(v) / len(v) for k, v in per_task.items()},
+                "seconds": round(time.perf_counter() - t0, 1)}
+
+    def close(self) -> None:
+        if self.verifier is not None:
+            self.verifier.close()
+        self.llm.worker.stop()
+
+
+def probe_sandbox(backend: str) -> None:
+    """Start and stop one sandbox of `backend`: a backend that cannot start fails the run
+    here, not as every episode's infra error."""
+    from ridgeline.sandbox import SandboxSpec, create_sandbox
+
+    try:
+        create_sandbox(SandboxSpec(), backend=backend).close()
+    except RidgelineError as e:
+        raise ConfigError(f"the sandbox backend {backend!r} cannot start a sandbox: {e}",
+                          hint="`ridgeline sandbox run -- true` shows the problem; or set "
+                               "rollout.backend") from None
+
+
+def _append_json(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(config: TrainConfig, *, resume: bool = False,
+          on_step: Callable[[int, dict[str, Any]], None] | None = None) -> TrainResult:
+    run_dir = config.out
+    if not resume and checkpoint.find(run_dir) is not None:
+        raise ConfigError(f"{run_dir} already holds a run",
+                          hint="pass --resume to continue it, or choose another --out")
+    run = _Run(config)
+    try:
+        return _train(run, run_dir, resume, on_step)
+    finally:
+        run.close()
+
+
+def _train(run: _Run, run_dir: Path, resume: bool,
+           on_step: Callable[[int, dict[str, Any]], None] | None) -> TrainResult:
+    cfg = run.config
+    loop = AsyncRLLoop(run.trainer, run.sampler, run.rollout, run.llm.worker, cfg.loop)
+    start = 0
+    if resume:
+        ckpt = checkpoint.load(run_dir, run.identity)
+        run.trainer.load_state_dict(ckpt.trainer)
+        run.trainer.version -= 1      # sync() makes it the checkpoint's version again
+        run.trainer.sync(run.llm.worker)
+        loop.buffer.load_state_dict(ckpt.buffer)
+        run.sampler.load_state_dict(ckpt.state["sampler"])
+        checkpoint.set_rng_state(ckpt.rng)
+        start = ckpt.step + 1
+        runlog = RunLog(run_dir, resume_step=ckpt.step)
+        log.info("resumed %s at step %d (version %d)", run_dir, start, run.trainer.version)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        runlog = RunLog(run_dir)
+        (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    result = TrainResult(run_dir, start, excluded=run.excluded)
+    if run.excluded:
+        (run_dir / "excluded_tasks.json").write_text(json.dumps(run.excluded, indent=1))
+    if run.eval_tasks and start == 0:
+        ev = run.evaluate(0)
+        _append_json(run_dir / "eval.jsonl", ev)
+        result.evals.append(ev)
+
+    def step_done(step: int, metrics: dict[str, Any]) -> None:
+        done = step + 1
+        if run.eval_tasks and ((cfg.eval_every and done % cfg.eval_every == 0)
+                               or done == cfg.steps):
+            ev = run.evaluate(done)
+            _append_json(run_dir / "eval.jsonl", ev)
+            result.evals.append(ev)
+            if ev["pass_rate"] is not None:
+                metrics["eval/pass_rate"] = ev["pass_rate"]
+        runlog.log(step, metrics)  # before the checkpoint: a kill between loses nothing
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            # the buffer first, then the sampler: a group finishing in between is
+            # handed out again on resume, never both restored and redone
+            buffer_state = loop.buffer.state_dict()
+            ready = [e["group"].index for e in buffer_state["ready"]]
+            t0 = time.perf_counter()
+            checkpoint.save(run_dir, step, policy=run.policy, trainer=run.trainer,
+                            buffer_state=buffer_state,
+                            sampler_state=run.sampler.state_dict(ready), identity=run.identity)
+            log.info("checkpoint of step %d written in %.1f s", step, time.perf_counter() - t0)
+        result.steps_done = done
+        result.history.append(metrics)
+        if on_step is not None:
+            on_step(step, metrics)
+
+    try:
+        loop.run(cfg.steps, on_step=step_done, start_step=start)
+    finally:
+        runlog.close()
+        if cfg.plots:
+            try:
+                plot_run(run_dir)
+            except Exception as e:  # noqa: BLE001 - plots are a convenience
+                log.warning("could not draw the run's plots: %s", e)
+    if loop.errors:
+        log.warning("%d rollouts failed; last: %s", len(loop.errors), loop.errors[-1])
+    return result
+

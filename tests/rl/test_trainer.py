@@ -117,3 +117,24 @@ def test_trainer_state_round_trip(setup):
     other.step(batch)
     for (n, a), (_, b) in zip(model.named_parameters(), other.model.named_parameters()):
         assert torch.allclose(a, b, atol=1e-6), n
+
+
+def test_logprobs_at_policy_positions_equal_the_full_logits_path(setup):
+    """The trainer runs the LM head only where a policy token is predicted; the values
+    (and their gradients) are those of the full [B, T, V] logits."""
+    from ridgeline.rl.losses import token_logprobs
+
+    model, llm = setup
+    trainer = PolicyTrainer(model)
+    episodes = multi_turn_episodes(llm)
+    batch = TokenBatch.of(episodes, [1.0] * len(episodes))
+    fast, fast_entropy = trainer.logprobs(batch)
+    logits = trainer.model(input_ids=batch.token_ids, attention_mask=batch.attention_mask).logits
+    full, full_entropy = token_logprobs(logits, batch.token_ids, with_entropy=True)
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(fast[mask], full[mask], atol=1e-5)
+    assert torch.allclose(fast_entropy[mask], full_entropy[mask], atol=1e-4)
+    assert (fast[~mask] == 0).all()
+    g_fast = torch.autograd.grad(fast[mask].sum(), trainer.model.lm_head.weight)[0]
+    g_full = torch.autograd.grad(full[mask].sum(), trainer.model.lm_head.weight)[0]
+    assert torch.allclose(g_fast, g_full, atol=1e-4)

@@ -77,12 +77,37 @@ class PolicyTrainer:
     def logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprobs [B, T] (and entropies) of `batch.token_ids` under `model`
-        (default: the policy); position 0 has none (it is never a policy token)."""
+        (default: the policy) at the policy tokens (`loss_mask`); 0 elsewhere, and
+        position 0 has none (it is never a policy token).
+
+        The LM head and the softmax over the vocabulary run only on the positions that
+        predict a policy token: in agent episodes most tokens are prompt and
+        observations, and [B, T, V] logits (V = 49K for SmolLM2) would cost more time and
+        memory than the rest of the forward pass."""
         model = model or self.model
+        parts = _decoder_and_head(model)
+        if parts is None:  # a model without the split: the full logits
+            with self._autocast():
+                logits = model(input_ids=batch.token_ids,
+                               attention_mask=batch.attention_mask).logits
+            return token_logprobs(logits, batch.token_ids, with_entropy=True)
+        decoder, head = parts
+        want = batch.loss_mask[:, 1:] > 0               # token t+1 is predicted at t
+        rows, cols = want.nonzero(as_tuple=True)
         with self._autocast():
-            logits = model(input_ids=batch.token_ids,
-                           attention_mask=batch.attention_mask).logits
-        return token_logprobs(logits, batch.token_ids, with_entropy=True)
+            hidden = decoder(input_ids=batch.token_ids,
+                             attention_mask=batch.attention_mask).last_hidden_state
+            logits = head(hidden[rows, cols])           # [N, V]
+        with torch.autocast("cpu", enabled=False):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            targets = batch.token_ids[rows, cols + 1]
+            picked = logp.gather(-1, targets[:, None]).squeeze(-1)
+            with torch.no_grad():
+                entropy = -(logp.exp() * logp).sum(-1)
+        shape = batch.token_ids.shape
+        out = torch.zeros(shape, dtype=torch.float32).index_put((rows, cols + 1), picked)
+        ent = torch.zeros(shape, dtype=torch.float32).index_put((rows, cols + 1), entropy)
+        return out, ent
 
     def step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batched); metrics."""
@@ -188,3 +213,15 @@ class PolicyTrainer:
                 hint="resume with the policy config (lora) the checkpoint was trained with")
         self.model.load_state_dict(model_state, strict=self.policy is None
                                    or self.policy.lora is None)
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[Any, Any] | None:
+    """The transformer body and the LM head of a causal LM (through a peft wrapper: its
+    LoRA layers sit inside the body), or None when the model does not expose them."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_decoder = getattr(base, "get_decoder", None)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if get_decoder is None or head is None:
+        return None
+    decoder = get_decoder()
+    return (decoder, head) if decoder is not None and decoder is not base else None

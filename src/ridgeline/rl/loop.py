@@ -358,11 +358,13 @@ class AsyncRLLoop:
                             hint="check the tasks, the model and the verifier")
                 wait = time.perf_counter() - t0
                 metrics = self.train_step(groups)
-                rollout_s = sum(g.seconds for g in groups)
-                metrics.update(step=step, wait_seconds=wait, rollout_seconds=rollout_s,
-                               rollout_tokens_per_s=sum(g.tokens for g in groups) / rollout_s
-                               if rollout_s > 0 else 0.0,
-                               step_seconds=time.perf_counter() - t0)
+                step_s = time.perf_counter() - t0
+                # sampled tokens this step trained on, per second of the step's wall time
+                # (rollouts run concurrently with each other and with training)
+                metrics.update(step=step, wait_seconds=wait,
+                               rollout_seconds=sum(g.seconds for g in groups),
+                               rollout_tokens_per_s=sum(g.tokens for g in groups) / step_s,
+                               step_seconds=step_s)
                 history.append(metrics)
                 if on_step is not None:
                     on_step(step, metrics)

@@ -77,6 +77,8 @@ class TrainConfig(BaseModel):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     tasks: TaskSelection = Field(default_factory=TaskSelection)
     steps: int = Field(20, ge=1)
+    time_limit_s: float | None = Field(None, gt=0, description="stop after the step that "
+                                       "passes this much training time (then the final eval)")
     seed: int = 0
     out: Path = Path("runs/train")
     checkpoint_every: int = Field(1, ge=1)
@@ -293,22 +295,26 @@ def _train(run: _Run, run_dir: Path, resume: bool,
     result = TrainResult(run_dir, start, excluded=run.excluded)
     if run.excluded:
         (run_dir / "excluded_tasks.json").write_text(json.dumps(run.excluded, indent=1))
-    if run.eval_tasks and start == 0:
-        ev = run.evaluate(0)
+    def held_out(done: int) -> dict[str, Any]:
+        ev = run.evaluate(done)
         _append_json(run_dir / "eval.jsonl", ev)
         result.evals.append(ev)
+        return ev
+
+    if run.eval_tasks and start == 0:
+        held_out(0)         # the base policy, with the same sampling as every later eval
+    started = time.monotonic()
 
     def step_done(step: int, metrics: dict[str, Any]) -> None:
         done = step + 1
-        if run.eval_tasks and ((cfg.eval_every and done % cfg.eval_every == 0)
-                               or done == cfg.steps):
-            ev = run.evaluate(done)
-            _append_json(run_dir / "eval.jsonl", ev)
-            result.evals.append(ev)
+        last = done == cfg.steps or (cfg.time_limit_s is not None
+                                     and time.monotonic() - started >= cfg.time_limit_s)
+        if run.eval_tasks and (last or (cfg.eval_every and done % cfg.eval_every == 0)):
+            ev = held_out(done)
             if ev["pass_rate"] is not None:
                 metrics["eval/pass_rate"] = ev["pass_rate"]
         runlog.log(step, metrics)  # before the checkpoint: a kill between loses nothing
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.checkpoint_every == 0 or last:
             # the buffer first, then the sampler: a group finishing in between is
             # handed out again on resume, never both restored and redone
             buffer_state = loop.buffer.state_dict()
@@ -322,6 +328,8 @@ def _train(run: _Run, run_dir: Path, resume: bool,
         result.history.append(metrics)
         if on_step is not None:
             on_step(step, metrics)
+        if last:
+            loop.stop()
 
     try:
         loop.run(cfg.steps, on_step=step_done, start_step=start)

@@ -19,7 +19,7 @@ PROMPTS = random_prompts(6, 512, seed=7, min_len=5, max_len=30)
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", 1.2), ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("seed", "x"), ("max_tokens", 0), ("logprobs", 21),
-    ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", "hot"),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("temperature", "hot"), ("logprobs_mode", "processed"),
 ])
 def test_invalid_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(EngineError, match=field):

@@ -17,7 +17,8 @@ PROMPTS = random_prompts(4, 512, seed=9, min_len=5, max_len=12)
 OBSERVATION = [17, 23, 5, 99]  # what an environment answered, appended as ids
 
 
-def multi_turn_episodes(llm: LLM, turns: int = 2, seed: int = 0) -> list[TokenEpisode]:
+def multi_turn_episodes(llm: LLM, turns: int = 2, seed: int = 0, temperature: float = 1.0,
+                        logprobs_mode: str = "raw") -> list[TokenEpisode]:
     """Sampled (temperature 1) episodes: prompt, then per turn a completion from the
     engine and an observation appended as tokens; turn k's prompt is exactly the ids so
     far (token-in, token-out)."""
@@ -25,8 +26,8 @@ def multi_turn_episodes(llm: LLM, turns: int = 2, seed: int = 0) -> list[TokenEp
     for i, prompt in enumerate(PROMPTS):
         ep = TokenEpisode.start(prompt, group=f"g{i % 2}")
         for turn in range(turns):
-            params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True,
-                                    seed=seed + 31 * i + turn)
+            params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True,
+                                    seed=seed + 31 * i + turn, logprobs_mode=logprobs_mode)
             out = llm.worker.submit(llm.new_request_id("rl"), ep.token_ids, params).result()
             c = out.outputs[0]
             ep.add_completion(c.token_ids, c.logprobs, c.token_versions)
@@ -138,3 +139,21 @@ def test_logprobs_at_policy_positions_equal_the_full_logits_path(setup):
     g_fast = torch.autograd.grad(fast[mask].sum(), trainer.model.lm_head.weight)[0]
     g_full = torch.autograd.grad(full[mask].sum(), trainer.model.lm_head.weight)[0]
     assert torch.allclose(g_fast, g_full, atol=1e-4)
+
+
+def test_step_zero_invariants_at_a_sampling_temperature_below_one(setup):
+    """Sampling at temperature 0.7 with tempered logprobs: the trainer at the same
+    temperature reproduces them (and the raw ones would not be the behaviour policy)."""
+    model, llm = setup
+    tempered = multi_turn_episodes(llm, temperature=0.7, logprobs_mode="tempered", seed=5)
+    raw = multi_turn_episodes(llm, temperature=0.7, logprobs_mode="raw", seed=5)
+    assert [e.token_ids for e in tempered] == [e.token_ids for e in raw]  # same draws
+    batch = TokenBatch.of(tempered, [1.0] * len(tempered))
+    mask = batch.loss_mask.bool()
+    with torch.no_grad():
+        new, _ = PolicyTrainer(model, TrainerConfig(temperature=0.7)).logprobs(batch)
+        at_one, _ = PolicyTrainer(model).logprobs(batch)
+    assert (new - batch.behaviour_logprobs)[mask].abs().max() < 1e-3
+    raw_batch = TokenBatch.of(raw, [1.0] * len(raw))
+    assert (at_one - raw_batch.behaviour_logprobs)[mask].abs().max() < 1e-3
+    assert (new - at_one)[mask].abs().max() > 1e-2   # the two really differ

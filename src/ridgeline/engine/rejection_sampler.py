@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgeline.engine.sampler import Sampler
+from ridgeline.engine.sampler import Sampler, recorded_logprobs
 from ridgeline.engine.sequence import Sequence
 
 
@@ -78,12 +78,14 @@ def rejection_sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[li
             gen = seq.generator or sampler.generator
             results.append(_speculative(drafts[i], probs[a:b], draft_probs[i], gen))
 
-    # logprobs of the emitted tokens under the raw distribution of their rows
+    # logprobs of the emitted tokens under the raw (or tempered) distribution of their rows
     lse = torch.logsumexp(logits, dim=-1)
     rows = [a + j for (a, _), (toks, _) in zip(spans, results) for j in range(len(toks))]
     toks = [t for toks, _ in results for t in toks]
     rows_t = torch.tensor(rows, device=logits.device)
-    lps = (logits[rows_t, torch.tensor(toks, device=logits.device)] - lse[rows_t]).tolist()
+    row_params = [seq.params for seq, (toks_i, _) in zip(seqs, results) for _ in toks_i]
+    lps = recorded_logprobs(logits[rows_t], torch.tensor(toks, device=logits.device),
+                            row_params, lse[rows_t]).tolist()
     k_max = max((s.params.logprobs or 0) for s in seqs)
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []

@@ -2,7 +2,8 @@
 sampled token's logprob (and top-k logprobs when asked).
 
 Order: penalties, then temperature, top-k, top-p, min-p, then a draw. Greedy rows take
-the argmax after penalties. Logprobs are those of the raw model distribution. A request
+the argmax after penalties. Logprobs are those of the raw model distribution (or, for
+`logprobs_mode="tempered"`, of log_softmax(logits / temperature)). A request
 with a seed draws from its own generator, so its samples do not depend on its batch mates
 (beyond float rounding of the batched forward)."""
 
@@ -20,6 +21,24 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+
+
+def recorded_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list,
+                      lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The logprob recorded for each row's chosen token: under the raw distribution, or
+    under log_softmax(logits / temperature) for rows asking `logprobs_mode="tempered"`
+    (greedy rows have no temperature: raw)."""
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    raw = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+    tempered = [i for i, p in enumerate(params)
+                if p.logprobs_mode == "tempered" and not p.greedy and p.temperature != 1.0]
+    if tempered:
+        idx = torch.tensor(tempered, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in tempered], device=logits.device)
+        scaled = logits[idx] / temps[:, None]
+        raw[idx] = scaled.gather(1, tokens[idx][:, None]).squeeze(1) - \
+            torch.logsumexp(scaled, dim=-1)
+    return raw
 
 
 class Sampler:
@@ -48,7 +67,7 @@ class Sampler:
             probs = self.filtered_probs(processed[idx], [seqs[i] for i in r_rows])
             tokens[idx] = self.draw(probs, [seqs[i] for i in r_rows])
 
-        sampled_lp = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+        sampled_lp = recorded_logprobs(logits, tokens, params, lse)
         top: list[dict[int, float] | None] = [None] * len(seqs)
         k_max = max((p.logprobs or 0) for p in params)
         if k_max > 0:

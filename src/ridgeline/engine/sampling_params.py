@@ -19,7 +19,10 @@ class SamplingParams:
     """How to sample one request. `temperature=0` means greedy. `top_k` of -1 (or 0) and
     `top_p` of 1 disable those filters. `logprobs=k` records the top-k logprobs per token;
     the sampled token's logprob is always recorded. Logprobs are those of the raw model
-    distribution (before penalties, temperature and filters), as in vLLM."""
+    distribution (before penalties, temperature and filters), as in vLLM, or with
+    `logprobs_mode="tempered"` those of log_softmax(logits / temperature): what RL at a
+    temperature other than 1 needs as its behaviour logprobs, because a trainer can
+    compute exactly that (penalties and top-k/top-p/min-p filters are not included)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -37,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs_mode: str = "raw"
     # Filled by __post_init__: `stop` as a list.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -80,6 +84,8 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprobs_mode not in ("raw", "tempered"):
+            raise _bad("logprobs_mode", self.logprobs_mode, "must be 'raw' or 'tempered'")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise _bad("stop", self.stop, "must be a non-empty string or a list of them")

@@ -45,6 +45,9 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)
     seed: int | None = None
     logprobs: bool = True
+    # "tempered": the recorded logprobs are of log_softmax(logits / temperature) (the
+    # behaviour policy RL trains against when sampling at temperature != 1)
+    logprobs_mode: Literal["raw", "tempered"] = "raw"
 
 
 class Usage(BaseModel):

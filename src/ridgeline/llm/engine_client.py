@@ -67,7 +67,8 @@ class EngineClient:
         # The engine records the sampled tokens' logprobs always; top-k is not needed.
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=min(sampling.max_tokens, room),
-                                stop=list(sampling.stop) or None, seed=sampling.seed)
+                                stop=list(sampling.stop) or None, seed=sampling.seed,
+                                logprobs_mode=sampling.logprobs_mode)
         try:
             out = self._generate(prompt_ids, params)
         except PromptTooLongError as e:

@@ -139,6 +139,8 @@ class OpenAIClient:
             body["stop"] = sampling.stop
         if sampling.seed is not None:
             body["seed"] = sampling.seed
+        if sampling.logprobs_mode != "raw":  # ridgeline serve; vLLM sets it per server
+            body["logprobs_mode"] = sampling.logprobs_mode
         body.update(self.extra_body)
         t0 = time.perf_counter()
         data = self._request("POST", "/completions", body,

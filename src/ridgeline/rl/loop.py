@@ -201,7 +201,7 @@ class TokenTaskRollout:
         t0 = time.perf_counter()
         reqs = [(self.llm.new_request_id("rl"), task.prompt_ids,
                  SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                ignore_eos=True, seed=seed))
+                                ignore_eos=True, seed=seed, logprobs_mode="tempered"))
                 for seed in seeds]
         samples = []
         for handle in self.llm.worker.submit_many(reqs):

@@ -64,8 +64,10 @@ class EngineSettings(BaseModel):
 class RolloutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float = Field(1.0, gt=0, description="the trainer computes logprobs at the "
+                               "same temperature (the behaviour policy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="keep 1 for training: the trainer "
+                         "cannot reproduce a nucleus filter's renormalisation")
     max_tokens: int = Field(256, ge=1, description="per model reply")
     step_limit: int = Field(6, ge=1, description="agent replies per episode")
     backend: str = Field("bwrap", description="sandbox backend")
@@ -162,7 +164,9 @@ class _Run:
         if cfg.engine.num_kv_blocks is not None:
             kwargs["num_kv_blocks"] = cfg.engine.num_kv_blocks
         self.llm = LLM(str(self.policy.model_dir), **kwargs)
-        self.trainer = PolicyTrainer(self.policy, cfg.trainer)
+        # the trainer's logprobs are of the distribution the rollouts sample from
+        self.trainer = PolicyTrainer(self.policy, cfg.trainer.model_copy(
+            update={"temperature": cfg.rollout.temperature}))
         if tasks is None:
             self._token_family()
         else:
@@ -211,7 +215,8 @@ class _Run:
         r = cfg.rollout
         self.rollout = AgentRollout(
             EngineClient(self.llm), self.llm.tokenizer, AgentConfig(step_limit=r.step_limit),
-            Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens),
+            Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                     logprobs_mode="tempered"),
             backend=r.backend)
 
     def evaluate(self, step: int) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class TokenChat:
         seed = None if s.seed is None else s.seed * 1000 + self._turn
         return given.model_copy(update={
             "temperature": s.temperature, "top_p": s.top_p, "seed": seed, "logprobs": True,
-            "max_tokens": min(given.max_tokens, s.max_tokens)})
+            "logprobs_mode": s.logprobs_mode, "max_tokens": min(given.max_tokens, s.max_tokens)})
 
     def _extends(self, messages: list[Message]) -> bool:
         n = len(self._seen)

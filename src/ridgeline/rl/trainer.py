@@ -45,6 +45,9 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy")
     kl_estimator: Literal["k1", "k3"] = "k3"
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    temperature: float = Field(1.0, gt=0, description="the rollouts' sampling temperature: "
+                               "logprobs are of log_softmax(logits / temperature), matching "
+                               "behaviour logprobs recorded with logprobs_mode='tempered'")
 
 
 class PolicyTrainer:
@@ -90,7 +93,8 @@ class PolicyTrainer:
             with self._autocast():
                 logits = model(input_ids=batch.token_ids,
                                attention_mask=batch.attention_mask).logits
-            return token_logprobs(logits, batch.token_ids, with_entropy=True)
+            return token_logprobs(logits, batch.token_ids, with_entropy=True,
+                                  temperature=self.config.temperature)
         decoder, head = parts
         want = batch.loss_mask[:, 1:] > 0               # token t+1 is predicted at t
         rows, cols = want.nonzero(as_tuple=True)
@@ -99,7 +103,7 @@ class PolicyTrainer:
                              attention_mask=batch.attention_mask).last_hidden_state
             logits = head(hidden[rows, cols])           # [N, V]
         with torch.autocast("cpu", enabled=False):
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            logp = torch.log_softmax(logits.float() / self.config.temperature, dim=-1)
             targets = batch.token_ids[rows, cols + 1]
             picked = logp.gather(-1, targets[:, None]).squeeze(-1)
             with torch.no_grad():

@@ -148,6 +148,8 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # "tempered": logprobs of log_softmax(logits / temperature), for RL at temperature != 1
+    logprobs_mode: Literal["raw", "tempered"] = "raw"
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
@@ -218,7 +220,7 @@ class _SamplingRequest(BaseModel):
                 stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, logprobs=logprobs,
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, logprobs_mode=self.logprobs_mode)
         except EngineError as e:
             # "invalid sampling parameter top_k=-3: ..." -> param "top_k"
             match = re.match(r"invalid sampling parameter (\w+)=", e.message)

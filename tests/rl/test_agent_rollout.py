@@ -238,3 +238,70 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tok):
     odd.chat_template = "{{ messages[-1]['content'] }}"
     with pytest.raises(ConfigError, match="rewrites earlier turns"):
         continuation_ids(odd, [Message(role="user", content="x")])
+
+
+def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
+    """Fault injection: a share of the task sandboxes fails its health probe after the
+    agent acted. Those episodes are masked (reason kept) and no batch the trainer steps
+    on contains one; the healthy episodes still train."""
+    import itertools
+
+    import ridgeline.rl.loop as rl_loop
+    from ridgeline.sandbox.base import HealthReport
+    from ridgeline.tasks.environment import TaskSandbox
+
+    model, llm = tiny
+    share = 0.5
+    calls = itertools.count()
+    broken: set[int] = set()
+    real_health = TaskSandbox.health
+
+    def flaky_health(self):
+        n = next(calls)
+        if int((n + 1) * share) > int(n * share):      # `share` of the sandboxes break
+            broken.add(id(self))
+            return HealthReport(healthy=False, checks={"exec": False},
+                                problems=["injected fault"])
+        return real_health(self)
+
+    monkeypatch.setattr(TaskSandbox, "health", flaky_health)
+    # A random model never passes; let every other graded episode pass so groups have
+    # reward variance (the health probe runs inside the real verifier first).
+    import dataclasses
+
+    import ridgeline.agent.run as agent_run
+
+    real_verify, graded = agent_run.verify, itertools.count()
+
+    def verify(task, sb):
+        v = real_verify(task, sb)
+        if v.status.value == "failed" and next(graded) % 2:
+            v = dataclasses.replace(v, status=type(v.status)("passed"), reward=1.0)
+        return v
+
+    monkeypatch.setattr(agent_run, "verify", verify)
+    trained: list = []
+    real_of = rl_loop.TokenBatch.of
+
+    def record(episodes, advantages, **kw):
+        trained.extend(episodes)
+        return real_of(episodes, advantages, **kw)
+
+    monkeypatch.setattr(rl_loop.TokenBatch, "of", staticmethod(record))
+    rollout = AgentRollout(EngineClient(llm), tok, AgentConfig(step_limit=1),
+                           Sampling(temperature=1.0, max_tokens=8))
+    trainer = PolicyTrainer(model)
+    loop = rl_loop.AsyncRLLoop(
+        trainer, rl_loop.TaskSampler([hello_task()]), rollout, llm.worker,
+        rl_loop.LoopConfig(group_size=4, batch_groups=2, eta=0, rollout_threads=1,
+                           filters=FilterConfig(limit_policy="score")))
+    groups = [rollout(hello_task(), [10 + i for i in range(4)]) for _ in range(2)]
+    metrics = loop.train_step(groups)
+    records = [r for g in groups for r in g.records]
+    unhealthy = [r for r in records if not r.healthy]
+    assert len(unhealthy) == len(broken) >= 2                # the fault really hit
+    assert all(r.verdict == "infra_error" and r.reward is None for r in unhealthy)
+    assert metrics["masked/unhealthy_sandbox"] == len(unhealthy)
+    assert trained and all(ep.reward is not None for ep in trained)
+    bad = {id(r.sample) for r in unhealthy}
+    assert not any(id(ep) in bad for ep in trained)         # none reached the gradient

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 DEMO_TASK_IDS = [
     "hello-file", "create-directory", "copy-config", "uppercase-text", "extract-emails",
     "fizzbuzz", "fix-syntax-error", "git-commit-file", "dep-install-from-wheelhouse",
-    "cube-obj", "clean-prices", "rename-function",
+    "cube-obj", "clean-prices", "rename-function", "sh-write-greeting",
 ]
 
 

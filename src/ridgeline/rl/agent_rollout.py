@@ -16,6 +16,7 @@ engine decodes them in one batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +28,8 @@ from ridgeline.llm.base import Sampling
 from ridgeline.rl.filters import EpisodeRecord
 from ridgeline.rl.loop import EpisodeGroup
 from ridgeline.rl.token_chat import TokenChat, TokenGenerator
+
+log = logging.getLogger(__name__)
 
 
 def rl_agent_config(config: AgentConfig | None = None) -> AgentConfig:
@@ -60,6 +63,9 @@ class AgentRollout:
         ep = run_task_episode(task, chat, self.agent_config, backend=self.backend,
                               trajectory_path=path)
         status = ep.agent.result.status if ep.agent is not None else "error"
+        if ep.verdict.status.value in ("infra_error", "unsupported"):
+            log.warning("episode of %s masked: %s (%s): %s", task.id, ep.verdict.status.value,
+                        ep.verdict.reason, (ep.verdict.detail or "")[:500])
         sample_ep, unusable = chat.sample()
         record = EpisodeRecord.from_verdict(ep.verdict, status, sample=sample_ep)
         record.unusable = unusable

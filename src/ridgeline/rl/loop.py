@@ -318,6 +318,10 @@ class AsyncRLLoop:
         reasons = filtered.stats.reasons
         for reason, count in sorted(reasons.items()):
             metrics[f"masked/{reason}"] = float(count)
+        # what the verifier said about infrastructure failures (test_timeout, ...)
+        for detail, count in Counter(r.detail or "?" for r in records
+                                     if r.verdict in ("infra_error", "unsupported")).items():
+            metrics[f"infra/{detail[:40]}"] = float(count)
         adv = group_advantages(torch.tensor(rewards), ids, mask=torch.tensor(valid, dtype=torch.bool),
                                normalize_std=cfg.normalize_std) if episodes else None
         keep = [i for i in range(len(episodes)) if adv is not None and bool(adv.trainable[i])]

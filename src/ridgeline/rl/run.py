@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,9 +235,11 @@ class _Run:
         for (task, _), rec in zip(jobs, records):
             per_task.setdefault(task.id, []).append(passed(rec))
         graded = [rec for rec in records if rec.reward is not None]
+        why = Counter(f"{r.verdict}:{r.detail}" for r in records if r.reward is None)
         return {"step": step, "version": self.trainer.version,
                 "pass_rate": sum(passed(r) for r in graded) / len(graded) if graded else None,
                 "episodes": len(records), "ungraded": len(records) - len(graded),
+                "ungraded_reasons": dict(why),
                 "per_task": {k: sum(v) / len(v) for k, v in per_task.items()},
                 "seconds": round(time.perf_counter() - t0, 1)}
 

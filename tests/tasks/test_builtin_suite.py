@@ -18,7 +18,7 @@ import build_wheels  # noqa: E402
 
 TASKS = load_tasks("builtin")
 DOMAINS = {"shell-and-files", "text-processing", "python", "dependency-repair", "git",
-           "data-analysis", "3d-creation", "multi-file-engineering"}
+           "data-analysis", "3d-creation", "multi-file-engineering", "shell-basics"}
 RUNNER = (builtin_suite_dir() / "hello-file" / "run-tests.sh").read_text()
 
 

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo 'buy milk' >> /app/notes.txt

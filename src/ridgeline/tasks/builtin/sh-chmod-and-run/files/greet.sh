@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "greeting number $((6 * 7))"

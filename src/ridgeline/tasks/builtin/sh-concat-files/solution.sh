@@ -1,0 +1,2 @@
+#!/bin/bash
+cat /app/a.txt /app/b.txt > /app/ab.txt

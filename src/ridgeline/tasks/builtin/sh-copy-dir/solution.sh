@@ -1,0 +1,2 @@
+#!/bin/bash
+cp -r /app/config /app/config_backup

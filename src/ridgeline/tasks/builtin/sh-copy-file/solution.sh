@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /app/report.txt /app/report_copy.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -l < /app/names.txt > /app/count.txt

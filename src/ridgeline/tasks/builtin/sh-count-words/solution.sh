@@ -1,0 +1,2 @@
+#!/bin/bash
+wc -w < /app/text.txt > /app/words.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+cut -d, -f1 /app/people.csv > /app/names.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c FAIL /app/results.txt > /app/failures.txt

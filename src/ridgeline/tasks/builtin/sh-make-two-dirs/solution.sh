@@ -1,0 +1,2 @@
+#!/bin/bash
+mkdir /app/src /app/docs

@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /app/out
+echo yes > /app/out/ready.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+mv /app/inbox/todo.txt /app/done/

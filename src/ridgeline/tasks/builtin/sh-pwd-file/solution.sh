@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app/work/deep
+pwd > /app/where.txt

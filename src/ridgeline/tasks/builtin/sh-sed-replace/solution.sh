@@ -1,0 +1,2 @@
+#!/bin/bash
+sed -i 's/cat/dog/g' /app/pets.txt

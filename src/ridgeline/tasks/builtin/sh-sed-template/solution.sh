@@ -1,0 +1,2 @@
+#!/bin/bash
+sed 's/NAME/Alice/g' /app/template.txt > /app/letter.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort /app/fruits.txt > /app/sorted.txt

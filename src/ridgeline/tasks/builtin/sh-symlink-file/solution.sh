@@ -1,0 +1,2 @@
+#!/bin/bash
+ln -s /app/settings.conf /app/current.conf

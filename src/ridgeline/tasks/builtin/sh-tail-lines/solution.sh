@@ -1,0 +1,2 @@
+#!/bin/bash
+tail -n 2 /app/log.txt > /app/last.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+sort -u /app/visitors.txt > /app/unique.txt

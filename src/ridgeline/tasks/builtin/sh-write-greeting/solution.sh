@@ -1,0 +1,2 @@
+#!/bin/bash
+echo 'good morning' > /app/greeting.txt

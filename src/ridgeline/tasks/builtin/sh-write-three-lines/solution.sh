@@ -1,0 +1,2 @@
+#!/bin/bash
+printf 'red\ngreen\nblue\n' > /app/colors.txt

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ridgeline.errors import ConfigError, RidgelineError
@@ -101,6 +102,16 @@ def test_resume_restores_trainer_buffer_and_task_order(tmp_path, tiny_models):
     assert ck.step == 3 and ck.trainer["num_steps"] >= 1 and ck.trainer["version"] == 4
     # draws handed out but never trained on are handed out again first
     assert state["sampler"]["next"] >= 4 * 8
+    # the checkpoint is a model directory `ridgeline eval --model` loads, holding the
+    # trained weights
+    from safetensors.torch import load_file
+
+    from ridgeline.engine.registry import resolve_model
+
+    assert resolve_model(str(out / "checkpoint")).format == "hf"
+    saved = load_file(str(out / "checkpoint" / "model.safetensors"))
+    for name, tensor in ck.trainer["model"].items():
+        assert torch.equal(saved[name], tensor), name
     resumed = train(cfg.model_copy(update={"steps": 6}), resume=True)
     assert resumed.steps_done == 6
     assert [m["step"] for m in read_metrics(out)] == list(range(6))

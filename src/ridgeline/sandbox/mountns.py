@@ -27,6 +27,7 @@ CLONE_NEWNS = 0x00020000
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
 BIND_OPTIONS = ("--bind", "--ro-bind", "--bind-try", "--ro-bind-try", "--dev-bind")
 #: Sources the sandbox uid can always read: the host's system trees (rootfs binds them
 #: world-readable, root-only entries masked) and /dev/null.
@@ -94,8 +95,21 @@ class StagedSources:
 
     def ensure(self) -> None:
         """Re-stage everything if the staging tmpfs is gone: removing the (empty) host
-        directory it is mounted on detaches it in every namespace (Linux >= 3.18)."""
+        directory it is mounted on detaches it in every namespace (Linux >= 3.18). A
+        source replaced since it was staged (a file renamed over, e.g. the identity
+        files another process rewrote) is bound again: a bind of the unlinked old file
+        can no longer be mounted by bwrap."""
         if os.path.ismount(self.point):
+            for source, dest in self._staged.items():
+                try:
+                    now, staged = os.stat(source), os.stat(dest)
+                except FileNotFoundError:
+                    continue  # gone for good: bwrap will say so
+                if (now.st_dev, now.st_ino) != (staged.st_dev, staged.st_ino):
+                    if _libc.umount2(dest.encode(), MNT_DETACH) != 0:
+                        err = ctypes.get_errno()
+                        raise OSError(err, f"umount {dest}: {os.strerror(err)}")
+                    _mount(source, dest, None, MS_BIND | MS_REC)
             return
         with contextlib.suppress(FileExistsError):
             self.point.mkdir(mode=0o755)

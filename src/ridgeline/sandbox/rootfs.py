@@ -15,6 +15,7 @@ owner permissions would otherwise apply (see bwrap.py for why it maps that way).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import stat
@@ -128,10 +129,18 @@ def write_identity(directory: Path, uid: int, name: str, home: str) -> bool:
             kept = [ln for ln in Path("/etc", fname).read_text().splitlines()
                     if ln.count(":") >= 2 and ln.split(":")[2] != str(uid)
                     and ln.split(":")[0] != name]
-            tmp = directory / f".{fname}.tmp"
-            tmp.write_text("\n".join([*kept, entry]) + "\n")
+            text = "\n".join([*kept, entry]) + "\n"
+            final = directory / fname
+            # Leave an identical file alone: running sandboxes (of this or another
+            # process) bind this very inode, and a bind of a replaced, unlinked file can
+            # no longer be mounted when they restart (bwrap: "No such file or directory").
+            with contextlib.suppress(FileNotFoundError):
+                if final.read_text() == text:
+                    continue
+            tmp = directory / f".{fname}.{os.getpid()}.tmp"
+            tmp.write_text(text)
             tmp.chmod(0o644)
-            tmp.replace(directory / fname)
+            tmp.replace(final)
     except OSError:
         return False
     return True

@@ -42,7 +42,9 @@ from ridgeline.engine import SamplingParams
 from ridgeline.errors import RidgelineError
 from ridgeline.rl.advantages import group_advantages
 from ridgeline.rl.buffer import BufferClosed, RolloutBuffer
-from ridgeline.rl.filters import EpisodeRecord, FilterConfig, filter_batch
+from ridgeline.rl.filters import (
+    TOO_FEW_VALID, ZERO_VARIANCE, EpisodeRecord, FilterConfig, filter_batch,
+)
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 
 log = logging.getLogger(__name__)
@@ -293,9 +295,9 @@ class AsyncRLLoop:
                 valid.append(rec.mask)
         metrics: dict[str, Any] = {}
         records = [r for g in groups for r in g.records]
-        known = [r.reward for r in records if r.reward is not None]
-        metrics["reward_mean"] = sum(known) / len(known) if known else float("nan")
         graded = [r for r in records if r.reward is not None]
+        metrics["reward_mean"] = (sum(r.reward for r in graded) / len(graded)
+                                  if graded else float("nan"))
         metrics["pass_rate"] = (sum(passed(r) for r in graded) / len(graded)
                                 if graded else float("nan"))
         by_domain: dict[str, list[bool]] = {}
@@ -311,9 +313,10 @@ class AsyncRLLoop:
         metrics["staleness_max"] = float(max(staleness, default=0))
         metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
         metrics["staleness_hist"] = {str(k): v for k, v in sorted(Counter(staleness).items())}
-        metrics["episodes_masked"] = float(sum(not r.mask for fg in filtered.groups
-                                               for r in fg.episodes if r.reason != "zero_variance"
-                                               and r.reason != "too_few_valid"))
+        # masked by rules 1-2 (broken or cut off), not the episodes of skipped groups
+        metrics["episodes_masked"] = float(sum(
+            n for reason, n in filtered.stats.reasons.items()
+            if reason not in (ZERO_VARIANCE, TOO_FEW_VALID)))
         metrics["groups_skipped"] = float(len(filtered.skipped))
         reasons = filtered.stats.reasons
         for reason, count in sorted(reasons.items()):

@@ -110,20 +110,21 @@ class TrainResult:
 # ---- tasks --------------------------------------------------------------------------------
 
 
-def _terminal_tasks(sel: TaskSelection, ids: list[str]) -> list[Any]:
+def _terminal_tasks(sel: TaskSelection) -> dict[str, Any]:
+    """The suite the selection names, by id (loaded once for both splits)."""
     from ridgeline.tasks import load_tasks
     from ridgeline.tasks.loader import builtin_suite_dir
 
     root = str(builtin_suite_dir()) if sel.source == "builtin" else sel.source
-    tasks = load_tasks(root)
-    if not ids:
-        return tasks
-    by_id = {t.id: t for t in tasks}
-    missing = [i for i in ids if i not in by_id]
+    return {t.id: t for t in load_tasks(root)}
+
+
+def _pick(suite: dict[str, Any], ids: list[str], source: str) -> list[Any]:
+    missing = [i for i in ids if i not in suite]
     if missing:
-        raise ConfigError(f"tasks not found in {sel.source}: {', '.join(missing)}",
+        raise ConfigError(f"tasks not found in {source}: {', '.join(missing)}",
                           hint="`ridgeline tasks list` shows the ids")
-    return [by_id[i] for i in ids]
+    return [suite[i] for i in ids]
 
 
 def quality_checked(tasks: list[Any], backend: str) -> tuple[list[Any], dict[str, str]]:
@@ -175,7 +176,9 @@ class _Run:
 
     def _select_tasks(self) -> list[Any]:
         cfg = self.config
-        tasks = _terminal_tasks(cfg.tasks, cfg.tasks.ids)
+        suite = _terminal_tasks(cfg.tasks)
+        tasks = _pick(suite, cfg.tasks.ids, cfg.tasks.source) if cfg.tasks.ids \
+            else list(suite.values())
         if cfg.tasks.check:
             tasks, self.excluded = quality_checked(tasks, cfg.rollout.backend)
             for tid, why in self.excluded.items():
@@ -185,8 +188,7 @@ class _Run:
                                   + "; ".join(f"{k}: {v}" for k, v in
                                               list(self.excluded.items())[:3]),
                                   hint="`ridgeline tasks check` shows why; fix or pick other tasks")
-        self.eval_tasks = _terminal_tasks(cfg.tasks, cfg.tasks.eval_ids) \
-            if cfg.tasks.eval_ids else []
+        self.eval_tasks = _pick(suite, cfg.tasks.eval_ids, cfg.tasks.source)
         overlap = {t.id for t in tasks} & {t.id for t in self.eval_tasks}
         if overlap:
             raise ConfigError(f"tasks both trained on and held out: {', '.join(sorted(overlap))}",
@@ -226,13 +228,14 @@ class _Run:
 
         cfg = self.config
         t0 = time.perf_counter()
-        jobs = [(t, j) for t in self.eval_tasks for j in range(cfg.eval_samples)]
+        jobs = [(i, t, j) for i, t in enumerate(self.eval_tasks)
+                for j in range(cfg.eval_samples)]
         with ThreadPoolExecutor(min(len(jobs), cfg.engine.max_num_seqs) or 1) as ex:
-            records = list(ex.map(lambda tj: self.rollout.episode(
-                tj[0], episode_seed(cfg.seed + 1, -1 - self.eval_tasks.index(tj[0]), tj[1]),
-                tj[1])[0], jobs))
+            # seeds apart from training's (negative draws), the same at every eval
+            records = list(ex.map(lambda job: self.rollout.episode(
+                job[1], episode_seed(cfg.seed + 1, -1 - job[0], job[2]), job[2])[0], jobs))
         per_task: dict[str, list[bool]] = {}
-        for (task, _), rec in zip(jobs, records):
+        for (_, task, _), rec in zip(jobs, records):
             per_task.setdefault(task.id, []).append(passed(rec))
         graded = [rec for rec in records if rec.reward is not None]
         why = Counter(f"{r.verdict}:{r.detail}" for r in records if r.reward is None)

@@ -48,13 +48,19 @@ def default_cache_dir() -> Path:
     return (Path(env) if env else Path.home() / ".cache" / "ridgeline") / "converted"
 
 
+def conversion_dir(gguf: Path, cache_dir: str | None = None) -> Path:
+    """Where the Hugging Face conversion of GGUF file `gguf` is cached (keyed by its
+    name, size and mtime, so a replaced file is converted again)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    st = gguf.stat()
+    return root / f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}"
+
+
 def open_source(entry: ModelEntry, *, tokenizer: str | None = None,
                 cache_dir: str | None = None) -> ModelSource:
     if entry.format == "hf":
         return HFDirSource(entry.path, tokenizer_path=tokenizer, name=entry.name)
-    cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
-    stat = entry.path.stat()
-    cached = cache_root / f"{entry.path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    cached = conversion_dir(entry.path, cache_dir)
     if (cached / "model.safetensors").is_file() and (cached / "config.json").is_file():
         return HFDirSource(cached, tokenizer_path=tokenizer, name=entry.name)
     source = GGUFSource(entry.path, name=entry.name)

@@ -74,21 +74,11 @@ class PolicyConfig(BaseModel):
 # ---- the directory both load ------------------------------------------------------------
 
 
-def _conversion_dir(path: Path, cache_dir: str | None) -> Path:
-    """Where `engine.loader.open_source` caches the conversion of GGUF file `path`
-    (the same naming, so the engine reads what is written here)."""
-    from ridgeline.engine.loader import default_cache_dir
-
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    stat = path.stat()
-    return root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
-
-
 def hf_model_dir(model: str, *, cache_dir: str | None = None) -> Path:
     """The Hugging Face directory the engine loads for `model` (what `LLM(model)`
     accepts): the directory itself for an HF model; for a GGUF file its cached
     conversion, converted now if it is not cached yet."""
-    from ridgeline.engine.loader import HFDirSource, open_source
+    from ridgeline.engine.loader import HFDirSource, conversion_dir, open_source
     from ridgeline.engine.registry import resolve_model
 
     entry = resolve_model(model)  # NotFoundError with the known models as the hint
@@ -102,7 +92,7 @@ def hf_model_dir(model: str, *, cache_dir: str | None = None) -> Path:
             "Hugging Face config cannot express, so a transformers trainer cannot hold "
             "the weights the engine serves",
             hint="train from the model's Hugging Face directory instead (--model DIR)")
-    target = _conversion_dir(entry.path, cache_dir)
+    target = conversion_dir(entry.path, cache_dir)
     try:
         source.save_hf_dir(target)
     except OSError as e:

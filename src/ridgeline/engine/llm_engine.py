@@ -35,7 +35,7 @@ from ridgeline.engine.sampling_params import SamplingParams
 from ridgeline.engine.scheduler import Scheduler
 from ridgeline.engine.sequence import Request, Sequence
 from ridgeline.engine.speculative import build_speculator, open_draft_source
-from ridgeline.errors import ConfigError, EngineError
+from ridgeline.errors import ConfigError, EngineError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -291,12 +291,36 @@ class LLMEngine:
         """Copy new values into the model's parameters in place (HF parameter names, any
         subset). The prefix cache is dropped: its KV came from the old weights. Requests
         in flight keep their KV and continue; tokens sampled from now on carry `version`
-        (default: the previous one + 1). Returns how many tensors were loaded."""
-        loaded = self.runner.model.load_weights(named_tensors)
+        (default: the previous one + 1). Returns how many tensors were loaded. Every
+        tensor is checked (a known name, the right shape) before any is copied, so a bad
+        one is a `ModelLoadError` that changes nothing."""
+        tensors = list(named_tensors)
+        self.check_weights((name, tuple(t.shape)) for name, t in tensors)
+        loaded = self.runner.model.load_weights(tensors)
         self.block_manager.reset_prefix_cache()
         self.processor.policy_version = (self.processor.policy_version + 1 if version is None
                                          else int(version))
         return len(loaded)
+
+    def check_weights(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+        """Raise `ModelLoadError` unless every (HF name, shape) has a place of that
+        shape in this model."""
+        model = self.runner.model
+        for name, shape in named_shapes:
+            target = model.weight_target(name)
+            if target is None:
+                continue
+            if tuple(target.shape) != tuple(shape):
+                raise ModelLoadError(f"tensor {name} has shape {tuple(shape)}, this model "
+                                     f"takes {tuple(target.shape)}",
+                                     hint="send weights of the model this engine serves")
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF names a complete set of weights has, with their shapes."""
+        model = self.runner.model
+        names = model.expected_weights()
+        return {n: tuple(t.shape) for n in sorted(names)
+                if (t := model.weight_target(n)) is not None}
 
     @property
     def policy_version(self) -> int:

@@ -266,7 +266,7 @@ class OpenAIClient:
                 last_problem = f"connection failed ({type(e).__name__}: {e})"
                 continue
             if response.status_code in RETRY_STATUS:
-                last_problem = f"HTTP {response.status_code}: {_error_text(response)}"
+                last_problem = f"HTTP {response.status_code}: {error_text(response)}"
                 last_retry_after = _retry_after(response)
                 continue
             if response.status_code >= 400:
@@ -287,7 +287,7 @@ class OpenAIClient:
         return base * (0.5 + 0.5 * random.random())  # jitter so parallel agents spread out
 
     def _raise_for(self, response: httpx.Response, estimated_prompt_tokens: int) -> None:
-        text = _error_text(response)
+        text = error_text(response)
         if response.status_code == 400 and _CONTEXT_RE.search(text):
             raise ContextLengthError(estimated_prompt_tokens, self._context_window or 0, text[:300])
         hints = {401: "check the API key", 403: "check the API key and its permissions",
@@ -342,7 +342,7 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def _error_text(response: httpx.Response) -> str:
+def error_text(response: httpx.Response) -> str:
     try:
         data = response.json()
     except ValueError:

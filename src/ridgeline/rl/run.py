@@ -55,8 +55,18 @@ class TaskSelection(BaseModel):
 
 
 class EngineSettings(BaseModel):
+    """The in-process engine, or with `url` a `ridgeline serve --enable-weight-updates`
+    serving the policy's model: rollouts go there over HTTP (token ids in and out) and
+    each step's weights are pushed to it (`POST /v1/weights`)."""
+
     model_config = ConfigDict(extra="forbid")
 
+    url: str | None = Field(None, description="an OpenAI-compatible base URL of ridgeline "
+                            "serve (e.g. http://127.0.0.1:8000/v1); empty: in-process")
+    served_model: str | None = Field(None, description="the model's name on that server "
+                                     "(default: the first it lists)")
+    api_key: str | None = Field(None, description="the server's API key (default: "
+                                "$RIDGELINE_API_KEY)")
     max_num_seqs: int = Field(32, ge=1)
     max_model_len: int | None = Field(None, ge=64)
     num_kv_blocks: int | None = Field(None, ge=16)
@@ -156,23 +166,63 @@ class _Run:
         probe_sandbox(cfg.rollout.backend)
         # tasks before the model: a bad selection fails in seconds, not after a load
         tasks = None if cfg.tasks.source == "shift" else self._select_tasks()
+        if tasks is None and cfg.engine.url:
+            raise ConfigError("the token family 'shift' runs on the in-process engine only",
+                              hint="remove engine.url, or train on terminal tasks")
         self.policy = load_policy(cfg.policy)
         self.identity = self.policy.identity
-        from ridgeline.engine import LLM
-
-        kwargs: dict[str, Any] = {"max_num_seqs": cfg.engine.max_num_seqs}
-        if cfg.engine.max_model_len is not None:
-            kwargs["max_model_len"] = cfg.engine.max_model_len
-        if cfg.engine.num_kv_blocks is not None:
-            kwargs["num_kv_blocks"] = cfg.engine.num_kv_blocks
-        self.llm = LLM(str(self.policy.model_dir), **kwargs)
         # the trainer's logprobs are of the distribution the rollouts sample from
         self.trainer = PolicyTrainer(self.policy, cfg.trainer.model_copy(
             update={"temperature": cfg.rollout.temperature}))
+        self.llm: Any = None
+        if cfg.engine.url:
+            self._remote_engine()
+        else:
+            self._local_engine()
         if tasks is None:
             self._token_family()
         else:
             self._terminal(tasks)
+
+    def _local_engine(self) -> None:
+        """The engine in this process, on the policy's model directory."""
+        from ridgeline.engine import LLM
+        from ridgeline.llm.engine_client import EngineClient
+
+        e = self.config.engine
+        kwargs: dict[str, Any] = {"max_num_seqs": e.max_num_seqs}
+        if e.max_model_len is not None:
+            kwargs["max_model_len"] = e.max_model_len
+        if e.num_kv_blocks is not None:
+            kwargs["num_kv_blocks"] = e.num_kv_blocks
+        self.llm = LLM(str(self.policy.model_dir), **kwargs)
+        self.tokenizer = self.llm.tokenizer
+        # the agent's model (terminal tasks; a model without a tokenizer has none)
+        self.generator: Any = EngineClient(self.llm) if self.tokenizer is not None else None
+        self.weights: Any = self.llm.worker       # where each step's weights go
+
+    def _remote_engine(self) -> None:
+        """`ridgeline serve` at `engine.url`: checked to serve this policy's model and to
+        take weight updates, then given the policy's weights as version 0 (a server left
+        with another run's weights would otherwise sample from them)."""
+        import os
+
+        from ridgeline.llm.openai_client import OpenAIClient
+        from ridgeline.llm.remote_weights import RemoteWeights
+
+        e = self.config.engine
+        assert e.url is not None
+        key = e.api_key or os.environ.get("RIDGELINE_API_KEY") or None
+        self.generator = OpenAIClient(e.url, model=e.served_model, api_key=key,
+                                      context_window=e.max_model_len)
+        name = self.generator.model  # asks the server: an unreachable one fails here
+        self.weights = RemoteWeights(e.url, name, api_key=key)
+        full = self.policy.full_weights()          # with LoRA, the base too
+        self.weights.check_compatible(full)
+        self.tokenizer = _local_tokenizer(self.policy.model_dir)
+        self.weights.update_weights(full, version=self.trainer.version)
+        log.info("weights of %s pushed to %s as version %d in %.1f s", self.config.policy.model,
+                 e.url, self.trainer.version, self.weights.last_update["request_seconds"])
 
     def _select_tasks(self) -> list[Any]:
         cfg = self.config
@@ -207,17 +257,16 @@ class _Run:
 
     def _terminal(self, tasks: list[Any]) -> None:
         from ridgeline.agent import AgentConfig
-        from ridgeline.llm.engine_client import EngineClient
         from ridgeline.rl.agent_rollout import AgentRollout
 
         cfg = self.config
-        if self.llm.tokenizer is None:
+        if self.tokenizer is None:
             raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
                               "cannot talk to it", hint="use a model directory with tokenizer files")
         self.sampler = TaskSampler(tasks, cfg.seed)
         r = cfg.rollout
         self.rollout = AgentRollout(
-            EngineClient(self.llm), self.llm.tokenizer, AgentConfig(step_limit=r.step_limit),
+            self.generator, self.tokenizer, AgentConfig(step_limit=r.step_limit),
             Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                      logprobs_mode="tempered"),
             backend=r.backend)
@@ -249,7 +298,21 @@ class _Run:
     def close(self) -> None:
         if self.verifier is not None:
             self.verifier.close()
-        self.llm.worker.stop()
+        if self.llm is not None:
+            self.llm.worker.stop()
+        else:
+            self.weights.close()
+
+
+def _local_tokenizer(model_dir: Any) -> Any:
+    """The tokenizer of the policy's model directory (rollouts on a server still encode
+    turns here, so every id is the trainer's), or None when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        return None
 
 
 def probe_sandbox(backend: str) -> None:
@@ -286,13 +349,13 @@ def train(config: TrainConfig, *, resume: bool = False,
 def _train(run: _Run, run_dir: Path, resume: bool,
            on_step: Callable[[int, dict[str, Any]], None] | None) -> TrainResult:
     cfg = run.config
-    loop = AsyncRLLoop(run.trainer, run.sampler, run.rollout, run.llm.worker, cfg.loop)
+    loop = AsyncRLLoop(run.trainer, run.sampler, run.rollout, run.weights, cfg.loop)
     start = 0
     if resume:
         ckpt = checkpoint.load(run_dir, run.identity)
         run.trainer.load_state_dict(ckpt.trainer)
         run.trainer.version -= 1      # sync() makes it the checkpoint's version again
-        run.trainer.sync(run.llm.worker)
+        run.trainer.sync(run.weights)
         loop.buffer.load_state_dict(ckpt.buffer)
         run.sampler.load_state_dict(ckpt.state["sampler"])
         checkpoint.set_rng_state(ckpt.rng)

@@ -62,18 +62,19 @@ from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body, error_for,
-    error_type, parse_request,
+    FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body,
+    error_for, error_type, parse_request,
 )
 from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
     wire_tool_call,
 )
+from ridgeline.serve.weights import WEIGHTS_PATH, add_weight_routes
 
 log = logging.getLogger(__name__)
 
-FAST_SUFFIX = ":fast"
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+              WEIGHTS_PATH}
 
 
 # ---- served models ---------------------------------------------------------------------------
@@ -118,7 +119,8 @@ class ServedModel:
         base = self.name[:-len(FAST_SUFFIX)] if self.name.endswith(FAST_SUFFIX) else None
         return {"id": self.name, "object": "model", "created": self.created,
                 "owned_by": "ridgeline", "root": self.engine.config.model,
-                "parent": base, "max_model_len": self.max_model_len}
+                "parent": base, "max_model_len": self.max_model_len,
+                "weights_version": self.engine.policy_version}
 
 
 def build_engines(config: EngineConfig, served_name: str | None = None,
@@ -148,10 +150,10 @@ def _as_worker(name: str, obj: Any) -> EngineWorker:
 
 
 def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: str | None = None,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, weight_updates: bool = False) -> FastAPI:
     """An app serving each engine under its name, within `limits` (the defaults of
     `ServerLimits` when None). Engine threads start now and stop when the app shuts down
-    (uvicorn's lifespan)."""
+    (uvicorn's lifespan). `weight_updates` allows `POST /v1/weights` (`serve.weights`)."""
     limits = limits or ServerLimits()
     if not engines:
         raise ConfigError("no model to serve", hint="pass at least one engine")
@@ -179,7 +181,8 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
     app.state.metrics = metrics
     app.state.limits = limits
     app.add_middleware(_Gate, api_key=api_key, metrics=metrics,
-                       max_body_bytes=limits.max_body_bytes)
+                       max_body_bytes=limits.max_body_bytes,
+                       path_limits={WEIGHTS_PATH: limits.max_weights_bytes})
     for w in workers.values():
         w.start()
 
@@ -241,6 +244,7 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
         req.check_token_ids(model.vocab_size)
         return await _complete(request, req, model, metrics, t0)
 
+    add_weight_routes(app, served, enabled=weight_updates)
     return app
 
 
@@ -272,11 +276,15 @@ class _Gate:
     streamed responses pass through untouched)."""
 
     def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.path_limits = dict(path_limits or {})  # larger bodies on these paths
+
+    def _body_limit(self, path: str) -> int:
+        return self.path_limits.get(path, self.max_body_bytes)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -303,7 +311,7 @@ class _Gate:
             if refusal is not None:
                 await _send_error(send_and_note, *refusal)
                 return
-            await self.app(scope, _limited(receive, self.max_body_bytes), send_and_note)
+            await self.app(scope, _limited(receive, self._body_limit(path)), send_and_note)
         except Exception:
             # A bug: the detail goes to the log under the request id, the client gets the id.
             log.exception("internal error (request id %s, %s %s)", request_id,
@@ -325,8 +333,8 @@ class _Gate:
                                        code="invalid_api_key"), [(b"www-authenticate",
                                                                   b"Bearer")]
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            _, body = error_for(_body_too_large(self.max_body_bytes))
+        if declared is not None and declared > self._body_limit(path):
+            _, body = error_for(_body_too_large(self._body_limit(path)))
             return 413, body, []
         return None
 

@@ -37,6 +37,10 @@ def serve(
                                      help="Most samples (n, best_of) per prompt [16]."),
     max_choices: int | None = typer.Option(
         None, "--max-choices", min=1, help="Most choices (n times prompts) per request [256]."),
+    enable_weight_updates: bool = typer.Option(
+        False, "--enable-weight-updates",
+        help="Accept new weights on POST /v1/weights (RL with rollouts on this server). "
+        "Whoever can call it decides what the model says: give an --api-key too."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming,
@@ -68,9 +72,14 @@ def serve(
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
         engines = build_engines(engine_config, name, fast=fast)
-    app = create_app(engines, api_key=api_key or None, limits=limits)
+    app = create_app(engines, api_key=api_key or None, limits=limits,
+                     weight_updates=enable_weight_updates)
     console.print(f"serving {', '.join(engines)} on http://{host}:{port}/v1"
-                  + (" (API key required)" if api_key else ""), highlight=False)
+                  + (" (API key required)" if api_key else "")
+                  + (", weight updates on" if enable_weight_updates else ""), highlight=False)
+    if enable_weight_updates and not api_key and host not in ("127.0.0.1", "::1", "localhost"):
+        console.print(f"[yellow]warning:[/] anyone who reaches {host}:{port} can replace the "
+                      "model's weights; pass --api-key", highlight=False)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=5)
 

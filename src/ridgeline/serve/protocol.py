@@ -67,6 +67,10 @@ def error_for(exc: RidgelineError) -> tuple[int, dict[str, Any]]:
 # ---- limits --------------------------------------------------------------------------------
 
 
+#: `<model>:fast` names the high-speed variant of `<model>` (the same weights).
+FAST_SUFFIX = ":fast"
+
+
 class ServerLimits(BaseModel):
     """Bounds on what one request may ask for, so that no client can make the server
     buffer, tokenise or schedule without limit. `max_tokens` needs none here: it is
@@ -82,6 +86,8 @@ class ServerLimits(BaseModel):
     max_stop_chars: int = Field(256, ge=1, description="characters in one stop string")
     max_stop_token_ids: int = Field(64, ge=0, description="stop token ids")
     max_logit_bias: int = Field(300, ge=0, description="logit_bias entries (OpenAI's cap)")
+    max_weights_bytes: int = Field(64 * 2**30, ge=1, description="a POST /v1/weights body "
+                                   "(a safetensors file of the model's weights)")
 
 
 def over_limit(param: str, what: str, limit: int, value: int) -> RequestError:

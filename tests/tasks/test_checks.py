@@ -77,3 +77,26 @@ def test_cache_and_only_valid(tmp_path, cache):
     # editing a task invalidates its cached result
     (good / "instruction.md").write_text("Create hello.txt, please.\n")
     assert cached_check(load_task(good)) is None
+
+
+def test_an_oracle_whose_verdicts_differ_between_runs_is_flaky(tmp_path, monkeypatch):
+    """Differing verdicts over fresh environments: left out, with the reason first."""
+    from ridgeline.tasks import checks
+    from ridgeline.tasks.verifier import Verdict
+
+    real = checks._episode
+    calls = iter(range(100))
+
+    def alternating(task, backend, oracle):
+        verdict, times, note = real(task, backend, oracle)
+        if oracle and next(calls) % 2:     # every second oracle run: as if a race lost
+            verdict = Verdict(status=VerdictStatus.FAILED, reason="tests_failed",
+                              detail="1 failed")
+        return verdict, times, note
+
+    monkeypatch.setattr(checks, "_episode", alternating)
+    c = check_task(load_task(copy(tmp_path, "tb1-hello-world")), runs=3)
+    assert c.flaky and not c.ok and c.oracle_passes == 2
+    assert c.reasons[0] == "flaky: the oracle passed 2 of 3 runs"
+    steady = check_task(load_task(copy(tmp_path, "tb1-hello-world", "steady")), runs=1)
+    assert not steady.flaky

@@ -121,16 +121,31 @@ class TaskSampler:
         return i, self.task(i)
 
     def done(self, draw: int) -> None:
+        """A train step consumed the group of `draw`."""
         with self._lock:
             self._pending.discard(draw)
+
+    def finished(self, draw: int, group: Any | None) -> None:
+        """The rollout of `draw` ended (`group` None: it raised); a shuffled order does
+        not adapt, the `DomainScheduler` does."""
+
+    def close(self) -> None:
+        """The run is ending (nothing blocks in `draw` here)."""
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
         """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
         with self._lock:
             pending = sorted((self._pending | set(self._redo)) - set(exclude))
-            return {"seed": self.seed, "next": self._next, "redo": pending}
+            return {"kind": "shuffled", "seed": self.seed, "next": self._next, "redo": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind", "shuffled") != "shuffled":
+            raise RidgelineError(f"the checkpoint's task order is a {state['kind']} "
+                                 "scheduler's, not a shuffled order",
+                                 hint="resume with the scheduler setting the run started with")
         with self._lock:
             self.seed, self._next = int(state["seed"]), int(state["next"])
             self._redo, self._pending = [int(i) for i in state["redo"]], set()
@@ -262,6 +277,7 @@ class AsyncRLLoop:
                 seeds = [episode_seed(self.tasks.seed, draw, j) for j in range(cfg.group_size)]
                 group = self.rollout(task, seeds)
                 group.index = draw
+                self.tasks.finished(draw, group)
             except BufferClosed:
                 return
             except BaseException as e:  # noqa: BLE001 - reported by run(); slot given back
@@ -269,6 +285,7 @@ class AsyncRLLoop:
                 log.warning("rollout failed: %s: %s", type(e).__name__, e)
                 self.buffer.abort(ticket)
                 if draw >= 0:
+                    self.tasks.finished(draw, None)
                     self.tasks.done(draw)
                 if isinstance(e, (StopIteration, RidgelineError)) and not isinstance(
                         e, VerifierError):
@@ -336,6 +353,7 @@ class AsyncRLLoop:
                 metrics["train_tokens_per_s"] = float(batch.attention_mask.sum()) / \
                     metrics["train_seconds"]
         metrics.update(self.trainer.sync(self.worker))
+        metrics.update(self.tasks.metrics())
         self.buffer.publish_version()
         for g in groups:
             self.tasks.done(g.index)
@@ -377,6 +395,7 @@ class AsyncRLLoop:
                     on_step(step, metrics)
         finally:
             self.buffer.close()
+            self.tasks.close()
             for t in threads:
                 t.join(timeout=60)
         return history

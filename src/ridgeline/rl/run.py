@@ -36,6 +36,7 @@ from ridgeline.llm.base import Sampling
 from ridgeline.rl import checkpoint
 from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout, passed
 from ridgeline.rl.policy import PolicyConfig, load_policy
+from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 from ridgeline.rl.run_log import RunLog, plot_run
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
@@ -52,6 +53,8 @@ class TaskSelection(BaseModel):
                                 "evaluated before training, every `eval_every` steps and at the end")
     check: bool = Field(True, description="run each training task's quality check first "
                         "(oracle passes, null agent fails) and leave out those that fail")
+    check_runs: int = Field(2, ge=1, description="oracle runs per task in the check: a task "
+                            "whose verdicts differ between runs is flaky and left out")
 
 
 class EngineSettings(BaseModel):
@@ -99,6 +102,9 @@ class TrainConfig(BaseModel):
     eval_samples: int = Field(2, ge=1)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
+                                       description="domains, shares, caps and curriculum "
+                                       "of terminal tasks")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     plots: bool = True
@@ -137,14 +143,17 @@ def _pick(suite: dict[str, Any], ids: list[str], source: str) -> list[Any]:
     return [suite[i] for i in ids]
 
 
-def quality_checked(tasks: list[Any], backend: str) -> tuple[list[Any], dict[str, str]]:
-    """The tasks whose quality check (cached, or run now) passed: the oracle passes and the
-    untouched environment fails. The others: id -> reason."""
+def quality_checked(tasks: list[Any], backend: str, runs: int = 2
+                    ) -> tuple[list[Any], dict[str, str]]:
+    """The tasks whose quality check (cached with at least `runs` oracle runs, or run
+    now) passed: the oracle passes every run and the untouched environment fails. The
+    others (flaky ones among them): id -> reason."""
     from ridgeline.tasks.checks import cached_check, check_tasks
 
-    results = {t.id: c for t in tasks if (c := cached_check(t)) is not None}
+    results = {t.id: c for t in tasks if (c := cached_check(t)) is not None
+               and (len(c.oracle) >= runs or not c.ok)}
     unchecked = [t for t in tasks if t.id not in results]
-    for c in check_tasks(unchecked, runs=1, backend=backend, concurrency=2):
+    for c in check_tasks(unchecked, runs=runs, backend=backend, concurrency=2):
         results[c.task_id] = c
     kept = [t for t in tasks if results[t.id].ok]
     excluded = {t.id: "; ".join(results[t.id].reasons)[:300] or "quality check failed"
@@ -230,7 +239,8 @@ class _Run:
         tasks = _pick(suite, cfg.tasks.ids, cfg.tasks.source) if cfg.tasks.ids \
             else list(suite.values())
         if cfg.tasks.check:
-            tasks, self.excluded = quality_checked(tasks, cfg.rollout.backend)
+            tasks, self.excluded = quality_checked(tasks, cfg.rollout.backend,
+                                                   cfg.tasks.check_runs)
             for tid, why in self.excluded.items():
                 log.warning("task %s left out: %s", tid, why)
             if not tasks:
@@ -263,7 +273,12 @@ class _Run:
         if self.tokenizer is None:
             raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
                               "cannot talk to it", hint="use a model directory with tokenizer files")
-        self.sampler = TaskSampler(tasks, cfg.seed)
+        if cfg.scheduler.enabled:
+            self.sampler: Any = DomainScheduler(tasks, cfg.scheduler,
+                                                slots=cfg.loop.rollout_threads,
+                                                group_size=cfg.loop.group_size, seed=cfg.seed)
+        else:
+            self.sampler = TaskSampler(tasks, cfg.seed)
         r = cfg.rollout
         self.rollout = AgentRollout(
             self.generator, self.tokenizer, AgentConfig(step_limit=r.step_limit),

@@ -50,6 +50,11 @@ class TaskCheck:
     def oracle_passes(self) -> int:
         return sum(v.passed for v in self.oracle)
 
+    @property
+    def flaky(self) -> bool:
+        """The oracle's verdicts differ between fresh environments."""
+        return 0 < self.oracle_passes < len(self.oracle)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["null"] = self.null.to_dict() if self.null else None
@@ -183,6 +188,9 @@ def check_task(task: Task, runs: int = 3, backend: str = "bwrap", *,
                 check.reasons.append(f"oracle run {i + 1}/{runs}: {verdict.status.value}"
                                      f" ({verdict.reason}): {verdict.detail}"
                                      + (f"; {note}" if note else ""))
+    if check.flaky:
+        check.reasons.insert(0, f"flaky: the oracle passed {check.oracle_passes} of "
+                                f"{len(check.oracle)} runs")
     check.timings = {k: round(statistics.median(v), 3) for k, v in samples.items()}
     check.timings["total_s"] = round(time.perf_counter() - t0, 3)
     check.ok = not check.reasons and check.oracle_passes == runs

@@ -1,0 +1,102 @@
+"""A curriculum over tasks from their recent pass rates: GRPO learns nothing from a
+group whose episodes all pass or all fail (zero advantage), so tasks the policy always
+or never solves are *rested* for a while and tasks in between are favoured.
+
+    cur = Curriculum(CurriculumConfig())
+    cur.record("task-a", [True, False, True, True])   # one group's pass flags
+    cur.weight("task-a")                              # 4 p (1 - p), floored
+    cur.resting("task-b")                             # all 0 or all 1 lately?
+
+A task with no history has weight 1 (explore it). A rested task sits out
+`rest_draws` draws of its domain, then is a candidate again (weight 1) until it is drawn
+once, a probe; its next group decides whether it rests again. Everything here is plain
+data and restores from `state_dict()`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CurriculumConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    window: int = Field(16, ge=1, description="recent episodes per task that its pass rate "
+                        "is measured on")
+    min_episodes: int = Field(8, ge=1, description="episodes seen before a task may rest")
+    rest_draws: int = Field(8, ge=1, description="draws of its domain a rested task sits out")
+    floor: float = Field(0.05, gt=0, le=1, description="least weight of a task that is "
+                         "not resting (so every task is still seen now and then)")
+
+
+class Curriculum:
+    def __init__(self, config: CurriculumConfig | None = None) -> None:
+        self.config = config or CurriculumConfig()
+        self._recent: dict[str, deque[bool]] = {}
+        self._rest_until: dict[str, int] = {}   # task -> domain draw count it rests until
+        self._draws: dict[str, int] = {}        # domain -> draws so far
+
+    def record(self, task_id: str, passes: Iterable[bool]) -> None:
+        """Pass flags of a finished group's graded episodes (masked ones left out)."""
+        q = self._recent.setdefault(task_id, deque(maxlen=self.config.window))
+        q.extend(bool(p) for p in passes)
+
+    def pass_rate(self, task_id: str) -> float | None:
+        q = self._recent.get(task_id)
+        return sum(q) / len(q) if q else None
+
+    def saturated(self, task_id: str) -> bool:
+        """Seen enough, and recently always or never passed."""
+        q = self._recent.get(task_id)
+        if not self.config.enabled or q is None or len(q) < self.config.min_episodes:
+            return False
+        rate = sum(q) / len(q)
+        return rate == 0.0 or rate == 1.0
+
+    def weight(self, task_id: str) -> float:
+        """How strongly to favour the task: 4 p (1 - p) (1 at p = 0.5), floored; 1 for a
+        task not yet seen, and for a saturated one whose rest is over (its probe)."""
+        rate = self.pass_rate(task_id)
+        if not self.config.enabled or rate is None or self.saturated(task_id):
+            return 1.0
+        return max(self.config.floor, 4.0 * rate * (1.0 - rate))
+
+    def drawn(self, task_id: str, domain: str) -> None:
+        """The task was chosen (counts a draw of its domain). A saturated task's probe
+        starts its next rest; its group's outcome decides whether it keeps resting."""
+        self._draws[domain] = now = self._draws.get(domain, 0) + 1
+        if self.saturated(task_id):
+            self._rest_until[task_id] = now + self.config.rest_draws
+
+    def resting(self, task_id: str, domain: str) -> bool:
+        """Sitting out: saturated, and its rest (counted in its domain's draws) not over.
+        Once the rest is over the task is a candidate until drawn (its probe)."""
+        if not self.saturated(task_id):
+            self._rest_until.pop(task_id, None)
+            return False
+        now = self._draws.get(domain, 0)
+        until = self._rest_until.setdefault(task_id, now + self.config.rest_draws)
+        return now < until
+
+    def stats(self, task_ids: Iterable[str], domain: str) -> dict[str, int]:
+        ids = list(task_ids)
+        now = self._draws.get(domain, 0)
+        rested = sum(1 for t in ids if self.saturated(t)
+                     and self._rest_until.get(t, now + 1) > now)
+        return {"tasks": len(ids), "resting": rested,
+                "solved": sum(1 for t in ids if self.saturated(t) and self.pass_rate(t) == 1.0)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": {k: list(v) for k, v in self._recent.items()},
+                "rest_until": dict(self._rest_until), "draws": dict(self._draws)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._recent = {k: deque(v, maxlen=self.config.window)
+                        for k, v in state.get("recent", {}).items()}
+        self._rest_until = {k: int(v) for k, v in state.get("rest_until", {}).items()}
+        self._draws = {k: int(v) for k, v in state.get("draws", {}).items()}

@@ -125,3 +125,12 @@ def test_the_token_family_needs_the_in_process_engine(tmp_path):
                                       "engine": {"url": "http://127.0.0.1:9/v1"}})
     with pytest.raises(ConfigError, match="in-process engine only"):
         train(cfg)
+
+
+def test_rollouts_routed_over_two_servers_and_weights_sent_to_both(model_dir, tmp_path):
+    with serve(model_dir) as a, serve(model_dir) as b:
+        result = train(remote_config(model_dir, tmp_path / "run", [a.base_url, b.base_url]))
+        versions = [RemoteWeights(s.base_url, "policy").describe()["version"] for s in (a, b)]
+    assert result.steps_done == 2 and versions == [2, 2]
+    last = read_metrics(tmp_path / "run")[-1]
+    assert last["replica/0/requests"] + last["replica/1/requests"] > 0

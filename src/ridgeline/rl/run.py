@@ -64,8 +64,12 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = Field(None, description="an OpenAI-compatible base URL of ridgeline "
-                            "serve (e.g. http://127.0.0.1:8000/v1); empty: in-process")
+    url: str | list[str] | None = Field(None, description="the base URL of a ridgeline "
+                                        "serve (e.g. http://127.0.0.1:8000/v1), or a list of "
+                                        "them (replicas); empty: in-process")
+    replicas: int = Field(1, ge=1, description="in-process engine replicas (each holds the "
+                          "weights and its own KV cache); requests are routed by load and "
+                          "prefix affinity")
     served_model: str | None = Field(None, description="the model's name on that server "
                                      "(default: the first it lists)")
     api_key: str | None = Field(None, description="the server's API key (default: "
@@ -204,11 +208,15 @@ class _Run:
             kwargs["max_model_len"] = e.max_model_len
         if e.num_kv_blocks is not None:
             kwargs["num_kv_blocks"] = e.num_kv_blocks
-        self.llm = LLM(str(self.policy.model_dir), **kwargs)
+        self.llms = [LLM(str(self.policy.model_dir), **kwargs) for _ in range(e.replicas)]
+        self.llm = self.llms[0]                   # the token family's engine
         self.tokenizer = self.llm.tokenizer
         # the agent's model (terminal tasks; a model without a tokenizer has none)
-        self.generator: Any = EngineClient(self.llm) if self.tokenizer is not None else None
-        self.weights: Any = self.llm.worker       # where each step's weights go
+        self.generator: Any = None
+        if self.tokenizer is not None:
+            self.generator = _routed([EngineClient(llm) for llm in self.llms])
+        # where each step's weights go
+        self.weights: Any = _fanout([llm.worker for llm in self.llms])
 
     def _remote_engine(self) -> None:
         """`ridgeline serve` at `engine.url`: checked to serve this policy's model and to
@@ -221,17 +229,26 @@ class _Run:
 
         e = self.config.engine
         assert e.url is not None
+        urls = [e.url] if isinstance(e.url, str) else list(e.url)
         key = e.api_key or os.environ.get("RIDGELINE_API_KEY") or None
-        self.generator = OpenAIClient(e.url, model=e.served_model, api_key=key,
-                                      context_window=e.max_model_len)
-        name = self.generator.model  # asks the server: an unreachable one fails here
-        self.weights = RemoteWeights(e.url, name, api_key=key)
+        clients, targets = [], []
         full = self.policy.full_weights()          # with LoRA, the base too
-        self.weights.check_compatible(full)
+        for url in urls:
+            client = OpenAIClient(url, model=e.served_model, api_key=key,
+                                  context_window=e.max_model_len)
+            name = client.model  # asks the server: an unreachable one fails here
+            target = RemoteWeights(url, name, api_key=key)
+            target.check_compatible(full)
+            clients.append(client)
+            targets.append(target)
         self.tokenizer = _local_tokenizer(self.policy.model_dir)
+        self.generator = _routed(clients)
+        self.weights = _fanout(targets)
+        t0 = time.perf_counter()
         self.weights.update_weights(full, version=self.trainer.version)
-        log.info("weights of %s pushed to %s as version %d in %.1f s", self.config.policy.model,
-                 e.url, self.trainer.version, self.weights.last_update["request_seconds"])
+        log.info("weights of %s pushed to %d server(s) as version %d in %.1f s",
+                 self.config.policy.model, len(urls), self.trainer.version,
+                 time.perf_counter() - t0)
 
     def _select_tasks(self) -> list[Any]:
         cfg = self.config
@@ -314,9 +331,22 @@ class _Run:
         if self.verifier is not None:
             self.verifier.close()
         if self.llm is not None:
-            self.llm.worker.stop()
+            for llm in self.llms:
+                llm.worker.stop()
         else:
             self.weights.close()
+
+
+def _routed(generators: list[Any]) -> Any:
+    from ridgeline.llm.router import ReplicaRouter
+
+    return generators[0] if len(generators) == 1 else ReplicaRouter(generators)
+
+
+def _fanout(targets: list[Any]) -> Any:
+    from ridgeline.llm.router import WeightFanout
+
+    return targets[0] if len(targets) == 1 else WeightFanout(targets)
 
 
 def _local_tokenizer(model_dir: Any) -> Any:
@@ -402,6 +432,8 @@ def _train(run: _Run, run_dir: Path, resume: bool,
             ev = held_out(done)
             if ev["pass_rate"] is not None:
                 metrics["eval/pass_rate"] = ev["pass_rate"]
+        if hasattr(run.generator, "metrics"):     # a router's per-replica load
+            metrics.update(run.generator.metrics())
         runlog.log(step, metrics)  # before the checkpoint: a kill between loses nothing
         if done % cfg.checkpoint_every == 0 or last:
             # the buffer first, then the sampler: a group finishing in between is

@@ -5,6 +5,7 @@ holds again at every version)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def test_after_each_sync_the_servers_logprobs_are_the_trainers(model_dir):
         assert (moved[mask] - recorded[mask]).abs().max() > 1e-3
 
 
-def remote_config(model_dir: Path, out: Path, url: str, **engine) -> TrainConfig:
+def remote_config(model_dir: Path, out: Path, url: str | list[str] | None, **engine
+                  ) -> TrainConfig:
     return TrainConfig.model_validate({
         "policy": {"model": str(model_dir)},
         "tasks": {"source": "builtin", "ids": ["hello-file"], "check": False},
@@ -134,3 +136,26 @@ def test_rollouts_routed_over_two_servers_and_weights_sent_to_both(model_dir, tm
     assert result.steps_done == 2 and versions == [2, 2]
     last = read_metrics(tmp_path / "run")[-1]
     assert last["replica/0/requests"] + last["replica/1/requests"] > 0
+
+
+def test_a_run_over_two_domains_reports_their_shares_and_resumes_the_schedule(model_dir,
+                                                                               tmp_path):
+    """The domain scheduler drives an in-process run on two task domains: metrics carry
+    each domain's starts and caps, report.json their shares, and --resume continues the
+    scheduler's state (its kind is checked)."""
+    cfg = remote_config(model_dir, tmp_path / "run", None)
+    cfg = cfg.model_copy(update={
+        "tasks": cfg.tasks.model_copy(update={"ids": ["hello-file", "sh-copy-file"]}),
+        "loop": cfg.loop.model_copy(update={"batch_groups": 2, "rollout_threads": 2}),
+        "engine": cfg.engine.model_copy(update={"url": None, "replicas": 2})})
+    first = train(cfg)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert set(report["domains"]) == {"shell-and-files", "shell-basics"}
+    assert sum(d["share_of_starts"] for d in report["domains"].values()) == pytest.approx(1.0)
+    metrics = read_metrics(tmp_path / "run")
+    assert {"sched/shell-basics/started", "sched/shell-and-files/cap"} <= set(metrics[-1])
+    state = json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())
+    assert state["sampler"]["kind"] == "domain" and first.steps_done == 2
+    resumed = train(cfg.model_copy(update={"steps": 3}), resume=True)
+    assert resumed.steps_done == 3
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [0, 1, 2]

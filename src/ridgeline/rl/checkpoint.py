@@ -58,8 +58,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: dict[str, Any],
-         sampler_state: dict[str, Any], identity: dict[str, Any]) -> Path:
-    """Write the checkpoint of `step` (the trainer between two steps, rollouts may run)."""
+         sampler_state: dict[str, Any], identity: dict[str, Any],
+         extra: dict[str, Any] | None = None) -> Path:
+    """Write the checkpoint of `step` (the trainer between two steps, rollouts may run);
+    `extra`: more JSON-able run state (e.g. the conflict monitor's)."""
     t0 = time.perf_counter()
     final, tmp, old = run_dir / NAME, run_dir / f"{NAME}.tmp", run_dir / f"{NAME}.old"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -69,7 +71,8 @@ def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: d
     torch.save({"trainer": trainer.state_dict(), "buffer": buffer_state,
                 "rng": rng_state()}, tmp / "trainer.pt")
     state = {"format": FORMAT, "step": step, "version": trainer.version,
-             "identity": identity, "sampler": sampler_state, "time": time.time()}
+             "identity": identity, "sampler": sampler_state, "extra": extra or {},
+             "time": time.time()}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
         f.flush()

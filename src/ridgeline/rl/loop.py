@@ -42,9 +42,11 @@ from ridgeline.engine import SamplingParams
 from ridgeline.errors import RidgelineError
 from ridgeline.rl.advantages import group_advantages
 from ridgeline.rl.buffer import BufferClosed, RolloutBuffer
+from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor
 from ridgeline.rl.filters import (
     TOO_FEW_VALID, ZERO_VARIANCE, EpisodeRecord, FilterConfig, filter_batch,
 )
+from ridgeline.rl.scheduler import task_domain
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,9 @@ class TaskSampler:
     def metrics(self) -> dict[str, float]:
         return {}
 
+    def scale_weight(self, domain: str, factor: float) -> None:
+        """A shuffled order has no domain weights to scale."""
+
     def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
         """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
         with self._lock:
@@ -198,6 +203,7 @@ class LoopConfig(BaseModel):
     rollout_threads: int = Field(2, ge=1, description="groups played at once")
     normalize_std: bool = True
     filters: FilterConfig = Field(default_factory=FilterConfig)
+    conflicts: ConflictConfig = Field(default_factory=ConflictConfig)
 
 
 Reward = Callable[[TokenTask, list[list[int]]], Sequence[float | None]]
@@ -255,6 +261,7 @@ class AsyncRLLoop:
         self.worker = worker          # where weights are synced (an EngineWorker)
         self.config = cfg = config or LoopConfig()
         self.buffer = RolloutBuffer(cfg.batch_groups, cfg.eta)
+        self.conflicts = ConflictMonitor(cfg.conflicts)
         self._stop = threading.Event()
         self.errors: list[str] = []
 
@@ -298,10 +305,10 @@ class AsyncRLLoop:
 
     # ---- training ---------------------------------------------------------------------
 
-    def train_step(self, groups: list[EpisodeGroup]) -> dict[str, Any]:
+    def train_step(self, groups: list[EpisodeGroup], step: int | None = None) -> dict[str, Any]:
         cfg = self.config
         filtered = filter_batch([g.records for g in groups], cfg.filters)
-        episodes, rewards, ids, valid = [], [], [], []
+        episodes, rewards, ids, valid, domains = [], [], [], [], []
         for gi, fg in enumerate(filtered.groups):
             for rec in fg.episodes:
                 if rec.sample is None:
@@ -310,6 +317,7 @@ class AsyncRLLoop:
                 rewards.append(float("nan") if rec.reward is None else rec.reward)
                 ids.append(gi)
                 valid.append(rec.mask)
+                domains.append(task_domain(groups[gi].task))
         metrics: dict[str, Any] = {}
         records = [r for g in groups for r in g.records]
         graded = [r for r in records if r.reward is not None]
@@ -319,9 +327,8 @@ class AsyncRLLoop:
                                 if graded else float("nan"))
         by_domain: dict[str, list[bool]] = {}
         for g in groups:
-            domain = str(getattr(g.task, "domain", "") or "tasks")
-            by_domain.setdefault(domain, []).extend(passed(r) for r in g.records
-                                                    if r.reward is not None)
+            by_domain.setdefault(task_domain(g.task), []).extend(
+                passed(r) for r in g.records if r.reward is not None)
         for domain, flags in sorted(by_domain.items()):
             if flags:
                 metrics[f"pass_rate/{domain}"] = sum(flags) / len(flags)
@@ -348,6 +355,13 @@ class AsyncRLLoop:
         if keep:
             batch = TokenBatch.of([episodes[i] for i in keep],
                                   [float(adv.advantages[i]) for i in keep])
+            if step is not None and self.conflicts.due(step):
+                rates = {d: sum(f) / len(f) for d, f in by_domain.items() if f}
+                metrics.update(self.conflicts.measure(step, self.trainer, batch,
+                                                      [domains[i] for i in keep], rates))
+                for d in self.conflicts.to_reweight():
+                    log.warning("domains in conflict: sampling %s less", d)
+                    self.tasks.scale_weight(d, cfg.conflicts.reweight_factor)
             metrics.update(self.trainer.step(batch))
             if metrics.get("train_seconds"):
                 metrics["train_tokens_per_s"] = float(batch.attention_mask.sum()) / \
@@ -382,7 +396,7 @@ class AsyncRLLoop:
                             "every rollout thread stopped: " + "; ".join(self.errors[-3:]),
                             hint="check the tasks, the model and the verifier")
                 wait = time.perf_counter() - t0
-                metrics = self.train_step(groups)
+                metrics = self.train_step(groups, step)
                 step_s = time.perf_counter() - t0
                 # sampled tokens this step trained on, per second of the step's wall time
                 # (rollouts run concurrently with each other and with training)

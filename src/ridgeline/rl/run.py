@@ -373,6 +373,25 @@ def probe_sandbox(backend: str) -> None:
                                "rollout.backend") from None
 
 
+def write_report(run_dir: Path, run: _Run, loop: AsyncRLLoop) -> None:
+    """report.json: the tasks left out and why (quality check, flaky oracle), each
+    domain's share of rollouts and its state, and the domain conflicts flagged."""
+    sched = run.sampler.metrics()
+    domains: dict[str, dict[str, float]] = {}
+    for key, value in sched.items():
+        parts = key.split("/")
+        if len(parts) == 3:
+            domains.setdefault(parts[1], {})[parts[2]] = value
+    started = sum(d.get("started", 0.0) for d in domains.values()) or 1.0
+    for d in domains.values():
+        d["share_of_starts"] = round(d.get("started", 0.0) / started, 4)
+    report = {"excluded_tasks": run.excluded, "domains": domains,
+              "conflicts": loop.conflicts.report(), "rollout_errors": loop.errors[-20:]}
+    tmp = run_dir / "report.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(run_dir / "report.json")
+
+
 def _append_json(path: Path, record: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -403,6 +422,7 @@ def _train(run: _Run, run_dir: Path, resume: bool,
         run.trainer.sync(run.weights)
         loop.buffer.load_state_dict(ckpt.buffer)
         run.sampler.load_state_dict(ckpt.state["sampler"])
+        loop.conflicts.load_state_dict(ckpt.state.get("extra", {}).get("conflicts", {}))
         checkpoint.set_rng_state(ckpt.rng)
         start = ckpt.step + 1
         runlog = RunLog(run_dir, resume_step=ckpt.step)
@@ -443,7 +463,8 @@ def _train(run: _Run, run_dir: Path, resume: bool,
             t0 = time.perf_counter()
             checkpoint.save(run_dir, step, policy=run.policy, trainer=run.trainer,
                             buffer_state=buffer_state,
-                            sampler_state=run.sampler.state_dict(ready), identity=run.identity)
+                            sampler_state=run.sampler.state_dict(ready), identity=run.identity,
+                            extra={"conflicts": loop.conflicts.state_dict()})
             log.info("checkpoint of step %d written in %.1f s", step, time.perf_counter() - t0)
         result.steps_done = done
         result.history.append(metrics)
@@ -456,6 +477,7 @@ def _train(run: _Run, run_dir: Path, resume: bool,
         loop.run(cfg.steps, on_step=step_done, start_step=start)
     finally:
         runlog.close()
+        write_report(run_dir, run, loop)
         if cfg.plots:
             try:
                 plot_run(run_dir)

@@ -157,6 +157,7 @@ class DomainScheduler:
         self._pending: dict[int, str] = {}      # handed out, not yet consumed by a step
         self._running: dict[int, str] = {}      # handed out, rollout not yet finished
         self._duration: dict[str, float] = {}   # task -> expected group seconds
+        self._scale: dict[str, float] = {}      # domain -> weight factor (conflicts)
         self.waits = 0
 
     # ---- the sampler interface (AsyncRLLoop) --------------------------------------------
@@ -221,6 +222,12 @@ class DomainScheduler:
             self._closed = True
             self._cond.notify_all()
 
+    def scale_weight(self, domain: str, factor: float) -> None:
+        """Scale a domain's weight from now on (e.g. the conflict monitor's reweighting)."""
+        with self._cond:
+            if domain in self.domains:
+                self._scale[domain] = self._scale.get(domain, 1.0) * factor
+
     # ---- choosing -----------------------------------------------------------------------
 
     def _cap(self, d: _Domain) -> int:
@@ -282,7 +289,8 @@ class DomainScheduler:
         cands = self._candidates(d) if candidates is None else candidates
         if not cands:
             return 0.0
-        return d.spec.weight * sum(w for _, w in cands) / len(cands)
+        return (d.spec.weight * self._scale.get(d.name, 1.0)
+                * sum(w for _, w in cands) / len(cands))
 
     def _plan_one(self, eligible_only: bool) -> str | None:
         """Choose the next task: the domain furthest behind in virtual time (among those
@@ -348,7 +356,7 @@ class DomainScheduler:
                     "plan": list(self._plan),
                     "vtime": {n: d.vtime for n, d in self.domains.items()},
                     "counts": {n: [d.started, d.finished, d.failed] for n, d in self.domains.items()},
-                    "duration": dict(self._duration),
+                    "duration": dict(self._duration), "scale": dict(self._scale),
                     "curriculum": self.curriculum.state_dict(),
                     "rng": [state[0], list(state[1]), state[2]]}
 
@@ -369,6 +377,7 @@ class DomainScheduler:
                     d = self.domains[n]
                     d.started, d.finished, d.failed = int(s), int(f), int(x)
             self._duration = {k: float(v) for k, v in state.get("duration", {}).items()}
+            self._scale = {k: float(v) for k, v in state.get("scale", {}).items()}
             self.curriculum.load_state_dict(state.get("curriculum", {}))
             v, internal, gauss = state["rng"]
             self._rng.setstate((v, tuple(internal), gauss))

@@ -92,7 +92,7 @@ class TokenBatch:
     def __len__(self) -> int:
         return self.token_ids.shape[0]
 
-    def rows(self, index: slice) -> TokenBatch:
+    def rows(self, index: slice | list[int]) -> TokenBatch:
         return TokenBatch(self.token_ids[index], self.attention_mask[index],
                           self.loss_mask[index], self.behaviour_logprobs[index],
                           self.advantages[index])

@@ -116,12 +116,37 @@ class PolicyTrainer:
     def step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step over the whole batch (micro-batched); metrics."""
         cfg = self.config
+        t0 = time.perf_counter()
+        sums, total_tokens = self._backward(batch)
+        grad_norm = None
+        if cfg.grad_clip is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.optimizer.step()
+        self.num_steps += 1
+        out = {k: v / max(total_tokens, 1.0) for k, v in sums.items()}
+        out.update(train_seconds=time.perf_counter() - t0, policy_tokens=total_tokens)
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        return out
+
+    def gradient(self, batch: TokenBatch) -> torch.Tensor:
+        """The loss gradient of `batch` over the trainable parameters, flattened (float32),
+        without a step: for comparing the directions different data pull in."""
+        self._backward(batch)
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float()
+                 .flatten() for p in self.params]
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.cat(grads)
+
+    def _backward(self, batch: TokenBatch) -> tuple[dict[str, float], float]:
+        """Zero the gradients, then accumulate the batch's loss gradient (micro-batched);
+        token-weighted metric sums and the number of policy tokens."""
+        cfg = self.config
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = float(batch.loss_mask.sum())
         total_seqs = float((batch.loss_mask.sum(dim=1) > 0).sum())
         sums: dict[str, float] = {}
-        t0 = time.perf_counter()
         for start in range(0, len(batch), cfg.micro_batch_size):
             mb = batch.rows(slice(start, start + cfg.micro_batch_size))
             tokens = float(mb.loss_mask.sum())
@@ -146,16 +171,7 @@ class PolicyTrainer:
             (loss * share).backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * tokens
-        grad_norm = None
-        if cfg.grad_clip is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
-        self.optimizer.step()
-        self.num_steps += 1
-        out = {k: v / max(total_tokens, 1.0) for k, v in sums.items()}
-        out.update(train_seconds=time.perf_counter() - t0, policy_tokens=total_tokens)
-        if grad_norm is not None:
-            out["grad_norm"] = grad_norm
-        return out
+        return sums, total_tokens
 
     def sync(self, worker: Any) -> dict[str, float]:
         """Copy the weights into the engine (between two of its steps) as a new version:

@@ -91,6 +91,21 @@ class RolloutSettings(BaseModel):
     backend: str = Field("bwrap", description="sandbox backend")
 
 
+class RaySettings(BaseModel):
+    """Rollout workers and the trainer as Ray actors (`pip install ray`); off: one process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    address: str | None = Field(None, description="a running cluster ('auto', or "
+                                "ray://host:10001); empty: start a local one")
+    rollout_workers: int = Field(2, ge=1, description="actors, each with an engine replica")
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs each rollout worker reserves")
+    worker_gpus: float = Field(0.0, ge=0, description="GPUs each rollout worker reserves")
+    trainer_cpus: float = Field(1.0, ge=0)
+    trainer_gpus: float = Field(0.0, ge=0)
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -106,6 +121,7 @@ class TrainConfig(BaseModel):
     eval_samples: int = Field(2, ge=1)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
+    ray: RaySettings = Field(default_factory=RaySettings)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="domains, shares, caps and curriculum "
                                        "of terminal tasks")
@@ -182,20 +198,38 @@ class _Run:
         if tasks is None and cfg.engine.url:
             raise ConfigError("the token family 'shift' runs on the in-process engine only",
                               hint="remove engine.url, or train on terminal tasks")
+        self.llm: Any = None
+        self.cluster: Any = None
+        self.generator: Any = None
+        self.sampler = make_sampler(cfg, tasks)
+        if cfg.ray.enabled:
+            self._ray_cluster()
+            return
         self.policy = load_policy(cfg.policy)
         self.identity = self.policy.identity
-        # the trainer's logprobs are of the distribution the rollouts sample from
-        self.trainer = PolicyTrainer(self.policy, cfg.trainer.model_copy(
-            update={"temperature": cfg.rollout.temperature}))
-        self.llm: Any = None
+        self.trainer = make_trainer(cfg, self.policy)
         if cfg.engine.url:
             self._remote_engine()
         else:
             self._local_engine()
-        if tasks is None:
-            self._token_family()
-        else:
-            self._terminal(tasks)
+        self.rollout, self.verifier = make_rollout(cfg, self.llm, self.generator,
+                                                   self.tokenizer)
+
+    def _ray_cluster(self) -> None:
+        """Rollout workers (each with its engine replica) and the trainer as Ray actors;
+        weights go from the trainer to the workers through the object store."""
+        from ridgeline.rl.distributed import RayRun
+
+        cfg = self.config
+        if cfg.engine.url:
+            raise ConfigError("ray.enabled and engine.url both set",
+                              hint="with Ray, each rollout worker runs its own engine replica")
+        self.cluster = RayRun(cfg)
+        self.policy = self.cluster.policy
+        self.identity = self.cluster.policy.identity
+        self.trainer = self.cluster.trainer
+        self.rollout = self.cluster.rollout
+        self.weights = self.cluster.weights
 
     def _local_engine(self) -> None:
         """The engine in this process, on the policy's model directory."""
@@ -203,16 +237,11 @@ class _Run:
         from ridgeline.llm.engine_client import EngineClient
 
         e = self.config.engine
-        kwargs: dict[str, Any] = {"max_num_seqs": e.max_num_seqs}
-        if e.max_model_len is not None:
-            kwargs["max_model_len"] = e.max_model_len
-        if e.num_kv_blocks is not None:
-            kwargs["num_kv_blocks"] = e.num_kv_blocks
-        self.llms = [LLM(str(self.policy.model_dir), **kwargs) for _ in range(e.replicas)]
+        self.llms = [LLM(str(self.policy.model_dir), **engine_kwargs(e))
+                     for _ in range(e.replicas)]
         self.llm = self.llms[0]                   # the token family's engine
         self.tokenizer = self.llm.tokenizer
         # the agent's model (terminal tasks; a model without a tokenizer has none)
-        self.generator: Any = None
         if self.tokenizer is not None:
             self.generator = _routed([EngineClient(llm) for llm in self.llms])
         # where each step's weights go
@@ -272,37 +301,6 @@ class _Run:
                               hint="a held-out task must not be in the training split")
         return tasks
 
-    def _token_family(self) -> None:
-        from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks
-        from ridgeline.rl.loop import SandboxVerifier
-
-        cfg = self.config
-        self.verifier = SandboxVerifier(SHIFT_VERIFIER)
-        self.sampler = TaskSampler(shift_tasks(cfg.seed), cfg.seed)
-        self.rollout = TokenTaskRollout(self.llm, self.verifier, max_tokens=DIGITS,
-                                        temperature=cfg.rollout.temperature)
-
-    def _terminal(self, tasks: list[Any]) -> None:
-        from ridgeline.agent import AgentConfig
-        from ridgeline.rl.agent_rollout import AgentRollout
-
-        cfg = self.config
-        if self.tokenizer is None:
-            raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
-                              "cannot talk to it", hint="use a model directory with tokenizer files")
-        if cfg.scheduler.enabled:
-            self.sampler: Any = DomainScheduler(tasks, cfg.scheduler,
-                                                slots=cfg.loop.rollout_threads,
-                                                group_size=cfg.loop.group_size, seed=cfg.seed)
-        else:
-            self.sampler = TaskSampler(tasks, cfg.seed)
-        r = cfg.rollout
-        self.rollout = AgentRollout(
-            self.generator, self.tokenizer, AgentConfig(step_limit=r.step_limit),
-            Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
-                     logprobs_mode="tempered"),
-            backend=r.backend)
-
     def evaluate(self, step: int) -> dict[str, Any]:
         """The held-out tasks, `eval_samples` episodes each, with the rollout's sampling."""
         from ridgeline.rl.loop import episode_seed
@@ -330,11 +328,67 @@ class _Run:
     def close(self) -> None:
         if self.verifier is not None:
             self.verifier.close()
-        if self.llm is not None:
+        if self.cluster is not None:
+            self.cluster.close()
+        elif self.llm is not None:
             for llm in self.llms:
                 llm.worker.stop()
         else:
             self.weights.close()
+
+
+def make_trainer(cfg: TrainConfig, policy: Any) -> PolicyTrainer:
+    # the trainer's logprobs are of the distribution the rollouts sample from
+    return PolicyTrainer(policy, cfg.trainer.model_copy(
+        update={"temperature": cfg.rollout.temperature}))
+
+
+def make_sampler(cfg: TrainConfig, tasks: list[Any] | None) -> Any:
+    """The task order: the token family's, or the domain scheduler (a shuffled order
+    with `scheduler.enabled: false`) over the terminal tasks."""
+    if tasks is None:
+        from ridgeline.rl.digits import shift_tasks
+
+        return TaskSampler(shift_tasks(cfg.seed), cfg.seed)
+    if cfg.scheduler.enabled:
+        return DomainScheduler(tasks, cfg.scheduler, slots=cfg.loop.rollout_threads,
+                               group_size=cfg.loop.group_size, seed=cfg.seed)
+    return TaskSampler(tasks, cfg.seed)
+
+
+def make_rollout(cfg: TrainConfig, llm: Any, generator: Any, tokenizer: Any
+                 ) -> tuple[Any, Any]:
+    """(group rollout, verifier to close or None): single-turn token tasks scored in a
+    sandbox on `llm` for the token family, else the agent on terminal tasks talking to
+    `generator` (token ids through `tokenizer`). Also what each Ray worker builds."""
+    r = cfg.rollout
+    if cfg.tasks.source == "shift":
+        from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER
+        from ridgeline.rl.loop import SandboxVerifier
+
+        verifier = SandboxVerifier(SHIFT_VERIFIER)
+        return TokenTaskRollout(llm, verifier, max_tokens=DIGITS,
+                                temperature=r.temperature), verifier
+    from ridgeline.agent import AgentConfig
+    from ridgeline.rl.agent_rollout import AgentRollout
+
+    if tokenizer is None or generator is None:
+        raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
+                          "cannot talk to it", hint="use a model directory with tokenizer files")
+    return AgentRollout(
+        generator, tokenizer, AgentConfig(step_limit=r.step_limit),
+        Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                 logprobs_mode="tempered"),
+        backend=r.backend), None
+
+
+def engine_kwargs(e: EngineSettings) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"max_num_seqs": e.max_num_seqs}
+    if e.max_model_len is not None:
+        kwargs["max_model_len"] = e.max_model_len
+    if e.num_kv_blocks is not None:
+        kwargs["num_kv_blocks"] = e.num_kv_blocks
+    return kwargs
 
 
 def _routed(generators: list[Any]) -> Any:
@@ -452,8 +506,9 @@ def _train(run: _Run, run_dir: Path, resume: bool,
             ev = held_out(done)
             if ev["pass_rate"] is not None:
                 metrics["eval/pass_rate"] = ev["pass_rate"]
-        if hasattr(run.generator, "metrics"):     # a router's per-replica load
-            metrics.update(run.generator.metrics())
+        for source in (run.generator, run.cluster):   # per-replica / per-worker load
+            if hasattr(source, "metrics"):
+                metrics.update(source.metrics())
         runlog.log(step, metrics)  # before the checkpoint: a kill between loses nothing
         if done % cfg.checkpoint_every == 0 or last:
             # the buffer first, then the sampler: a group finishing in between is

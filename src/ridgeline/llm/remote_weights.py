@@ -15,7 +15,7 @@ server checks every tensor before it copies any.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -87,7 +87,8 @@ class RemoteWeights:
                 time.sleep(0.5 * 2 ** (attempt - 1))
             try:
                 # an update names its version, so sending it twice does no harm
-                r = self._http.request(method, self.url, params=params, content=content,
+                r = self._http.request(method, self.url, params=params,
+                                       content=None if content is None else _chunks(content),
                                        headers={"content-type": "application/octet-stream"}
                                        if content is not None else None)
             except httpx.TransportError as e:
@@ -110,6 +111,14 @@ class RemoteWeights:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _chunks(body: bytes, size: int = 4 << 20) -> Iterator[bytes]:
+    """The body in 4 MiB pieces (chunked transfer): httpx sends one huge `bytes` body
+    at ~100 MB/s, pieces at ~1 GB/s."""
+    view = memoryview(body)
+    for start in range(0, len(view), size):
+        yield bytes(view[start:start + size])
 
 
 def _unshared(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

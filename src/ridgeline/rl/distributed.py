@@ -7,7 +7,8 @@ the trainer are actors; the driver keeps the loop, the buffer and the task sched
 
 - `rollout`: a `GroupRollout` that plays each group on the least busy `RolloutWorker`
   actor. A worker builds exactly what a single-process run builds (`run.make_rollout` on
-  an `LLM` of the policy's model directory), so episodes are identical in shape. Workers
+  an `LLM` of the policy's model, resolved on its own node, then given the trainer's
+  weights as version 0), so episodes are identical in shape. Workers
   are threaded actors: the groups the loop's rollout threads send one worker at a time
   are batched by its engine.
 - `trainer`: a proxy with `PolicyTrainer`'s interface (`step`, `gradient`, `sync`,
@@ -47,13 +48,17 @@ def _ray() -> Any:
 class RolloutWorker:
     """An actor: one engine replica and the run's rollout on it."""
 
-    def __init__(self, config_json: str, model_dir: str) -> None:
+    def __init__(self, config_json: str) -> None:
         from ridgeline.engine import LLM
         from ridgeline.llm.engine_client import EngineClient
+        from ridgeline.rl.policy import hf_model_dir
         from ridgeline.rl.run import TrainConfig, engine_kwargs, make_rollout
 
         cfg = TrainConfig.model_validate_json(config_json)
-        self.llm = LLM(model_dir, **engine_kwargs(cfg.engine))
+        # resolved on this worker's node (a GGUF default is converted into its own cache);
+        # the trainer's exact weights arrive as version 0 right after start
+        model_dir = hf_model_dir(cfg.policy.model, cache_dir=cfg.policy.cache_dir)
+        self.llm = LLM(str(model_dir), **engine_kwargs(cfg.engine))
         generator = EngineClient(self.llm) if self.llm.tokenizer is not None else None
         self.rollout, self.verifier = make_rollout(cfg, self.llm, generator, self.llm.tokenizer)
 
@@ -247,8 +252,7 @@ class RayRun:
             raise _actor_error("the trainer actor", e) from None
         worker_cls = ray.remote(RolloutWorker).options(
             num_cpus=r.worker_cpus, num_gpus=r.worker_gpus, max_concurrency=concurrency)
-        self.workers = [worker_cls.remote(cfg_json, self.policy.model_dir)
-                        for _ in range(r.rollout_workers)]
+        self.workers = [worker_cls.remote(cfg_json) for _ in range(r.rollout_workers)]
         try:
             ray.get([w.version.remote() for w in self.workers])   # started, or why not
         except Exception as e:  # noqa: BLE001
@@ -256,6 +260,10 @@ class RayRun:
             raise _actor_error("a rollout worker", e) from None
         self.trainer = RayTrainer(self.trainer_actor, ray)
         self.weights = RayWeights(self.workers, ray)
+        # every engine starts from the trainer's exact weights (files on another node
+        # may differ), as version 0
+        [ref] = ray.get(self.trainer_actor.publish.remote(0, True))
+        self.weights.broadcast(ref, 0)
         self.rollout = RayRollout(self.workers, ray)
         log.info("Ray: %d rollout workers and a trainer actor on %s", len(self.workers),
                  r.address or "a local cluster")

@@ -121,6 +121,7 @@ def add_weight_routes(app: FastAPI, served: Mapping[str, Any], enabled: bool) ->
         raw = bytearray()
         async for chunk in request.stream():  # bounded by the gate's weights limit
             raw += chunk
+        t_received = time.perf_counter()
         tensors = await asyncio.to_thread(decode_weights, bytes(raw))
         del raw
         t1 = time.perf_counter()
@@ -134,5 +135,6 @@ def add_weight_routes(app: FastAPI, served: Mapping[str, Any], enabled: bool) ->
         now = served[names[0]].engine.policy_version
         return {"object": "weights", "model": names[0], "updated": names, "version": now,
                 "tensors": count, "bytes": sum(t.numel() * t.element_size() for _, t in items),
-                "decode_seconds": round(t1 - t0, 4),
+                "receive_seconds": round(t_received - t0, 4),
+                "decode_seconds": round(t1 - t_received, 4),
                 "seconds": round(time.perf_counter() - t0, 4)}

@@ -306,3 +306,54 @@ def test_settings_for_a_domain_without_tasks_are_an_error():
     with pytest.raises(ConfigError, match="domains without tasks: typo"):
         DomainScheduler(tasks_of({"a": 1}), SchedulerConfig(domains={"typo": DomainSpec()}),
                         slots=2)
+
+
+@dataclass(frozen=True)
+class DomainTokenTask:
+    id: str
+    prompt_ids: list[int]
+    answer: Any
+    domain: str
+
+
+def test_a_domain_whose_verifier_hangs_cannot_starve_a_real_run():
+    """The whole loop (engine, sandboxed verifiers, buffer, trainer) with the scheduler:
+    one domain's verifier hangs in its sandbox until its time limit; the run still trains
+    on the other domains, the hanging one is degraded to a single probe group, and its
+    groups are masked, never rewarded 0."""
+    from ridgeline.engine import LLM
+    from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks, tiny_policy
+    from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier, TokenTaskRollout
+    from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
+
+    family = shift_tasks(3)
+    tasks = [DomainTokenTask(f"{d}-{i}", family(k).prompt_ids, family(k).answer, d)
+             for k, (d, i) in enumerate((d, i) for d in ("a", "b", "c", "hangs")
+                                        for i in range(3))]
+    good = SandboxVerifier(SHIFT_VERIFIER)
+    hanging = SandboxVerifier("import time; time.sleep(600)", timeout_s=1.5)
+    scored: Counter = Counter()
+
+    def reward(task, completions):
+        scored[task.domain] += 1
+        return (hanging if task.domain == "hangs" else good)(task, completions)
+
+    model = tiny_policy()
+    llm = LLM.from_hf_model(model, num_kv_blocks=512, block_size=4, max_num_seqs=64)
+    sched = DomainScheduler(tasks, SchedulerConfig(curriculum=NO_CURRICULUM), slots=4)
+    loop = AsyncRLLoop(PolicyTrainer(model, TrainerConfig(lr=5e-4)), sched,
+                       TokenTaskRollout(llm, reward, max_tokens=DIGITS), llm.worker,
+                       LoopConfig(group_size=4, batch_groups=4, eta=1, rollout_threads=4))
+    try:
+        history = loop.run(steps=12)
+    finally:
+        good.close()
+        hanging.close()
+        llm.worker.stop()
+    assert len(history) == 12 and not loop.errors
+    assert sched.domains["hangs"].degraded
+    # at most its cap (2) at a time before it degraded, then one probe at a time
+    assert scored["hangs"] <= 8 and min(scored[d] for d in "abc") >= 8
+    # the three failed groups that degraded it (4 episodes each) were masked, not scored 0
+    assert sum(m.get("masked/infra_error", 0.0) for m in history) >= 4 * 3
+    assert all(m["staleness_max"] <= 1 for m in history)

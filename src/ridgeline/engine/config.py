@@ -84,6 +84,9 @@ class EngineConfig(BaseModel):
     model: str = "default"
     tokenizer: str | None = Field(None, description="tokenizer dir; defaults to the model's")
     dtype: DType = "float32"
+    weight_quant: Literal["none", "int8"] = Field(
+        "none", description="'int8': weight-only int8 projections and LM head (a scale per "
+        "output channel), activations in `dtype`; a quarter of the fp32 weight bytes per step")
     device: str = "cpu"
     seed: int = 0
 

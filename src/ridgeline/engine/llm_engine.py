@@ -306,6 +306,10 @@ class LLMEngine:
         """Raise `ModelLoadError` unless every (HF name, shape) has a place of that
         shape in this model."""
         model = self.runner.model
+        if model.quantized:
+            raise ModelLoadError("this engine's weights are quantized (weight_quant=int8) "
+                                 "and cannot take new float weights",
+                                 hint="update an engine with weight_quant: none")
         for name, shape in named_shapes:
             target = model.weight_target(name)
             if target is None:

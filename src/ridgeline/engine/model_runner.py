@@ -112,6 +112,8 @@ class ModelRunner:
         if missing:
             raise ModelLoadError(f"{what}{source.name}: {len(missing)} weights missing from "
                                  f"the checkpoint, e.g. {sorted(missing)[:3]}")
+        if config.weight_quant == "int8":
+            model.quantize_weights()
         device = torch.device(config.device)
         cache = make_kv_cache(config.kv_cache_dtype, num_layers=cfg.num_layers,
                               num_blocks=plan.num_blocks, block_size=config.block_size,

@@ -104,9 +104,10 @@ def add_weight_routes(app: FastAPI, served: Mapping[str, Any], enabled: bool) ->
     async def describe(request: Request) -> dict[str, Any]:
         name = _query_model(request)
         engine = served[name if name in served else family(served, name)[0]].engine
-        shapes = await asyncio.to_thread(engine.weight_shapes)
+        quantized = engine.runner.model.quantized   # int8 weights take no float updates
+        shapes = {} if quantized else await asyncio.to_thread(engine.weight_shapes)
         return {"object": "weights", "model": name, "version": engine.policy_version,
-                "updates_enabled": enabled,
+                "updates_enabled": enabled and not quantized, "quantized": quantized,
                 "tensors": {n: list(s) for n, s in shapes.items()}}
 
     @app.post(WEIGHTS_PATH)

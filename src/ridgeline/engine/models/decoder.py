@@ -19,7 +19,7 @@ from ridgeline.engine.attention import AttentionMetadata, paged_attention
 from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
 from ridgeline.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                            linear)
+                                            int8_linear, linear, quantize_int8)
 from ridgeline.errors import ModelLoadError
 
 
@@ -98,6 +98,8 @@ class DecoderForCausalLM(nn.Module):
             requires_grad=False)
         inv_freq, scaling = rope_inv_freq(cfg)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_len, dtype, device)
+        self.register_buffer("head_q", None, persistent=False)   # int8 LM head (quantized)
+        self.register_buffer("head_scales", None, persistent=False)
 
     # ---- forward ----------------------------------------------------------------------
 
@@ -111,8 +113,28 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_q is not None:
+            return int8_linear(hidden, self.head_q, self.head_scales).float()
         weight = self.embed if self.lm_head is None else self.lm_head
         return linear(hidden, weight).float()
+
+    # ---- weight-only int8 ---------------------------------------------------------------
+
+    @property
+    def quantized(self) -> bool:
+        return self.head_q is not None
+
+    def quantize_weights(self) -> None:
+        """Every projection and the LM head to int8 weights with a scale per output
+        channel (embeddings and norms stay in the model dtype). Activations keep their
+        dtype; the float projection weights are freed."""
+        for layer in self.layers:
+            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+                proj.quantize_int8()
+        q, scale = quantize_int8(self.embed if self.lm_head is None else self.lm_head)
+        self.head_q, self.head_scales = q, scale.to(self.dtype)
+        if self.lm_head is not None:
+            self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
 
     # ---- weights ----------------------------------------------------------------------
 

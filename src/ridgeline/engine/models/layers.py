@@ -27,8 +27,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (q [out, in] int8, scale [out] float32) with
+    weight ~= q * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x W^T with W = qweight * scales (per output channel), in x's dtype: PyTorch's
+    weight-only int8 GEMM (reads a quarter of the fp32 weight bytes)."""
+    return torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
+
+
 class Linear(nn.Module):
-    """y = x W^T + b, with W allocated but not initialised: weights are always loaded."""
+    """y = x W^T + b, with W allocated but not initialised: weights are always loaded.
+    After `quantize_int8()` W is int8 with a scale per output channel (weight-only; the
+    float weight is freed)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -37,8 +53,19 @@ class Linear(nn.Module):
                                                device=device), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
+        self.register_buffer("qweight", None, persistent=False)
+        self.register_buffer("scales", None, persistent=False)
+
+    def quantize_int8(self) -> None:
+        q, scale = quantize_int8(self.weight)
+        self.qweight = q
+        self.scales = scale.to(self.weight.dtype)
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            out = int8_linear(x, self.qweight, self.scales)
+            return out if self.bias is None else out.add_(self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,82 @@
+"""Weight-only int8 (`weight_quant="int8"`): projections and LM head stored as int8 with a
+scale per output channel, activations in the model dtype; logits close to the float
+model's, greedy tokens the same except near ties, and float weight updates refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import ARCHS, cached_model, random_prompts
+
+from ridgeline.engine import LLM, LLMEngine, SamplingParams
+from ridgeline.engine.models.layers import int8_linear, quantize_int8
+from ridgeline.errors import ConfigError, ModelLoadError
+
+PROMPTS = random_prompts(8, 512, seed=3, min_len=10, max_len=50)
+
+
+def test_the_codec_is_per_output_channel_and_error_bounded():
+    torch.manual_seed(0)
+    w = torch.randn(40, 64) * torch.logspace(-3, 1, 40)[:, None]   # rows of very different size
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,)
+    back = q.float() * scale[:, None]
+    assert ((back - w).abs() <= 0.5 * scale[:, None] * 1.001).all()   # half a step per row
+    x = torch.randn(5, 64)
+    assert torch.allclose(int8_linear(x, q, scale), x @ back.t(), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_projections_are_int8_and_logprobs_stay_close(kind):
+    model = cached_model(kind)
+    ref = LLMEngine.from_hf_model(model, num_kv_blocks=64)
+    q = LLMEngine.from_hf_model(model, num_kv_blocks=64, weight_quant="int8")
+    m = q.runner.model
+    assert m.quantized and m.layers[0].qkv_proj.qweight.dtype == torch.int8
+    assert m.layers[0].qkv_proj.weight.numel() == 0            # the float weight is freed
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for x, y in zip(_run(ref, PROMPTS, params), _run(q, PROMPTS, params)):
+        la, lb = x.outputs[0].top_logprobs[0], y.outputs[0].top_logprobs[0]
+        common = set(la) & set(lb)
+        assert len(common) >= 3                                 # the same top tokens
+        assert max(abs(la[t] - lb[t]) for t in common) < 0.25  # (random weights, 0.15 init)
+
+
+def _run(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt_token_ids=p, params=params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_tokens_agree_with_the_float_model_except_near_ties(dtype):
+    model = cached_model("llama")
+    ref = LLM.from_hf_model(model, num_kv_blocks=200, max_num_seqs=8, dtype=dtype)
+    q = LLM.from_hf_model(model, num_kv_blocks=200, max_num_seqs=8, dtype=dtype,
+                          weight_quant="int8")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    agreed = total = 0
+    for x, y in zip(ref.generate(PROMPTS, params), q.generate(PROMPTS, params)):
+        a, b = x.outputs[0], y.outputs[0]
+        same = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t),
+                    len(a.token_ids))
+        agreed += same
+        total += len(a.token_ids)
+        if same < len(a.token_ids):
+            top2 = sorted(a.top_logprobs[same].values())[-2:]
+            assert top2[1] - top2[0] < 0.2, "diverged where the float model was sure"
+    assert agreed >= 0.5 * total
+
+
+def test_weight_updates_on_a_quantized_engine_are_refused():
+    model = cached_model("llama")
+    q = LLMEngine.from_hf_model(model, num_kv_blocks=64, weight_quant="int8")
+    with pytest.raises(ModelLoadError, match="quantized"):
+        q.update_weights([(n, p.detach()) for n, p in model.named_parameters()])
+    with pytest.raises(ConfigError):
+        LLMEngine.from_hf_model(model, num_kv_blocks=64, weight_quant="int4")

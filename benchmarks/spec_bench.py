@@ -1,5 +1,6 @@
-"""Speed of the high-speed variant (`<model>:fast`: n-gram speculative decoding + int8 KV)
-against the standard one, on SmolLM2-135M-Instruct, one request at a time.
+"""Speed of the high-speed variants (`<model>:fast`: n-gram speculative decoding, lossless;
+`<model>:fast-q`: the same plus int8 KV cache and int8 weights) against the standard
+one, on SmolLM2-135M-Instruct, one request at a time.
 
     .venv/bin/python benchmarks/spec_bench.py --json            # the full run (~10 min)
     .venv/bin/python benchmarks/spec_bench.py --quick --json    # a smoke run
@@ -11,9 +12,9 @@ Workloads (chat-templated, greedy, up to --max-tokens new tokens, EOS ends a rep
 - chat: plain questions, where proposals come only from the reply repeating itself.
 
 Engines, built from the same EngineConfig in the same process: `standard`,
-`fast` (= `EngineConfig.fast_variant()`), and `spec_only` (the same speculation over a
-full-precision KV cache, whose greedy output must equal the standard one token for
-token; the fast variant's int8 cache may flip near-ties). Prompts alternate between the
+`fast` (= `EngineConfig.fast_variant()`, whose greedy output must equal the standard one
+token for token) and `fast_q` (= `fast_q_variant()`, whose int8 cache and weights may
+flip near-ties: its token agreement is reported). Prompts alternate between the
 engines so that load on this shared machine hits both alike, and all engines run on one
 worker thread (torch matmuls issued from the main thread have been measured much slower
 here). Output speed is tokens per second after the first token (as "output speed" is
@@ -216,9 +217,9 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     base = EngineConfig.build(model=args.model, num_threads=args.threads,
                               kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8)
     fast_cfg = base.fast_variant()
-    spec_only_cfg = fast_cfg.model_copy(update={"kv_cache_dtype": base.kv_cache_dtype})
+    fast_q_cfg = base.fast_q_variant()
     engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
-               "spec_only": LLMEngine(spec_only_cfg)}
+               "fast_q": LLMEngine(fast_q_cfg)}
     tok = engines["standard"].tokenizer
     work = {kind: [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
                                                 return_dict=False)) for m in msgs]
@@ -243,11 +244,13 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         "max_tokens": max_tokens,
         "fast_config": {"speculative": fast_cfg.speculative.model_dump(),
                         "kv_cache_dtype": fast_cfg.kv_cache_dtype},
+        "fast_q_config": {"kv_cache_dtype": fast_q_cfg.kv_cache_dtype,
+                          "weight_quant": fast_q_cfg.weight_quant},
         "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
         "date": date.today().isoformat(), "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
-    identical = {"fast": True, "spec_only": True}
+    identical = {"fast": True, "fast_q": True}
     agree = total = 0
     for kind, by_engine in runs.items():
         std = by_engine["standard"]
@@ -263,10 +266,10 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
             same = [a["tokens"] == b["tokens"] for a, b in zip(std, by_engine[name])]
             identical[name] = identical[name] and all(same)
             out[f"{name}_{kind}_identical_outputs"] = f"{sum(same)}/{len(same)}"
-        for a, b in zip(std, by_engine["fast"]):
+        for a, b in zip(std, by_engine["fast_q"]):
             agree += sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
             total += max(len(a["tokens"]), len(b["tokens"]))
-        for name, key in (("fast", "speedup"), ("spec_only", "spec_only_speedup")):
+        for name, key in (("fast", "speedup"), ("fast_q", "fast_q_speedup")):
             s, f = out[f"standard_{kind}_output_tok_s"], out[f"{name}_{kind}_output_tok_s"]
             out[f"{key}_{kind}"] = round(f / s, 2) if s and f else None
             out[f"{key}_{kind}_e2e"] = round(out[f"{name}_{kind}_e2e_tok_s"]
@@ -277,9 +280,9 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     out["proposed_tokens"] = fast_stats.spec_proposed_tokens
     out["accepted_tokens"] = fast_stats.spec_accepted_tokens
     out["greedy_identical"] = identical["fast"]
-    out["greedy_identical_spec_only"] = identical["spec_only"]
-    out["fast_vs_standard_token_agreement"] = round(agree / total, 4) if total else None
-    for name in ("standard", "fast"):
+    out["greedy_identical_fast_q"] = identical["fast_q"]
+    out["fast_q_vs_standard_token_agreement"] = round(agree / total, 4) if total else None
+    for name in ("standard", "fast_q"):
         s = engines[name].stats()
         out[f"{name}_kv_bytes_per_token"] = s.kv_bytes_per_token
         out[f"{name}_kv_capacity_tokens"] = s.kv_capacity_tokens

@@ -1,6 +1,7 @@
 """`<model>` and `<model>:fast` served side by side: `build_engines` turns one
 EngineConfig into the standard engine and its `fast_variant()` (n-gram speculation,
-int8 KV); both answer through the `openai` client, greedy outputs are equal, and the fast
+lossless), and with `fast_q` the quantized `:fast-q` (int8 KV and weights); all answer
+through the `openai` client, `:fast` greedy outputs equal the standard's, and the fast
 engine's acceptance rate reaches /metrics.
 
 Speculation is lossless (tests/engine/test_speculative.py checks greedy outputs token for
@@ -68,11 +69,13 @@ def server(model_dir: Path):
 
 
 def test_fast_variant_config() -> None:
-    fast = EngineConfig(kv_cache_dtype="fp8").fast_variant()
-    assert fast.speculative.method == "ngram" and fast.kv_cache_dtype == "fp8_e4m3"
     std = EngineConfig()
-    assert (std.fast_variant().speculative.method, std.fast_variant().kv_cache_dtype) == \
-        ("ngram", "int8")
+    fast = std.fast_variant()        # lossless: speculation over the same cache and weights
+    assert (fast.speculative.method, fast.kv_cache_dtype, fast.weight_quant) == \
+        ("ngram", "auto", "none")
+    q = std.fast_q_variant()         # the opt-in: 8-bit cache and int8 weights
+    assert (q.speculative.method, q.kv_cache_dtype, q.weight_quant) == ("ngram", "int8", "int8")
+    assert EngineConfig(kv_cache_dtype="fp8").fast_q_variant().kv_cache_dtype == "fp8_e4m3"
     assert std.speculative.method == "none" and std.kv_cache_dtype == "auto"  # untouched
     drafted = EngineConfig.build(speculative=dict(method="draft", draft_model="x"))
     assert drafted.fast_variant().speculative.method == "draft"  # kept as configured
@@ -101,8 +104,7 @@ def test_both_variants_answer_and_fast_greedy_equals_standard(server: ServerThre
     assert whole.usage.completion_tokens > 0
 
     fast = server.engines["tiny:fast"].stats()
-    assert fast.kv_cache_dtype == "int8" and fast.spec_proposed_tokens > 0
-    assert fast.kv_bytes_per_token < server.engines["tiny"].stats().kv_bytes_per_token
+    assert fast.kv_cache_dtype == "auto" and fast.spec_proposed_tokens > 0
     samples = {}
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line.startswith("ridgeline_spec_decode_acceptance_rate{"):
@@ -137,3 +139,23 @@ def test_serve_default_lists_both_variants() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_fast_q_is_served_on_request_and_refuses_weight_updates(model_dir: Path) -> None:
+    from ridgeline.errors import ConfigError
+
+    config = EngineConfig.build(model=str(model_dir), num_kv_blocks=200, max_model_len=512)
+    engines = build_engines(config, "tiny", fast=False, fast_q=True)
+    assert set(engines) == {"tiny", "tiny:fast-q"}
+    q = engines["tiny:fast-q"].stats()
+    assert q.kv_cache_dtype == "int8" and engines["tiny:fast-q"].runner.model.quantized
+    with ServerThread(create_app(engines)) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="-", max_retries=0, timeout=60)
+        models = {m.id: m for m in client.models.list().data}
+        assert models["tiny:fast-q"].model_extra["parent"] == "tiny"
+        out = {name: client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=12,
+                                               temperature=0).choices[0].text
+               for name in ("tiny", "tiny:fast-q")}
+        assert out["tiny:fast-q"] == out["tiny"]   # the decisive model: margins beyond int8
+    with pytest.raises(ConfigError, match="go stale"):
+        create_app(build_engines(config, "tiny", fast=False, fast_q=True), weight_updates=True)

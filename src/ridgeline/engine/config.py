@@ -126,15 +126,23 @@ class EngineConfig(BaseModel):
         return load_model(cls, fields, source="engine config")
 
     def fast_variant(self) -> EngineConfig:
-        """The high-speed variant on the same weights: n-gram speculation (unless this
-        config already speculates) and an int8 KV cache (unless already quantized)."""
+        """The high-speed variant on the same weights, and lossless: n-gram speculation
+        (unless this config already speculates) over the same, unquantized KV cache, so
+        its greedy output is the standard variant's."""
         spec = self.speculative
         if not spec.enabled:
             spec = SpeculativeConfig(method="ngram")
+        return self.model_copy(update={"speculative": spec})
+
+    def fast_q_variant(self) -> EngineConfig:
+        """`fast_variant()` plus quantization, an opt-in that trades exactness for speed
+        and memory: an int8 KV cache (unless already 8-bit) and int8 weights. Its outputs
+        may differ from the standard variant's near ties (agreement in docs/benchmarks.md)."""
         kv = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if kv not in ("int8", "fp8_e4m3"):
             kv = "int8"
-        return self.model_copy(update={"speculative": spec, "kv_cache_dtype": kv})
+        return self.fast_variant().model_copy(update={"kv_cache_dtype": kv,
+                                                      "weight_quant": "int8"})
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -6,7 +6,8 @@
 
 Each served model name maps to its own engine, stepped on its own thread by the
 engine's `EngineWorker`; `<model>` is the standard variant and `<model>:fast` the
-high-speed one (`EngineConfig.fast_variant()`: speculation, a quantized KV cache). Endpoints:
+high-speed one (`EngineConfig.fast_variant()`: speculation, lossless), and with `--fast-q`
+`<model>:fast-q` (speculation, int8 KV cache and weights: faster, not exact). Endpoints:
 `/v1/chat/completions` and `/v1/completions` (streamed as server-sent events ending
 with ``data: [DONE]``, or whole), `/v1/models`, `/health`, `/metrics` (Prometheus).
 
@@ -62,7 +63,7 @@ from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
-    FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body,
+    FAST_Q_SUFFIX, FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body,
     error_for, error_type, parse_request,
 )
 from ridgeline.serve.tools import (
@@ -116,7 +117,8 @@ class ServedModel:
         return text
 
     def describe(self) -> dict[str, Any]:
-        base = self.name[:-len(FAST_SUFFIX)] if self.name.endswith(FAST_SUFFIX) else None
+        base = next((self.name[:-len(s)] for s in (FAST_SUFFIX, FAST_Q_SUFFIX)
+                     if self.name.endswith(s)), None)
         return {"id": self.name, "object": "model", "created": self.created,
                 "owned_by": "ridgeline", "root": self.engine.config.model,
                 "parent": base, "max_model_len": self.max_model_len,
@@ -124,13 +126,16 @@ class ServedModel:
 
 
 def build_engines(config: EngineConfig, served_name: str | None = None,
-                  fast: bool = True) -> dict[str, LLMEngine]:
-    """`{name: standard engine}`, plus `{name:fast: high-speed engine}` unless `fast` is
-    False (`ridgeline serve --no-fast`: half the memory, one model)."""
+                  fast: bool = True, fast_q: bool = False) -> dict[str, LLMEngine]:
+    """`{name: standard engine}`, plus `{name:fast: high-speed engine}` (lossless:
+    speculation) unless `fast` is False (`ridgeline serve --no-fast`: half the memory),
+    plus `{name:fast-q: ...}` (speculation, int8 KV and weights) when `fast_q`."""
     name = served_name or config.model
     engines = {name: LLMEngine(config)}
     if fast:
         engines[name + FAST_SUFFIX] = LLMEngine(config.fast_variant())
+    if fast_q:
+        engines[name + FAST_Q_SUFFIX] = LLMEngine(config.fast_q_variant())
     return engines
 
 
@@ -165,6 +170,10 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
                               "another name", hint="build one engine per served name")
         seen.add(id(w.engine))
     served = {name: ServedModel(name, w) for name, w in workers.items()}
+    if weight_updates and any(w.engine.runner.model.quantized for w in workers.values()):
+        raise ConfigError("weight updates and int8 weights (a :fast-q or weight_quant=int8 "
+                          "model) do not go together: its weights would go stale",
+                          hint="serve without --fast-q / weight_quant to take weight updates")
     metrics = ServerMetrics(workers)
 
     @contextlib.asynccontextmanager
@@ -902,4 +911,4 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines", "create_app"]
+__all__ = ["FAST_Q_SUFFIX", "FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines", "create_app"]

@@ -26,8 +26,11 @@ def serve(
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
     fast: bool = typer.Option(True, "--fast/--no-fast",
-                              help="Also serve <model>:fast (speculative decoding, "
-                              "quantized KV cache)."),
+                              help="Also serve <model>:fast (speculative decoding; the "
+                              "same greedy output as <model>)."),
+    fast_q: bool = typer.Option(False, "--fast-q",
+                                help="Also serve <model>:fast-q (speculation, int8 KV cache "
+                                "and int8 weights: faster, outputs may differ near ties)."),
     # Request limits; left unset, ServerLimits' defaults apply (in brackets).
     max_body_bytes: int | None = typer.Option(
         None, "--max-body-bytes", min=1, help="Largest request body, larger get 413 [4 MiB]."),
@@ -71,7 +74,7 @@ def serve(
     name = served_model_name or engine_config.model
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
-        engines = build_engines(engine_config, name, fast=fast)
+        engines = build_engines(engine_config, name, fast=fast, fast_q=fast_q)
     app = create_app(engines, api_key=api_key or None, limits=limits,
                      weight_updates=enable_weight_updates)
     console.print(f"serving {', '.join(engines)} on http://{host}:{port}/v1"

@@ -67,8 +67,10 @@ def error_for(exc: RidgelineError) -> tuple[int, dict[str, Any]]:
 # ---- limits --------------------------------------------------------------------------------
 
 
-#: `<model>:fast` names the high-speed variant of `<model>` (the same weights).
+#: `<model>:fast` names the lossless high-speed variant of `<model>` (the same weights),
+#: `<model>:fast-q` the quantized one (int8 KV cache and weights).
 FAST_SUFFIX = ":fast"
+FAST_Q_SUFFIX = ":fast-q"
 
 
 class ServerLimits(BaseModel):

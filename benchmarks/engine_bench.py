@@ -1,4 +1,5 @@
-"""Engine throughput and latency against transformers, on SmolLM2-135M-Instruct (fp32, CPU).
+"""Engine throughput and latency against transformers, on SmolLM2-135M-Instruct (CPU;
+float32 by default, `--dtype bfloat16` for both, `--weight-quant int8` for ours).
 
     .venv/bin/python benchmarks/engine_bench.py --json            # the full run (~10 min)
     .venv/bin/python benchmarks/engine_bench.py --quick --json    # a smoke run
@@ -155,6 +156,10 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--skip", default="", help="comma list: static,cb,single,ttft")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="both engines' weights and activations")
+    ap.add_argument("--weight-quant", choices=["none", "int8"], default="none",
+                    help="ours only: weight-only int8 (transformers stays in --dtype)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(args.threads)
@@ -163,7 +168,7 @@ def main() -> None:
     from ridgeline.engine import LLM
 
     overrides = {"num_threads": args.threads, "kv_cache_memory_mb": args.kv_cache_mb,
-                 "max_num_seqs": 64}
+                 "max_num_seqs": 64, "dtype": args.dtype, "weight_quant": args.weight_quant}
     if args.max_num_batched_tokens:
         overrides["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(args.model, **overrides)
@@ -182,7 +187,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     source_dir = getattr(engine.source, "path", None)
-    hf_model = AutoModelForCausalLM.from_pretrained(source_dir, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source_dir, dtype=getattr(torch, args.dtype)).eval()
     pad_id = engine.tokenizer.pad_token_id or 0
 
     # warm both up (allocator, first-call overheads)
@@ -191,7 +197,8 @@ def main() -> None:
     run_hf_static(hf_model, warm, 2, pad_id)
 
     loads: dict[str, float] = {"start": round(os.getloadavg()[0], 2)}
-    result: dict = {"model": args.model, "dtype": "float32", "threads": args.threads,
+    result: dict = {"model": args.model, "dtype": args.dtype,
+                    "weight_quant": args.weight_quant, "threads": args.threads,
                     "requests": n, "prompt_tokens": sum(len(p) for p, _ in reqs),
                     "output_tokens": sum(o for _, o in reqs), "quick": args.quick,
                     "machine": f"{platform.processor() or platform.machine()}, "

@@ -74,7 +74,8 @@ def test_fast_variant_config() -> None:
     assert (fast.speculative.method, fast.kv_cache_dtype, fast.weight_quant) == \
         ("ngram", "auto", "none")
     q = std.fast_q_variant()         # the opt-in: 8-bit cache and int8 weights
-    assert (q.speculative.method, q.kv_cache_dtype, q.weight_quant) == ("ngram", "int8", "int8")
+    assert (q.speculative.method, q.kv_cache_dtype, q.weight_quant, q.dtype) == \
+        ("ngram", "int8", "int8", "bfloat16")
     assert EngineConfig(kv_cache_dtype="fp8").fast_q_variant().kv_cache_dtype == "fp8_e4m3"
     assert std.speculative.method == "none" and std.kv_cache_dtype == "auto"  # untouched
     drafted = EngineConfig.build(speculative=dict(method="draft", draft_model="x"))

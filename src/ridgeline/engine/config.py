@@ -136,19 +136,27 @@ class EngineConfig(BaseModel):
 
     def fast_q_variant(self) -> EngineConfig:
         """`fast_variant()` plus quantization, an opt-in that trades exactness for speed
-        and memory: an int8 KV cache (unless already 8-bit) and int8 weights. Its outputs
-        may differ from the standard variant's near ties (agreement in docs/benchmarks.md)."""
+        and memory: bfloat16 activations, int8 weights and an int8 KV cache (unless
+        already 8-bit). Its outputs may differ from the standard variant's near ties
+        (agreement in docs/benchmarks.md)."""
         kv = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if kv not in ("int8", "fp8_e4m3"):
             kv = "int8"
         return self.fast_variant().model_copy(update={"kv_cache_dtype": kv,
-                                                      "weight_quant": "int8"})
+                                                      "weight_quant": "int8",
+                                                      "dtype": "bfloat16"})
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         self.kv_cache_dtype = normalize_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_num_batched_tokens < self.block_size and not self.enable_chunked_prefill:
             raise ConfigError("max_num_batched_tokens must be at least block_size")
+        if self.weight_quant == "int8" and self.device == "cpu" and self.dtype != "bfloat16":
+            # torch's CPU int8 GEMM with float32 activations is a slow reference loop
+            # (benchmarks/matmul_bench.py: 10-100x slower than float32 itself)
+            raise ConfigError(f"weight_quant='int8' on CPU needs dtype='bfloat16' (not "
+                              f"{self.dtype!r})", hint="set dtype: bfloat16, or weight_quant: "
+                              "none (bfloat16 alone halves the weight bytes too)")
         if not self.device.startswith(("cpu", "cuda")):
             raise ConfigError(f"device {self.device!r} is not supported",
                               hint="use 'cpu' or 'cuda[:N]'")

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
-#: On CPU, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's kernel for
-#: a short x and a wide W runs at a fraction of memory bandwidth, while W x^T (many rows,
-#: few columns) streams W once. Measured on 2 cores, SmolLM2-135M, all matmuls of a step:
-#: 4 rows 83 -> 44 ms, 16 rows 132 -> 97 ms, 64 rows 231 -> 196 ms; from 128 rows the
-#: plain product is faster.
+#: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
+#: kernel for a short x and a wide W runs at a fraction of memory bandwidth, while W x^T
+#: (many rows, few columns) streams W once. Measured on 2 cores, SmolLM2-135M, all
+#: matmuls of a step: 4 rows 83 -> 44 ms, 16 rows 132 -> 97 ms, 64 rows 231 -> 196 ms;
+#: from 128 rows the plain product is faster. bfloat16 goes to oneDNN, whose F.linear is
+#: the faster of the two at every size (gate/up at 4 rows: 128 vs 172 us).
 SMALL_BATCH_ROWS = 64
 
 
@@ -21,7 +22,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """F.linear for a flat batch [T, in] -> [T, out], with the small-batch CPU path."""
     rows = x.shape[0]
-    if 1 < rows <= SMALL_BATCH_ROWS and x.dim() == 2 and x.device.type == "cpu":
+    if (1 < rows <= SMALL_BATCH_ROWS and x.dim() == 2 and x.device.type == "cpu"
+            and x.dtype == torch.float32):
         out = torch.mm(weight, x.t()).t().contiguous()
         return out if bias is None else out.add_(bias)
     return F.linear(x, weight, bias)

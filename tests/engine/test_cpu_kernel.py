@@ -19,9 +19,10 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
     (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32),
     (2, 1, 8, 8), (4, 2, 40, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
 def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads,
-                                  int8) -> None:
+                                  storage) -> None:
+    int8 = storage == "int8"
     rng = random.Random(heads * 100 + block_size)
     torch.manual_seed(0)
     g = heads // kv_heads
@@ -37,6 +38,9 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
         k_cache, v_cache = (dequantize(kq, ks, "int8", torch.float32),
                             dequantize(vq, vs, "int8", torch.float32))
         scales = {"k_scale": ks, "v_scale": vs}
+    if storage == "bfloat16":  # the kernel reads bf16 blocks; the reference their values
+        kq, vq = k_cache.bfloat16(), v_cache.bfloat16()
+        k_cache, v_cache = kq.float(), vq.float()
     tables = []
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -54,7 +58,8 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        cpu_kernels.paged_decode_attention(q, kq if int8 else k_cache, vq if int8 else v_cache,
+        packed = storage != "float32"
+        cpu_kernels.paged_decode_attention(q, kq if packed else k_cache, vq if packed else v_cache,
                                            table, torch.tensor(starts), torch.tensor(q_lens),
                                            torch.tensor(ctx), out, **scales)
     finally:
@@ -79,3 +84,17 @@ def test_split_work_balances_context_and_skips_tiny_batches() -> None:
     assert cpu_kernels.split_work([3000] * 6, 1, 3) == [0, 2, 4, 6]
     assert cpu_kernels.split_work([10, 20], 2, 2) == [0, 4]  # not worth a hand-off
     assert cpu_kernels.split_work([5000], 1, 4) == [0, 1]  # never more shares than items
+
+
+def test_a_bfloat16_query_goes_through_a_float32_copy() -> None:
+    """A bf16 model's q and out (the kernel computes in float32) against the float32 call."""
+    torch.manual_seed(1)
+    k = torch.randn(4, 16, 2, 64).bfloat16()
+    v = torch.randn(4, 16, 2, 64).bfloat16()
+    q = torch.randn(3, 4, 64)
+    args = (torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([3]), torch.tensor([40]))
+    ref = torch.empty(3, 4, 64)
+    cpu_kernels.paged_decode_attention(q, k, v, *args, ref)
+    got = torch.empty(3, 4, 64, dtype=torch.bfloat16)
+    cpu_kernels.paged_decode_attention(q.bfloat16(), k, v, *args, got)
+    assert torch.allclose(got.float(), ref, atol=0.03)

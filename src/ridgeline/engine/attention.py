@@ -192,7 +192,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                                cuts=kb.cuts)
         else:
             codes = cache.int8_blocks(layer)
-            assert codes is not None, "the C kernel needs a float32 or int8 CPU cache"
+            assert codes is not None, "the C kernel needs a float32, bfloat16 or int8 CPU cache"
             cpu_kernels.paged_decode_attention(q, codes[0], codes[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
                                                k_scale=codes[2], v_scale=codes[3],

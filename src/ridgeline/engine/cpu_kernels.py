@@ -54,6 +54,14 @@ typedef signed char c8 __attribute__((vector_size(8)));
 static inline v8 ldq8(const signed char* p) {
   c8 r; memcpy(&r, p, sizeof r); return __builtin_convertvector(r, v8);
 }
+/* bfloat16 is the top half of a float32: widen to 32 bits and shift into place */
+typedef unsigned short h8 __attribute__((vector_size(16)));
+typedef unsigned int w8 __attribute__((vector_size(32)));
+static inline v8 ldb8(const unsigned short* p) {
+  h8 r; memcpy(&r, p, sizeof r);
+  w8 w = __builtin_convertvector(r, w8) << 16;
+  v8 f; memcpy(&f, &w, sizeof f); return f;
+}
 static inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -68,12 +76,14 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
    < ctx - (q_len - 1 - r)), softmax(q k^T * scale) v over the context, block by block:
    each key row is loaded once for all query vectors, the next block is prefetched (it
    lies anywhere in the pool), and values accumulate 32 channels at a time in registers.
-   QUANT (a compile-time constant after inlining): K/V are int8 codes with a float scale
-   per (slot, head), dequantized as they are loaded (scale folded into score and weight). */
+   MODE (a compile-time constant after inlining) is how K/V are stored: 0 float32;
+   1 int8 codes with a float scale per (slot, head), dequantized as they are loaded (scale
+   folded into score and weight); 2 bfloat16, widened as loaded. */
 #define LOADK(ptr, x) \
-  (QUANT ? ldq8((const signed char*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
+  (MODE == 1 ? ldq8((const signed char*)(ptr) + (x)) \
+   : MODE == 2 ? ldb8((const unsigned short*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
 static inline __attribute__((always_inline)) int attention_body(
-    const int QUANT,
+    const int MODE,
     const float* q, int64_t q_row_stride, int64_t q_head_stride,
     const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
     const int64_t* block_table, int64_t table_stride,
@@ -81,7 +91,8 @@ static inline __attribute__((always_inline)) int attention_body(
     float* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
-  const int64_t esize = QUANT ? 1 : 4;
+  const int QUANT = MODE == 1;
+  const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
   if (d > MAXD || bs > MAXBS || d %% 8 != 0) return -1;
   float m[MAXQV], l[MAXQV];
   float s[MAXQV][MAXBS];
@@ -208,6 +219,19 @@ int paged_attention_f32(
                         out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
 }
 
+int paged_attention_bf16(
+    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const unsigned short* k_cache, const unsigned short* v_cache,
+    const int64_t* block_table, int64_t table_stride,
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+    float* out, int64_t out_row_stride,
+    int64_t item_begin, int64_t item_end,
+    int kvh, int g, int d, int bs, float scale) {
+  return attention_body(2, q, q_row_stride, q_head_stride, k_cache, v_cache, 0, 0,
+                        block_table, table_stride, q_start, q_len, ctx_len, out,
+                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
+}
+
 int paged_attention_i8(
     const float* q, int64_t q_row_stride, int64_t q_head_stride,
     const signed char* k_cache, const signed char* v_cache,
@@ -276,11 +300,11 @@ def _build() -> ctypes.CDLL | None:
                         "PyTorch path", "; ".join(errors))
             return None
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_attention_f32
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
-                   c_int, c_int, c_int, c_int, ctypes.c_float]
-    fn.restype = ctypes.c_int
+    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
+                       c_int, c_int, c_int, c_int, ctypes.c_float]
+        fn.restype = ctypes.c_int
     fn = lib.paged_attention_i8
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
                    i64, c_int, c_int, c_int, c_int, ctypes.c_float]
@@ -352,17 +376,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            cuts: list[int] | None = None) -> None:
     """out[rows of each sequence] = attention of q's rows over the paged context.
 
-    q, out: [T, heads, d] float32 with unit stride on d (rows may be strided);
-    k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d], float32, or int8 codes
-    with `k_scale`/`v_scale` contiguous float32 [blocks, block_size, kv_heads];
+    q, out: [T, heads, d] with unit stride on d (rows may be strided), float32 (other
+    dtypes go through a float32 copy: the kernel accumulates in float32);
+    k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d], float32, bfloat16, or
+    int8 codes with `k_scale`/`v_scale` contiguous float32 [blocks, block_size, kv_heads];
     block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n];
     cuts: the per-thread shares (`split_work`), computed here when not given."""
+    if q.dtype != torch.float32:
+        out32 = torch.empty(out.shape, dtype=torch.float32)
+        paged_decode_attention(q.float(), k_cache, v_cache, block_table, q_start, q_len,
+                               ctx_len, out32, k_scale, v_scale, cuts)
+        out.copy_(out32)  # rows of other paths are written after this call
+        return
     lib = load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
     if k_scale is None:
-        kernel = lib.paged_attention_f32
+        kernel = (lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16
+                  else lib.paged_attention_f32)
         caches: tuple[int, ...] = (k_cache.data_ptr(), v_cache.data_ptr())
     else:
         assert v_scale is not None and k_cache.dtype == torch.int8

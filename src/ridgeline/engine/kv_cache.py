@@ -75,7 +75,7 @@ class KVCache:
         """The K and V block tensors themselves, for kernels that read blocks where they
         lie; None when the storage is not plain values of a supported dtype (a
         quantized cache must be read through gather())."""
-        if self.dtype != torch.float32 or self.device.type != "cpu":
+        if self.dtype not in (torch.float32, torch.bfloat16) or self.device.type != "cpu":
             return None
         return self.k[layer], self.v[layer]
 

@@ -147,7 +147,8 @@ class QuantizedKVCache(KVCache):
         return None  # codes are not values: kernels must read through gather()
 
     def int8_blocks(self, layer: int) -> tuple[torch.Tensor, ...] | None:
-        if self.kind != "int8" or self.dtype != torch.float32 or self.device.type != "cpu":
+        if (self.kind != "int8" or self.dtype not in (torch.float32, torch.bfloat16)
+                or self.device.type != "cpu"):
             return None
         return self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]
 

@@ -51,3 +51,20 @@ def test_bf16_matches_transformers_in_bf16_on_most_tokens():
         same += next((i for i, (s, t) in enumerate(zip(want, got)) if s != t), len(want))
         total += len(want)
     assert same >= 0.5 * total      # bf16 rounding differs by op order near ties
+
+
+def test_a_half_dtype_without_a_fast_path_here_is_named_in_the_log(caplog, monkeypatch):
+    from ridgeline.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: {"avx2", "avx512f"})
+    with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
+        LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="bfloat16")
+    assert "without AVX512_BF16" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
+        LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="float16")
+        assert "bfloat16 is the fast half-precision here" in caplog.text
+        caplog.clear()
+        LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="bfloat16")
+    assert "float16" not in caplog.text      # bf16 with its fast path: nothing to say

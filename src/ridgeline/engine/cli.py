@@ -42,6 +42,10 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--no-chat",
                               help="Wrap the prompt in the model's chat template."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads."),
+    dtype: str = typer.Option("float32", "--dtype",
+                              help="float32, or bfloat16 (AVX512_BF16 on this CPU)."),
+    weight_quant: str = typer.Option("none", "--weight-quant",
+                                     help="none, or int8 (weight-only; needs bfloat16)."),
 ) -> None:
     """Generate a completion and print tokens as they come."""
     from ridgeline.engine import EngineConfig, LLMEngine, SamplingParams
@@ -50,8 +54,9 @@ def generate(
                             seed=seed)
     err = Console(stderr=True)
     with err.status(f"loading {model}"):
-        engine = LLMEngine(EngineConfig(model=model, num_threads=threads,
-                                        kv_cache_memory_mb=256))
+        engine = LLMEngine(EngineConfig.build(model=model, num_threads=threads,
+                                              kv_cache_memory_mb=256, dtype=dtype,
+                                              weight_quant=weight_quant))
     tok = engine.tokenizer
     if chat:
         if tok is None or not getattr(tok, "chat_template", None):

@@ -55,6 +55,31 @@ class PromptTooLongError(EngineError):
                          hint="shorten the prompt or raise max_model_len")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _warn_slow_dtype(dtype: str) -> None:
+    """A dtype this CPU has no fast path for runs, but says so in the log."""
+    flags = cpu_flags()
+    if dtype == "float16" and not flags & {"avx512_fp16", "amx_fp16"}:
+        log.warning("dtype float16 has no fast matmul path on this CPU (no AVX512_FP16): "
+                    "expect it slower than float32; bfloat16 is the fast half-precision here"
+                    if flags & {"avx512_bf16", "amx_bf16"} else
+                    "dtype float16 has no fast matmul path on this CPU: use float32")
+    if dtype == "bfloat16" and flags and not flags & {"avx512_bf16", "amx_bf16"}:
+        log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: matmuls are "
+                    "emulated and may be slower than float32")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, source: ModelSource | None = None,
                  draft_source: ModelSource | None = None, **overrides: Any) -> None:
@@ -71,6 +96,8 @@ class LLMEngine:
             raise ConfigError("device 'cuda' requested but CUDA is not available",
                               hint="use device='cpu'")
         dtype = _DTYPES[config.dtype]
+        if self.device.type == "cpu":
+            _warn_slow_dtype(config.dtype)
         if source is None:
             source = open_source(resolve_model(config.model), tokenizer=config.tokenizer,
                                  cache_dir=config.cache_dir)

@@ -25,6 +25,10 @@ def serve(
     kv_cache_memory_mb: float | None = typer.Option(None, "--kv-cache-memory-mb", min=1),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", min=1),
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
+    dtype: str | None = typer.Option(None, "--dtype",
+                                     help="float32 (default) or bfloat16 (AVX512_BF16)."),
+    weight_quant: str | None = typer.Option(None, "--weight-quant",
+                                            help="none (default) or int8 (needs bfloat16)."),
     fast: bool = typer.Option(True, "--fast/--no-fast",
                               help="Also serve <model>:fast (speculative decoding; the "
                               "same greedy output as <model>)."),
@@ -62,7 +66,8 @@ def serve(
     if model != "default" or "model" not in values:  # the flag wins unless left at its default
         values["model"] = model
     for key, value in (("max_model_len", max_model_len), ("kv_cache_memory_mb", kv_cache_memory_mb),
-                       ("max_num_seqs", max_num_seqs), ("num_threads", threads)):
+                       ("max_num_seqs", max_num_seqs), ("num_threads", threads),
+                       ("dtype", dtype), ("weight_quant", weight_quant)):
         if value is not None:
             values[key] = value
     engine_config = load_model(EngineConfig, values, source="serve options")

@@ -86,3 +86,19 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int],
 @lru_cache(maxsize=None)
 def cached_model(kind: str, **kw) -> torch.nn.Module:
     return tiny_model(kind, **kw)
+
+
+def agreement(ref_outs, outs, tie: float) -> float:
+    """Share of tokens equal up to each sequence's first divergence; a divergence must be
+    where the reference's top two logprobs are within `tie`."""
+    agreed = total = 0
+    for x, y in zip(ref_outs, outs):
+        a, b = x.outputs[0], y.outputs[0]
+        same = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t),
+                    len(a.token_ids))
+        agreed += same
+        total += len(a.token_ids)
+        if same < len(a.token_ids):
+            top2 = sorted(a.top_logprobs[same].values())[-2:]
+            assert top2[1] - top2[0] < tie, "diverged where the reference was sure"
+    return agreed / total

@@ -6,28 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import ARCHS, cached_model, hf_greedy, random_prompts, tiny_model
+from engine_fixtures import (ARCHS, agreement, cached_model, hf_greedy, random_prompts,
+                             tiny_model)
 
 from ridgeline.engine import LLM, SamplingParams
 
 PROMPTS = random_prompts(8, 512, seed=5, min_len=10, max_len=50)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-
-
-def agreement(ref_outs, outs, tie: float) -> float:
-    """Share of tokens equal up to each sequence's first divergence; a divergence must be
-    where the reference's top two logprobs are within `tie`."""
-    agreed = total = 0
-    for x, y in zip(ref_outs, outs):
-        a, b = x.outputs[0], y.outputs[0]
-        same = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t),
-                    len(a.token_ids))
-        agreed += same
-        total += len(a.token_ids)
-        if same < len(a.token_ids):
-            top2 = sorted(a.top_logprobs[same].values())[-2:]
-            assert top2[1] - top2[0] < tie, "diverged where the reference was sure"
-    return agreed / total
 
 
 @pytest.mark.parametrize("kind", ARCHS)

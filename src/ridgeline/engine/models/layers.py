@@ -22,10 +22,11 @@ SMALL_BATCH_ROWS = 64
 
 
 #: From this many rows a CPU float32 matmul goes to oneDNN with the weight kept in its
-#: blocked layout (converted once, again only after the weight changes): 1.2-2x MKL's
-#: time for SmolLM2's shapes from 16 rows on, the conversions of x and y included
-#: (gate/up at 64 rows 1608 -> 872 us, LM head at 16 rows 14.7 -> 7.0 ms).
-ONEDNN_MIN_ROWS = 16
+#: blocked layout (converted once, again only after the weight changes), the conversions
+#: of x and y included: gate/up at 64 rows 1608 -> 872 us, LM head at 16 rows 14.7 ->
+#: 7.0 ms; a whole step of SmolLM2's matmuls at 8 rows 46.4 vs 45.3 ms (even), at 12
+#: rows 75.7 -> 37.1 ms, at 1-4 rows the (W x^T)^T path is faster (16.3 vs 22.8 ms at 1).
+ONEDNN_MIN_ROWS = 10
 _onednn_weights: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 _onednn_lock = threading.Lock()
 

@@ -14,8 +14,10 @@ submitted at once. Baselines, in the same process, same weights, same thread cou
   `generate_batch`, with per-request `max_new_tokens`), with an explicit KV pool of the same
   size as ours.
 
-Also: single-request decode speed of both engines, and time to first token of a request
-whose 512-token prefix is cached versus one whose prefix is not. Prints one JSON object.
+Also: single-request decode speed of both engines, time to first token of a request
+whose 512-token prefix is cached versus one whose prefix is not, and the fraction of the
+matmul-only floor reached (the time the engine's own matmuls need for the forward passes
+it ran, measured on its weights afterwards, over its wall time). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -60,6 +62,74 @@ def run_ridgeline(llm, reqs) -> dict:
 
 
 @torch.inference_mode()
+class ForwardLog:
+    """Records (tokens in the pass, logit rows) of every forward the engine runs: what
+    the matmul-only floor is computed from."""
+
+    def __init__(self, runner) -> None:
+        self.passes: list[tuple[int, int]] = []
+        self._runner = runner
+        self._execute = runner.execute
+
+        def execute(*args, **kwargs):
+            out = self._execute(*args, **kwargs)
+            rows = 0 if out.logits is None else int(out.logits.shape[0])
+            self.passes.append((out.num_tokens, rows))
+            return out
+
+        runner.execute = execute
+
+    def close(self) -> None:
+        self._runner.execute = self._execute
+
+
+GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@torch.inference_mode()
+def matmul_floor(engine, passes: list[tuple[int, int]]) -> float:
+    """Seconds the engine's own matmuls need for `passes` (every projection of every layer
+    at the pass's token count, the LM head at its logit rows), at the speed measured
+    here for the model's own weights through `layers.linear`, interpolated on a grid of
+    row counts: a floor no schedule of these passes goes below."""
+    from ridgeline.engine.models.layers import linear
+
+    model = engine.runner.model
+    # every layer's own weights, so they stream from memory as in a real pass
+    projections = [m.weight for layer in model.layers for m in (
+        layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    head = model.embed if model.lm_head is None else model.lm_head
+    if any(w.numel() == 0 for w in projections):
+        return float("nan")  # int8 weights: not measured by this floor
+
+    def timed(fn) -> float:
+        fn()
+        reps = 3
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    layer_s, head_s = {}, {}
+    for m in GRID:
+        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in projections}
+        layer_s[m] = timed(lambda: [linear(xs[w.shape[1]], w) for w in projections])
+        xh = torch.randn(m, head.shape[1], dtype=head.dtype)
+        head_s[m] = timed(lambda: linear(xh, head))
+
+    def at(table: dict[int, float], m: int) -> float:
+        if m <= 0:
+            return 0.0
+        lo = max([g for g in GRID if g <= m], default=GRID[0])
+        hi = min([g for g in GRID if g >= m], default=GRID[-1])
+        if hi == lo:
+            return table[lo] * (m / lo if m > GRID[-1] else 1.0)
+        f = (m - lo) / (hi - lo)
+        return table[lo] + f * (table[hi] - table[lo])
+
+    return sum(at(layer_s, t) + at(head_s, r) for t, r in passes)
+
+
 def run_hf_static(model, reqs, batch_size: int, pad_id: int) -> dict:
     tokens = 0
     start = time.perf_counter()
@@ -204,8 +274,14 @@ def main() -> None:
                     "machine": f"{platform.processor() or platform.machine()}, "
                                f"{torch.get_num_threads()} threads",
                     "date": date.today().isoformat(), "torch": torch.__version__}
+    forwards = ForwardLog(engine.runner)
     ours = run_ridgeline(llm, reqs)
+    forwards.close()
     loads["after_ridgeline"] = round(os.getloadavg()[0], 2)
+    floor = matmul_floor(engine, forwards.passes)
+    result["matmul_floor_seconds"] = round(floor, 2)
+    result["fraction_of_matmul_floor"] = round(floor / ours["seconds"], 3)
+    result["forward_passes"] = len(forwards.passes)
     log("ridgeline", ours)
     result["ridgeline_output_tok_s"] = round(ours["tok_s"], 2)
     result["ridgeline_seconds"] = round(ours["seconds"], 2)

@@ -357,3 +357,23 @@ def test_a_domain_whose_verifier_hangs_cannot_starve_a_real_run():
     # the three failed groups that degraded it (4 episodes each) were masked, not scored 0
     assert sum(m.get("masked/infra_error", 0.0) for m in history) >= 4 * 3
     assert all(m["staleness_max"] <= 1 for m in history)
+
+
+def test_a_domain_whose_tasks_all_rest_is_probed_again_without_a_burst():
+    """Rests end in draws of any task (a domain whose tasks all rest is never drawn, so
+    its own draws would never end them), and a domain coming back resumes at the current
+    virtual time instead of catching up on the starts it missed in a burst."""
+    tasks = tasks_of({"a": 3, "b": 4})
+    sched = DomainScheduler(tasks, SchedulerConfig(curriculum=CurriculumConfig(
+        min_episodes=2, rest_draws=12)), slots=1)
+    order = []
+    for i in range(400):
+        draw, task = sched.draw(timeout=0)
+        order.append(task.domain)
+        solved = task.domain == "b" and i < 200       # b is solved, then it is not
+        passes = [True, True] if solved else [i % 2 == 0, i % 2 == 1]
+        sched.finished(draw, group(task, 1.0, passes=passes))
+        sched.done(draw)
+    assert order[:200].count("b") >= 20               # b's solved tasks keep being probed
+    runs = "".join(order[200:]).split("a")
+    assert max(len(r) for r in runs) <= 2             # and b does not catch up in a burst

@@ -7,10 +7,10 @@ or never solves are *rested* for a while and tasks in between are favoured.
     cur.weight("task-a")                              # 4 p (1 - p), floored
     cur.resting("task-b")                             # all 0 or all 1 lately?
 
-A task with no history has weight 1 (explore it). A rested task sits out
-`rest_draws` draws of its domain, then is a candidate again (weight 1) until it is drawn
-once, a probe; its next group decides whether it rests again. Everything here is plain
-data and restores from `state_dict()`.
+A task with no history has weight 1 (explore it). A rested task sits out `rest_draws`
+draws (of any task), then is a candidate again (weight 1) until it is drawn once, a
+probe; its next group decides whether it rests again. Everything here is plain data and
+restores from `state_dict()`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class CurriculumConfig(BaseModel):
     window: int = Field(16, ge=1, description="recent episodes per task that its pass rate "
                         "is measured on")
     min_episodes: int = Field(8, ge=1, description="episodes seen before a task may rest")
-    rest_draws: int = Field(8, ge=1, description="draws of its domain a rested task sits out")
+    rest_draws: int = Field(8, ge=1, description="draws (of any task) a rested task sits out")
     floor: float = Field(0.05, gt=0, le=1, description="least weight of a task that is "
                          "not resting (so every task is still seen now and then)")
 
@@ -38,13 +38,19 @@ class Curriculum:
     def __init__(self, config: CurriculumConfig | None = None) -> None:
         self.config = config or CurriculumConfig()
         self._recent: dict[str, deque[bool]] = {}
-        self._rest_until: dict[str, int] = {}   # task -> domain draw count it rests until
-        self._draws: dict[str, int] = {}        # domain -> draws so far
+        self._rest_until: dict[str, int] = {}   # task -> draw count it rests until
+        # Rests are counted in draws of any task: a domain whose tasks all rest is not
+        # drawn at all, so its own draws would never end their rest.
+        self._draws = 0
 
     def record(self, task_id: str, passes: Iterable[bool]) -> None:
         """Pass flags of a finished group's graded episodes (masked ones left out)."""
         q = self._recent.setdefault(task_id, deque(maxlen=self.config.window))
         q.extend(bool(p) for p in passes)
+        if not self.saturated(task_id):
+            self._rest_until.pop(task_id, None)
+        elif task_id not in self._rest_until:   # saturated now: its rest starts
+            self._rest_until[task_id] = self._draws + self.config.rest_draws
 
     def pass_rate(self, task_id: str) -> float | None:
         q = self._recent.get(task_id)
@@ -66,37 +72,24 @@ class Curriculum:
             return 1.0
         return max(self.config.floor, 4.0 * rate * (1.0 - rate))
 
-    def drawn(self, task_id: str, domain: str) -> None:
-        """The task was chosen (counts a draw of its domain). A saturated task's probe
-        starts its next rest; its group's outcome decides whether it keeps resting."""
-        self._draws[domain] = now = self._draws.get(domain, 0) + 1
+    def drawn(self, task_id: str) -> None:
+        """The task was chosen (one more draw). A saturated task's probe starts its next
+        rest; its group's outcome decides whether it keeps resting."""
+        self._draws += 1
         if self.saturated(task_id):
-            self._rest_until[task_id] = now + self.config.rest_draws
+            self._rest_until[task_id] = self._draws + self.config.rest_draws
 
-    def resting(self, task_id: str, domain: str) -> bool:
-        """Sitting out: saturated, and its rest (counted in its domain's draws) not over.
-        Once the rest is over the task is a candidate until drawn (its probe)."""
-        if not self.saturated(task_id):
-            self._rest_until.pop(task_id, None)
-            return False
-        now = self._draws.get(domain, 0)
-        until = self._rest_until.setdefault(task_id, now + self.config.rest_draws)
-        return now < until
-
-    def stats(self, task_ids: Iterable[str], domain: str) -> dict[str, int]:
-        ids = list(task_ids)
-        now = self._draws.get(domain, 0)
-        rested = sum(1 for t in ids if self.saturated(t)
-                     and self._rest_until.get(t, now + 1) > now)
-        return {"tasks": len(ids), "resting": rested,
-                "solved": sum(1 for t in ids if self.saturated(t) and self.pass_rate(t) == 1.0)}
+    def resting(self, task_id: str) -> bool:
+        """Sitting out: saturated, and its rest not over. Once the rest is over the task
+        is a candidate until drawn (its probe)."""
+        return self.saturated(task_id) and self._draws < self._rest_until.get(task_id, 0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": {k: list(v) for k, v in self._recent.items()},
-                "rest_until": dict(self._rest_until), "draws": dict(self._draws)}
+                "rest_until": dict(self._rest_until), "draws": self._draws}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._recent = {k: deque(v, maxlen=self.config.window)
                         for k, v in state.get("recent", {}).items()}
         self._rest_until = {k: int(v) for k, v in state.get("rest_until", {}).items()}
-        self._draws = {k: int(v) for k, v in state.get("draws", {}).items()}
+        self._draws = int(state.get("draws", 0))

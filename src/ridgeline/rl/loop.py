@@ -137,6 +137,10 @@ class TaskSampler:
     def metrics(self) -> dict[str, float]:
         return {}
 
+    def domain_report(self) -> dict[str, dict[str, float]]:
+        """A shuffled order keeps no per-domain state."""
+        return {}
+
     def scale_weight(self, domain: str, factor: float) -> None:
         """A shuffled order has no domain weights to scale."""
 

@@ -430,16 +430,7 @@ def probe_sandbox(backend: str) -> None:
 def write_report(run_dir: Path, run: _Run, loop: AsyncRLLoop) -> None:
     """report.json: the tasks left out and why (quality check, flaky oracle), each
     domain's share of rollouts and its state, and the domain conflicts flagged."""
-    sched = run.sampler.metrics()
-    domains: dict[str, dict[str, float]] = {}
-    for key, value in sched.items():
-        parts = key.split("/")
-        if len(parts) == 3:
-            domains.setdefault(parts[1], {})[parts[2]] = value
-    started = sum(d.get("started", 0.0) for d in domains.values()) or 1.0
-    for d in domains.values():
-        d["share_of_starts"] = round(d.get("started", 0.0) / started, 4)
-    report = {"excluded_tasks": run.excluded, "domains": domains,
+    report = {"excluded_tasks": run.excluded, "domains": run.sampler.domain_report(),
               "conflicts": loop.conflicts.report(), "rollout_errors": loop.errors[-20:]}
     tmp = run_dir / "report.json.tmp"
     tmp.write_text(json.dumps(report, indent=1))

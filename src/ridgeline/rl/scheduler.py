@@ -105,7 +105,7 @@ def _passes(group: Any) -> list[bool]:
 
 
 class _Domain:
-    def __init__(self, name: str, spec: DomainSpec, tasks: list[Any]) -> None:
+    def __init__(self, name: str, spec: DomainSpec, tasks: list[Any], window: int) -> None:
         self.name = name
         self.spec = spec
         self.tasks = tasks
@@ -115,7 +115,7 @@ class _Domain:
         self.started = 0
         self.finished = 0
         self.failed = 0
-        self.outcomes: deque[bool] = deque()   # recent groups: True = failed
+        self.outcomes: deque[bool] = deque(maxlen=window)   # recent groups: True = failed
         self.degraded = False
 
 
@@ -139,8 +139,9 @@ class DomainScheduler:
         if unknown:
             raise ConfigError(f"scheduler settings for domains without tasks: {', '.join(unknown)}",
                               hint=f"the tasks' domains are: {', '.join(sorted(by_domain))}")
-        self.domains = {d: _Domain(d, cfg.domains.get(d, cfg.default), ts)
+        self.domains = {d: _Domain(d, cfg.domains.get(d, cfg.default), ts, cfg.failure_window)
                         for d, ts in sorted(by_domain.items())}
+        self._domain_of = {str(t.id): self.domains[task_domain(t)] for t in tasks}
         total = sum(d.spec.weight for d in self.domains.values())
         for d in self.domains.values():
             cap = d.spec.max_groups or max(1, math.ceil(2 * slots * d.spec.weight / total))
@@ -158,16 +159,10 @@ class DomainScheduler:
         self._running: dict[int, str] = {}      # handed out, rollout not yet finished
         self._duration: dict[str, float] = {}   # task -> expected group seconds
         self._scale: dict[str, float] = {}      # domain -> weight factor (conflicts)
+        self._vclock = 0.0   # virtual time of the last start: where a returning domain resumes
         self.waits = 0
 
     # ---- the sampler interface (AsyncRLLoop) --------------------------------------------
-
-    def task(self, draw: int) -> Any:
-        with self._cond:
-            tid = self._pending.get(draw) or self._running.get(draw)
-        if tid is None:
-            raise KeyError(f"draw {draw} is not pending")
-        return self._tasks[tid]
 
     def draw(self, timeout: float | None = None) -> tuple[int, Any]:
         """The next (draw number, task): blocks while every domain that has work is at
@@ -190,14 +185,12 @@ class DomainScheduler:
             tid = self._running.pop(draw, None)
             if tid is None:
                 return
-            d = self.domains[task_domain(self._tasks[tid])]
+            d = self._domain_of[tid]
             d.in_flight -= 1
             d.finished += 1
             failed = group_failed(group)
             d.failed += failed
             d.outcomes.append(failed)
-            while len(d.outcomes) > self.config.failure_window:
-                d.outcomes.popleft()
             n_failed = sum(d.outcomes)
             d.degraded = (n_failed >= self.config.min_failures
                           and n_failed / len(d.outcomes) >= self.config.failure_threshold)
@@ -240,14 +233,14 @@ class DomainScheduler:
         """Under the lock: hand out a redo, else the longest eligible planned task, else
         plan more; None when no domain with work has a free slot."""
         for k, (draw, tid) in enumerate(self._redo):
-            if self._can_start(self.domains[task_domain(self._tasks[tid])]):
+            if self._can_start(self._domain_of[tid]):
                 del self._redo[k]
                 return self._hand_out(draw, tid)
         if not self._plan:
             self._plan = [t for t in (self._plan_one(eligible_only=False)
                                       for _ in range(self.config.wave)) if t is not None]
         eligible = [k for k, tid in enumerate(self._plan)
-                    if self._can_start(self.domains[task_domain(self._tasks[tid])])]
+                    if self._can_start(self._domain_of[tid])]
         if not eligible:
             # the plan waits on full domains; start something that can run now instead
             tid = self._plan_one(eligible_only=True)
@@ -266,13 +259,13 @@ class DomainScheduler:
         tid = self._plan[k]
         if tid in self._duration:
             return self._duration[tid]
-        dom = self.domains[task_domain(self._tasks[tid])]
-        known = [self._duration[t.id] for t in dom.tasks if t.id in self._duration] \
+        known = [self._duration[t.id] for t in self._domain_of[tid].tasks
+                 if t.id in self._duration] \
             or list(self._duration.values())
         return sum(known) / len(known) if known else 0.0
 
     def _hand_out(self, draw: int, tid: str) -> tuple[int, Any]:
-        d = self.domains[task_domain(self._tasks[tid])]
+        d = self._domain_of[tid]
         d.in_flight += 1
         d.started += 1
         self._pending[draw] = tid
@@ -282,7 +275,7 @@ class DomainScheduler:
     def _candidates(self, d: _Domain) -> list[tuple[Any, float]]:
         """Tasks of `d` not resting, with their curriculum weights."""
         cur = self.curriculum
-        return [(t, cur.weight(t.id)) for t in d.tasks if not cur.resting(t.id, d.name)]
+        return [(t, cur.weight(t.id)) for t in d.tasks if not cur.resting(t.id)]
 
     def effective_weight(self, d: _Domain, candidates: list[tuple[Any, float]] | None = None
                          ) -> float:
@@ -313,37 +306,38 @@ class DomainScheduler:
                        for d in self.domains.values() if not d.degraded] or \
                       [(d, [(t, 1.0) for t in d.tasks], d.spec.weight)
                        for d in self.domains.values()]
-        floor = min(d.vtime for d, _, _ in options)
+        for o, _, _ in options:   # a domain back from idle resumes now, without a burst
+            o.vtime = max(o.vtime, self._vclock)
         d, cands, w = min(options, key=lambda o: (o[0].vtime, o[0].name))
-        for o, _, _ in options:   # a domain back from idle does not get a burst
-            o.vtime = max(o.vtime, floor)
+        self._vclock = d.vtime
         d.vtime += 1.0 / w
         tasks, weights = zip(*cands)
         tid = str(self._rng.choices(tasks, weights=weights)[0].id)
-        self.curriculum.drawn(tid, d.name)
+        self.curriculum.drawn(tid)
         return tid
 
     # ---- observability and checkpoints -----------------------------------------------------
 
-    def metrics(self) -> dict[str, float]:
-        with self._cond:
-            out: dict[str, float] = {"sched/waits": float(self.waits)}
-            busy = sum(d.in_flight for d in self.domains.values())
-            out["sched/in_flight"] = float(busy)
-            for d in self.domains.values():
-                p = f"sched/{d.name}/"
-                st = self.curriculum.stats([t.id for t in d.tasks], d.name)
-                out.update({p + "started": float(d.started), p + "in_flight": float(d.in_flight),
-                            p + "failed": float(d.failed), p + "degraded": float(d.degraded),
-                            p + "cap": float(self._cap(d)),
-                            p + "weight": self.effective_weight(d),
-                            p + "resting": float(st["resting"])})
-            return out
-
-    def share_of_starts(self) -> dict[str, float]:
+    def domain_report(self) -> dict[str, dict[str, float]]:
+        """Each domain's state: starts (and their share), groups in flight, failed,
+        degraded, cap, effective weight and tasks resting."""
         with self._cond:
             total = sum(d.started for d in self.domains.values()) or 1
-            return {name: d.started / total for name, d in self.domains.items()}
+            return {d.name: {
+                "started": float(d.started), "share_of_starts": round(d.started / total, 4),
+                "in_flight": float(d.in_flight), "failed": float(d.failed),
+                "degraded": float(d.degraded), "cap": float(self._cap(d)),
+                "weight": self.effective_weight(d),
+                "resting": float(sum(self.curriculum.resting(t.id) for t in d.tasks))}
+                for d in self.domains.values()}
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"sched/{name}/{k}": v for name, state in self.domain_report().items()
+               for k, v in state.items()}
+        with self._cond:
+            out["sched/waits"] = float(self.waits)
+            out["sched/in_flight"] = float(sum(d.in_flight for d in self.domains.values()))
+        return out
 
     def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
         """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
@@ -357,6 +351,7 @@ class DomainScheduler:
                     "vtime": {n: d.vtime for n, d in self.domains.items()},
                     "counts": {n: [d.started, d.finished, d.failed] for n, d in self.domains.items()},
                     "duration": dict(self._duration), "scale": dict(self._scale),
+                    "vclock": self._vclock,
                     "curriculum": self.curriculum.state_dict(),
                     "rng": [state[0], list(state[1]), state[2]]}
 
@@ -378,6 +373,7 @@ class DomainScheduler:
                     d.started, d.finished, d.failed = int(s), int(f), int(x)
             self._duration = {k: float(v) for k, v in state.get("duration", {}).items()}
             self._scale = {k: float(v) for k, v in state.get("scale", {}).items()}
+            self._vclock = float(state.get("vclock", 0.0))
             self.curriculum.load_state_dict(state.get("curriculum", {}))
             v, internal, gauss = state["rng"]
             self._rng.setstate((v, tuple(internal), gauss))

@@ -39,14 +39,14 @@ def test_bf16_matches_transformers_in_bf16_on_most_tokens():
 
 
 def test_a_half_dtype_without_a_fast_path_here_is_named_in_the_log(caplog, monkeypatch):
-    from ridgeline.engine import llm_engine
+    from ridgeline.engine import cpu_kernels
 
-    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "avx512f"})
     with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
         LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="bfloat16")
     assert "without AVX512_BF16" in caplog.text
     caplog.clear()
-    monkeypatch.setattr(llm_engine, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
         LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="float16")
         assert "bfloat16 is the fast half-precision here" in caplog.text

@@ -16,6 +16,7 @@ the PyTorch path, which computes the same thing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -256,13 +257,19 @@ _FLAG_SETS = [
 ]
 
 
-def _cpu_signature() -> str:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere), read once."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
+            line = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_signature() -> str:
+    return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
 def _cache_dir() -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ridgeline.engine import cpu_kernels
 from ridgeline.engine.block_manager import BlockManager
 from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.loader import InMemorySource, ModelSource, open_source
@@ -55,21 +56,9 @@ class PromptTooLongError(EngineError):
                          hint="shorten the prompt or raise max_model_len")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _warn_slow_dtype(dtype: str) -> None:
     """A dtype this CPU has no fast path for runs, but says so in the log."""
-    flags = cpu_flags()
+    flags = cpu_kernels.cpu_flags()
     if dtype == "float16" and not flags & {"avx512_fp16", "amx_fp16"}:
         log.warning("dtype float16 has no fast matmul path on this CPU (no AVX512_FP16): "
                     "expect it slower than float32; bfloat16 is the fast half-precision here"

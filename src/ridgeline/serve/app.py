@@ -63,8 +63,8 @@ from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
-    FAST_Q_SUFFIX, FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, error_body,
-    error_for, error_type, parse_request,
+    FAST_Q_SUFFIX, FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError,
+    ServerLimits, base_model_name, error_body, error_for, error_type, parse_request,
 )
 from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
@@ -117,8 +117,7 @@ class ServedModel:
         return text
 
     def describe(self) -> dict[str, Any]:
-        base = next((self.name[:-len(s)] for s in (FAST_SUFFIX, FAST_Q_SUFFIX)
-                     if self.name.endswith(s)), None)
+        base = base_model_name(self.name)
         return {"id": self.name, "object": "model", "created": self.created,
                 "owned_by": "ridgeline", "root": self.engine.config.model,
                 "parent": base, "max_model_len": self.max_model_len,
@@ -911,4 +910,5 @@ class ServerThread:
         self.stop()
 
 
-__all__ = ["FAST_Q_SUFFIX", "FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines", "create_app"]
+__all__ = ["FAST_Q_SUFFIX", "FAST_SUFFIX", "ServedModel", "ServerThread", "build_engines",
+           "create_app"]

@@ -73,6 +73,12 @@ FAST_SUFFIX = ":fast"
 FAST_Q_SUFFIX = ":fast-q"
 
 
+def base_model_name(name: str) -> str | None:
+    """`<model>` for a variant name `<model>:fast` or `<model>:fast-q`, else None."""
+    return next((name[:-len(s)] for s in (FAST_SUFFIX, FAST_Q_SUFFIX) if name.endswith(s)),
+                None)
+
+
 class ServerLimits(BaseModel):
     """Bounds on what one request may ask for, so that no client can make the server
     buffer, tokenise or schedule without limit. `max_tokens` needs none here: it is

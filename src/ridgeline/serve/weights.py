@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ridgeline.errors import RidgelineError
-from ridgeline.serve.protocol import FAST_Q_SUFFIX, FAST_SUFFIX, RequestError
+from ridgeline.serve.protocol import FAST_SUFFIX, RequestError, base_model_name
 
 WEIGHTS_PATH = "/v1/weights"
 
@@ -39,8 +39,7 @@ class WeightUpdatesDisabled(RidgelineError):
 def family(served: Mapping[str, Any], name: str) -> list[str]:
     """The served names that share `name`'s weights: the model and its `:fast` sibling
     (`:fast-q` holds int8 weights and takes no float updates)."""
-    base = next((name[:-len(s)] for s in (FAST_SUFFIX, FAST_Q_SUFFIX) if name.endswith(s)),
-                name)
+    base = base_model_name(name) or name
     names = [n for n in (base, base + FAST_SUFFIX) if n in served]
     if not names:
         raise RequestError(f"the model {name[:100]!r} does not exist",

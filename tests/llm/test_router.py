@@ -93,3 +93,9 @@ def test_weights_reach_every_replica_and_no_replica_is_an_error():
         ReplicaRouter([])
     with pytest.raises(ConfigError):
         WeightFanout([])
+
+
+def test_known_hashes_continue_the_chain():
+    ids = list(range(50))
+    head = block_hashes(ids[:37], 8)
+    assert block_hashes(ids, 8, known=head) == block_hashes(ids, 8)

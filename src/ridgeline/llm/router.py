@@ -26,10 +26,12 @@ from ridgeline.errors import ConfigError
 from ridgeline.llm.base import Completion, Sampling, ToolSpec
 
 
-def block_hashes(ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `ids` (each covers the whole prefix)."""
-    out, parent = [], 0
-    for start in range(0, len(ids) - block_size + 1, block_size):
+def block_hashes(ids: Sequence[int], block_size: int, known: Sequence[int] = ()) -> list[int]:
+    """Chained hashes of the full blocks of `ids` (each covers the whole prefix);
+    `known`: the hashes of its first blocks, already computed (they are not redone)."""
+    out = list(known)
+    parent = out[-1] if out else 0
+    for start in range(len(out) * block_size, len(ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(ids[start:start + block_size])))
         out.append(parent)
     return out
@@ -78,8 +80,10 @@ class ReplicaRouter:
 
     def route(self, prompt_ids: Sequence[int], max_tokens: int) -> int:
         """The replica index a request of `prompt_ids` goes to (and counts it there)."""
-        hashes = block_hashes(prompt_ids, self.block_size)
-        cost = len(prompt_ids) + max_tokens
+        return self._route(block_hashes(prompt_ids, self.block_size),
+                           len(prompt_ids) + max_tokens)
+
+    def _route(self, hashes: list[int], cost: int) -> int:
         with self._lock:
             least = min(range(len(self.replicas)),
                         key=lambda k: (self.replicas[k].outstanding, self.replicas[k].requests))
@@ -102,16 +106,18 @@ class ReplicaRouter:
     def complete_ids(self, prompt_ids: list[int], sampling: Sampling | None = None,
                      tools: list[ToolSpec] | None = None) -> Completion:
         sampling = sampling or Sampling()
-        k = self.route(prompt_ids, sampling.max_tokens)
-        r = self.replicas[k]
+        hashes = block_hashes(prompt_ids, self.block_size)
+        cost = len(prompt_ids) + sampling.max_tokens
+        r = self.replicas[self._route(hashes, cost)]
         try:
             completion = r.generator.complete_ids(prompt_ids, sampling, tools)
         finally:
             with self._lock:
-                r.outstanding -= len(prompt_ids) + sampling.max_tokens
+                r.outstanding -= cost
         sampled = completion.token_ids or []
         with self._lock:  # the sampled blocks are in that replica's cache now too
-            r.remember(block_hashes(list(prompt_ids) + list(sampled), self.block_size))
+            r.remember(block_hashes(list(prompt_ids) + list(sampled), self.block_size,
+                                    known=hashes)[len(hashes):])
         return completion
 
     def metrics(self) -> dict[str, float]:

@@ -7,8 +7,10 @@ Import this before torch: it imports `ridgeline`, which makes idle OpenMP worker
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,3 +54,24 @@ def on_worker_thread(fn: Callable[[], T], name: str) -> T:
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def median_seconds(fn: Callable[[], object], min_s: float = 0.15, reps: int = 5) -> float:
+    """Median seconds per call of `fn` over `reps` rounds of at least `min_s` each
+    (after one warm-up call)."""
+    fn()
+    n = 1
+    while True:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if time.perf_counter() - t0 >= min_s / 4 or n >= 1 << 14:
+            break
+        n *= 2
+    per = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter() - t0) / n)
+    return statistics.median(per)

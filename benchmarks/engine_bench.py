@@ -33,7 +33,7 @@ import time
 from datetime import date
 
 # before torch: idle OpenMP workers sleep, the same for both engines
-from bench_common import engine_arg_parser, progress_log  # noqa: I001
+from bench_common import engine_arg_parser, median_seconds, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -102,20 +102,13 @@ def matmul_floor(engine, passes: list[tuple[int, int]]) -> float:
     if any(w.numel() == 0 for w in projections):
         return float("nan")  # int8 weights: not measured by this floor
 
-    def timed(fn) -> float:
-        fn()
-        reps = 3
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps
-
     layer_s, head_s = {}, {}
     for m in GRID:
         xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in projections}
-        layer_s[m] = timed(lambda: [linear(xs[w.shape[1]], w) for w in projections])
+        layer_s[m] = median_seconds(lambda: [linear(xs[w.shape[1]], w) for w in projections],
+                                    min_s=0.0, reps=3)
         xh = torch.randn(m, head.shape[1], dtype=head.dtype)
-        head_s[m] = timed(lambda: linear(xh, head))
+        head_s[m] = median_seconds(lambda: linear(xh, head), min_s=0.0, reps=3)
 
     def at(table: dict[int, float], m: int) -> float:
         if m <= 0:

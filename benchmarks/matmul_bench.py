@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
-from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import median_seconds, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -46,35 +45,15 @@ SHAPES = {  # name: (out_features, in_features)
 ROWS = (1, 4, 16, 64, 512)
 
 
-def timed(fn: Callable[[], object], min_s: float = 0.15, reps: int = 5) -> float:
-    """Median seconds per call over `reps` rounds of at least `min_s` each."""
-    fn()
-    n = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if time.perf_counter() - t0 >= min_s / 4 or n >= 1 << 14:
-            break
-        n *= 2
-    per = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        per.append((time.perf_counter() - t0) / n)
-    return statistics.median(per)
-
-
 def peaks() -> dict[str, float]:
     out = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         a = torch.randn(2048, 2048).to(dt)
         b = torch.randn(2048, 2048).to(dt)
-        t = timed(lambda: torch.mm(a, b), reps=3)
+        t = median_seconds(lambda: torch.mm(a, b), reps=3)
         out[f"{name}_gflops"] = round(2 * 2048 ** 3 / t / 1e9, 1)
     big = torch.ones(2 ** 28)  # 1 GiB of fp32
-    t = timed(lambda: big.sum(), reps=3)
+    t = median_seconds(lambda: big.sum(), reps=3)
     out["read_gbs"] = round(big.numel() * 4 / t / 1e9, 2)
     return out
 
@@ -129,7 +108,7 @@ def main() -> None:
                 x = torch.randn(m, n_in).to(dt)
                 if path == "fp32_onednn":
                     x = x.to_mkldnn()
-                t = timed(lambda: fn(x))
+                t = median_seconds(lambda: fn(x))
                 flops = 2 * m * n_out * n_in
                 results[name][path][str(m)] = {
                     "us": round(t * 1e6, 1), "gflops": round(flops / t / 1e9, 1),

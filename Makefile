@@ -10,10 +10,15 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
+# bubblewrap: the sandbox backend; redis-server: the queue at scale (tests start one on
+# loopback); chromium: the dashboard's browser test.
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  echo "installing bubblewrap (sandbox backend)"; \
-	  apt-get update -qq && apt-get install -y -qq bubblewrap; }
+	@missing=""; \
+	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	if [ -n "$$missing" ]; then echo "installing$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
 $(STAMP): pyproject.toml Makefile
 	@$(MAKE) --no-print-directory system-deps

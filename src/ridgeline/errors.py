@@ -60,3 +60,40 @@ class ModelEndpointError(RidgelineError):
     """A model endpoint failed after retries (down, timing out, answering errors)."""
 
     http_status = 502
+
+
+class AuthenticationError(RidgelineError):
+    """A request without a valid API key."""
+
+    http_status = 401
+
+
+class PermissionDeniedError(RidgelineError):
+    """An authenticated caller asked for something its key does not allow (a model, a tool,
+    another tenant's object)."""
+
+    http_status = 403
+
+
+class ConflictError(RidgelineError):
+    """The request conflicts with an object's state (an idempotency key reused with another
+    body, cancelling a finished task)."""
+
+    http_status = 409
+
+
+class PayloadTooLargeError(RidgelineError):
+    """A body or upload over its configured limit."""
+
+    http_status = 413
+
+
+class RateLimitError(RidgelineError):
+    """A key's rpm, tpm or concurrency limit is reached; retry after `retry_after_s`."""
+
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None,
+                 hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.retry_after_s = retry_after_s

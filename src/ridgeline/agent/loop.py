@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 from ridgeline.agent.action_parser import parse_actions
 from ridgeline.agent.config import AgentConfig, fill
@@ -109,7 +109,11 @@ class Agent:
 
 class Episode:
     def __init__(self, agent: Agent, task: TaskLike, env: ToolEnvironment,
-                 trajectory_path: str | Path | None) -> None:
+                 trajectory_path: str | Path | None,
+                 on_step: Callable[["Episode", StepRecord], None] | None = None) -> None:
+        # on_step runs after every step is recorded (the finishing one included): the
+        # platform checkpoints there, and may raise to stop the episode (a cancel).
+        self.on_step = on_step
         self.model = agent.model
         self.config = cfg = agent.config
         self.task = task
@@ -195,6 +199,8 @@ class Episode:
                                      total_s=total,
                                      overhead_s=max(0.0, total - model_s - exec_s - condense_s))
         self.writer.step(record)
+        if self.on_step is not None:
+            self.on_step(self, record)
         if record.action is not None and record.action.tool == "finish":
             raise _EndEpisode(ExitStatus.FINISHED)
 
@@ -299,6 +305,45 @@ class Episode:
                         content="not run: one action per reply; call it again if still needed")
                 for extra in dropped if extra.call_id is not None]
         return out
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue this episode elsewhere (JSON): the history, the
+        counters and the time already spent. The sandbox's files are saved separately."""
+        h = self.history
+        return {"version": 1, "n_steps": self.n_steps, "n_format_errors": self.n_format_errors,
+                "n_condensations": self.n_condensations, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "elapsed_s": self.elapsed(),
+                "summary": self.summary, "tokens_per_s": self._tokens_per_s,
+                "previous": list(self._previous) if self._previous is not None else None,
+                "history": {"head": [m.model_dump(mode="json") for m in h.head],
+                            "steps": [{"messages": [m.model_dump(mode="json")
+                                                    for m in step.messages],
+                                       "digest": step.digest} for step in h.steps],
+                            "notes": h.notes, "digest": list(h.digest)}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state()`: the next step is number n_steps + 1, the time limit
+        counts the time already spent."""
+        if state.get("version") != 1:
+            raise RidgelineError(f"unknown episode checkpoint version {state.get('version')!r}",
+                                 hint="resume it with the Ridgeline version that wrote it")
+        h = state["history"]
+        self.history.head = [Message.model_validate(m) for m in h["head"]]
+        self.history.steps = [HistoryStep([Message.model_validate(m) for m in s["messages"]],
+                                          s["digest"]) for s in h["steps"]]
+        self.history.notes = h["notes"]
+        self.history.digest = list(h["digest"])
+        self.n_steps = state["n_steps"]
+        self.n_format_errors = state["n_format_errors"]
+        self.n_condensations = state["n_condensations"]
+        self.prompt_tokens = state["prompt_tokens"]
+        self.completion_tokens = state["completion_tokens"]
+        self.summary = state["summary"]
+        self._tokens_per_s = state["tokens_per_s"]
+        previous = state["previous"]
+        self._previous = tuple(previous) if previous is not None else None  # type: ignore[assignment]
+        self.started = time.perf_counter() - float(state["elapsed_s"])
 
     # -- limits and context ---------------------------------------------------------------
     def check_limits(self) -> None:

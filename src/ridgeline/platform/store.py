@@ -1,0 +1,397 @@
+"""The durable state of agent tasks: the task rows, their event log and their checkpoints.
+
+One SQLite file in WAL mode (many threads and processes on one machine; readers never
+block the writer). The queue (`platform.queue`) only says *who works on what now*; this
+store says *what a task is, what happened to it and where to resume it*, so a queue
+redelivery or a new worker can always continue from the last checkpoint.
+
+Writes that must agree happen in one transaction: an event gets the next sequence number
+of its task (`Last-Event-ID` resumes a stream exactly), a status change is conditional on
+the current status (a cancelled or finished task never flips back), and an idempotency key
+maps to one task per tenant (the same key with another body is a 409, never a second task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Iterator
+
+from ridgeline.errors import ConfigError, ConflictError, NotFoundError
+from ridgeline.platform.principal import Principal
+
+
+class TaskStatus(str, Enum):
+    # the names OpenAI's background responses use, so clients need no new vocabulary
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.CANCELLED)
+
+
+TERMINAL = frozenset(s for s in TaskStatus if s.terminal)
+
+
+@dataclass
+class TaskRecord:
+    id: str
+    tenant: str
+    key_id: str
+    kind: str                      # "agent" or "dag"
+    status: TaskStatus
+    request: dict[str, Any]
+    result: dict[str, Any] | None
+    error: str | None
+    attempts: int
+    cancel_requested: bool
+    parent_id: str | None
+    created_at: float
+    updated_at: float
+
+    def public(self) -> dict[str, Any]:
+        """What the API shows: never the webhook secret."""
+        request = dict(self.request)
+        if isinstance(request.get("webhook"), dict):
+            request["webhook"] = {k: v for k, v in request["webhook"].items() if k != "secret"}
+        return {"id": self.id, "object": "agent.task", "kind": self.kind,
+                "status": self.status.value, "created_at": self.created_at,
+                "updated_at": self.updated_at, "attempts": self.attempts,
+                "parent_id": self.parent_id, "request": request, "result": self.result,
+                "error": self.error}
+
+
+@dataclass
+class Event:
+    task_id: str
+    seq: int
+    type: str
+    data: dict[str, Any]
+    created_at: float
+
+    def public(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "seq": self.seq, "type": self.type,
+                "data": self.data, "created_at": self.created_at}
+
+
+@dataclass
+class Checkpoint:
+    task_id: str
+    step: int
+    state: dict[str, Any]
+    workspace: bytes | None
+    created_at: float
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    status TEXT NOT NULL,
+    request TEXT NOT NULL,
+    request_hash TEXT NOT NULL,
+    idempotency_key TEXT,
+    result TEXT,
+    error TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    parent_id TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_idem ON tasks (tenant, idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS tasks_tenant ON tasks (tenant, created_at);
+CREATE INDEX IF NOT EXISTS tasks_parent ON tasks (parent_id);
+CREATE TABLE IF NOT EXISTS task_events (
+    task_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    data TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (task_id, seq)
+);
+CREATE TABLE IF NOT EXISTS task_checkpoints (
+    task_id TEXT PRIMARY KEY,
+    step INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    workspace BLOB,
+    created_at REAL NOT NULL
+);
+"""
+
+_COLUMNS = ("id, tenant, key_id, kind, status, request, result, error, attempts, "
+            "cancel_requested, parent_id, created_at, updated_at")
+
+
+def canonical_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"),
+                                     default=str).encode()).hexdigest()
+
+
+class TaskStore:
+    """Tasks, events and checkpoints in one SQLite file; safe from many threads (a
+    connection per thread) and many processes (WAL, `BEGIN IMMEDIATE` for writes)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            parent = Path(self.path).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise ConfigError(f"the task store's directory {parent} does not exist",
+                                  hint="create it or set store.path to a writable place")
+        if self.path == ":memory:":  # one shared in-memory database for every thread
+            self.path = f"file:ridgeline-store-{uuid.uuid4().hex}?mode=memory&cache=shared"
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()  # in-process wake-up for event streams
+        with self._tx() as db:
+            db.executescript(_SCHEMA)
+
+    # -- connections ---------------------------------------------------------------------
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
+                                 check_same_thread=False, uri=self.path.startswith("file:"))
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across crashes
+            db.execute("PRAGMA busy_timeout=30000")   # of the process, not of the OS
+            self._local.db = db
+            with self._lock:
+                self._connections.append(db)
+        return db
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            for db in self._connections:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+            self._connections.clear()
+        self._local = threading.local()
+
+    # -- tasks ---------------------------------------------------------------------------
+    def create_task(self, principal: Principal, request: dict[str, Any], *, kind: str = "agent",
+                    idempotency_key: str | None = None, parent_id: str | None = None,
+                    task_id: str | None = None) -> tuple[TaskRecord, bool]:
+        """A new queued task, or the existing one for this tenant's idempotency key
+        (`created` False). The same key with a different request is a ConflictError."""
+        digest = canonical_hash({"kind": kind, "request": request})
+        now = time.time()
+        task_id = task_id or f"task_{uuid.uuid4().hex}"
+        with self._tx() as db:
+            if idempotency_key is not None:
+                row = db.execute(f"SELECT {_COLUMNS}, request_hash FROM tasks "
+                                 "WHERE tenant = ? AND idempotency_key = ?",
+                                 (principal.tenant, idempotency_key)).fetchone()
+                if row is not None:
+                    if row[-1] != digest:
+                        raise ConflictError(
+                            f"idempotency key {idempotency_key!r} was used for another request "
+                            f"(task {row[0]})", hint="use a new key for a different request")
+                    return _record(row[:-1]), False
+            db.execute("INSERT INTO tasks (id, tenant, key_id, kind, status, request, "
+                       "request_hash, idempotency_key, parent_id, created_at, updated_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                       (task_id, principal.tenant, principal.key_id, kind,
+                        TaskStatus.QUEUED.value, json.dumps(request), digest, idempotency_key,
+                        parent_id, now, now))
+            self._append(db, task_id, "task.created", {"status": "queued"}, now)
+        self._notify()
+        return self.get(task_id), True
+
+    def get(self, task_id: str, tenant: str | None = None) -> TaskRecord:
+        """The task; with `tenant`, another tenant's task is reported as missing (404,
+        never 403, so ids of other tenants cannot be probed)."""
+        row = self._db().execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()
+        if row is None or (tenant is not None and row[1] != tenant):
+            raise NotFoundError(f"no agent task {task_id!r}",
+                                hint="list your tasks with GET /v1/agent/tasks")
+        return _record(row)
+
+    def list(self, tenant: str | None, *, status: str | None = None, parent_id: str | None = None,
+             limit: int = 50) -> list[TaskRecord]:
+        sql, args = f"SELECT {_COLUMNS} FROM tasks WHERE 1=1", []
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        if status is not None:
+            sql += " AND status = ?"
+            args.append(status)
+        if parent_id is not None:
+            sql += " AND parent_id = ?"
+            args.append(parent_id)
+        sql += " ORDER BY created_at DESC LIMIT ?"
+        args.append(int(limit))
+        return [_record(r) for r in self._db().execute(sql, args).fetchall()]
+
+    def counts(self) -> dict[str, int]:
+        rows = self._db().execute("SELECT status, COUNT(*) FROM tasks GROUP BY status").fetchall()
+        out = {s.value: 0 for s in TaskStatus}
+        out.update({s: n for s, n in rows})
+        return out
+
+    def start_attempt(self, task_id: str) -> TaskRecord | None:
+        """Mark the task in progress for a new attempt; None if it is already terminal
+        (cancelled while queued, or finished by an earlier holder of the job)."""
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT status, attempts FROM tasks WHERE id = ?",
+                             (task_id,)).fetchone()
+            if row is None or TaskStatus(row[0]).terminal:
+                return None
+            db.execute("UPDATE tasks SET status = ?, attempts = attempts + 1, updated_at = ? "
+                       "WHERE id = ?", (TaskStatus.IN_PROGRESS.value, now, task_id))
+            self._append(db, task_id, "task.started", {"attempt": row[1] + 1}, now)
+        self._notify()
+        return self.get(task_id)
+
+    def finish(self, task_id: str, status: TaskStatus, *, result: dict[str, Any] | None = None,
+               error: str | None = None, event_data: dict[str, Any] | None = None) -> bool:
+        """Move a task to a terminal status with its result, once: False if it already
+        was terminal (the first finisher wins; a late duplicate changes nothing)."""
+        assert status.terminal
+        now = time.time()
+        with self._tx() as db:
+            changed = db.execute(
+                "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ? "
+                "WHERE id = ? AND status NOT IN ('completed', 'failed', 'cancelled')",
+                (status.value, json.dumps(result) if result is not None else None, error, now,
+                 task_id)).rowcount
+            if changed:
+                data = {"status": status.value, **(event_data or {})}
+                if error:
+                    data["error"] = error
+                self._append(db, task_id, f"task.{status.value}", data, now)
+        self._notify()
+        return bool(changed)
+
+    def request_cancel(self, task_id: str, tenant: str | None) -> TaskRecord:
+        """Cancel: a queued task is cancelled at once; a running one is flagged and its
+        worker stops after the current step. A finished task is a ConflictError."""
+        task = self.get(task_id, tenant)
+        if task.status.terminal:
+            raise ConflictError(f"task {task_id} is already {task.status.value}",
+                                hint="only queued or running tasks can be cancelled")
+        now = time.time()
+        with self._tx() as db:
+            db.execute("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?",
+                       (now, task_id))
+            self._append(db, task_id, "task.cancel_requested", {}, now)
+        if task.status is TaskStatus.QUEUED:
+            self.finish(task_id, TaskStatus.CANCELLED, error="cancelled before it started")
+        self._notify()
+        return self.get(task_id)
+
+    def cancel_requested(self, task_id: str) -> bool:
+        row = self._db().execute("SELECT cancel_requested FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()
+        return bool(row and row[0])
+
+    # -- events --------------------------------------------------------------------------
+    def append_event(self, task_id: str, type: str, data: dict[str, Any]) -> int:
+        with self._tx() as db:
+            seq = self._append(db, task_id, type, data, time.time())
+        self._notify()
+        return seq
+
+    @staticmethod
+    def _append(db: sqlite3.Connection, task_id: str, type: str, data: dict[str, Any],
+                now: float) -> int:
+        (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM task_events WHERE task_id = ?",
+                             (task_id,)).fetchone()
+        db.execute("INSERT INTO task_events (task_id, seq, type, data, created_at) "
+                   "VALUES (?, ?, ?, ?, ?)", (task_id, last + 1, type, json.dumps(data), now))
+        return last + 1
+
+    def events(self, task_id: str, after: int = 0, limit: int = 500) -> list[Event]:
+        rows = self._db().execute(
+            "SELECT task_id, seq, type, data, created_at FROM task_events "
+            "WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (task_id, int(after), int(limit))).fetchall()
+        return [Event(r[0], r[1], r[2], json.loads(r[3]), r[4]) for r in rows]
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Block until this process appends an event or `timeout` passes (writers in other
+        processes are seen by the caller's next poll)."""
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, task_id: str, step: int, state: dict[str, Any],
+                        workspace: bytes | None) -> None:
+        """The task's latest resumable state (the previous one is replaced in the same
+        transaction, so a crash leaves the old or the new, never half of one)."""
+        now = time.time()
+        with self._tx() as db:
+            db.execute("INSERT INTO task_checkpoints (task_id, step, state, workspace, created_at)"
+                       " VALUES (?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+                       "step = excluded.step, state = excluded.state, "
+                       "workspace = excluded.workspace, created_at = excluded.created_at",
+                       (task_id, step, json.dumps(state), workspace, now))
+
+    def load_checkpoint(self, task_id: str) -> Checkpoint | None:
+        row = self._db().execute("SELECT task_id, step, state, workspace, created_at FROM "
+                                 "task_checkpoints WHERE task_id = ?", (task_id,)).fetchone()
+        if row is None:
+            return None
+        return Checkpoint(row[0], row[1], json.loads(row[2]), row[3], row[4])
+
+    def delete_checkpoint(self, task_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM task_checkpoints WHERE task_id = ?", (task_id,))
+
+
+def _record(row: tuple[Any, ...]) -> TaskRecord:
+    return TaskRecord(id=row[0], tenant=row[1], key_id=row[2], kind=row[3],
+                      status=TaskStatus(row[4]), request=json.loads(row[5]),
+                      result=json.loads(row[6]) if row[6] is not None else None, error=row[7],
+                      attempts=row[8], cancel_requested=bool(row[9]), parent_id=row[10],
+                      created_at=row[11], updated_at=row[12])
+
+
+def store_path(url_or_path: str, data_dir: str | os.PathLike[str]) -> str:
+    """`sqlite:///abs/path`, `sqlite:///relative` (to data_dir) or a plain path."""
+    value = url_or_path
+    if value.startswith("sqlite:///"):
+        value = value[len("sqlite:///"):]
+        if not value.startswith("/"):
+            value = str(Path(data_dir) / value)
+    elif "://" in value:
+        raise ConfigError(f"store.url {url_or_path!r} is not a SQLite URL",
+                          hint="use sqlite:///path/to/platform.db (the task store is SQLite)")
+    elif not os.path.isabs(value) and value != ":memory:":
+        value = str(Path(data_dir) / value)
+    return value

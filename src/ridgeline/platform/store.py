@@ -161,8 +161,7 @@ class TaskStore:
         self._connections: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._changed = threading.Condition()  # in-process wake-up for event streams
-        with self._tx() as db:
-            db.executescript(_SCHEMA)
+        self._db().executescript(_SCHEMA)  # idempotent; executescript commits by itself
 
     # -- connections ---------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -275,17 +274,20 @@ class TaskStore:
         return self.get(task_id)
 
     def finish(self, task_id: str, status: TaskStatus, *, result: dict[str, Any] | None = None,
-               error: str | None = None, event_data: dict[str, Any] | None = None) -> bool:
+               error: str | None = None, event_data: dict[str, Any] | None = None,
+               attempt: int | None = None) -> bool:
         """Move a task to a terminal status with its result, once: False if it already
-        was terminal (the first finisher wins; a late duplicate changes nothing)."""
+        was terminal (the first finisher wins; a late duplicate changes nothing) or, with
+        `attempt`, if a later attempt has started (the caller lost its lease)."""
         assert status.terminal
         now = time.time()
+        fence, args = ("", []) if attempt is None else (" AND attempts = ?", [attempt])
         with self._tx() as db:
             changed = db.execute(
                 "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ? "
-                "WHERE id = ? AND status NOT IN ('completed', 'failed', 'cancelled')",
+                "WHERE id = ? AND status NOT IN ('completed', 'failed', 'cancelled')" + fence,
                 (status.value, json.dumps(result) if result is not None else None, error, now,
-                 task_id)).rowcount
+                 task_id, *args)).rowcount
             if changed:
                 data = {"status": status.value, **(event_data or {})}
                 if error:
@@ -351,16 +353,24 @@ class TaskStore:
 
     # -- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, task_id: str, step: int, state: dict[str, Any],
-                        workspace: bytes | None) -> None:
+                        workspace: bytes | None, *, attempt: int | None = None) -> bool:
         """The task's latest resumable state (the previous one is replaced in the same
-        transaction, so a crash leaves the old or the new, never half of one)."""
+        transaction, so a crash leaves the old or the new, never half of one). With
+        `attempt`, nothing is written (False) once a later attempt has started or the task
+        is finished: a worker that lost its lease cannot overwrite its successor."""
         now = time.time()
         with self._tx() as db:
+            if attempt is not None:
+                row = db.execute("SELECT attempts, status FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()
+                if row is None or row[0] != attempt or TaskStatus(row[1]).terminal:
+                    return False
             db.execute("INSERT INTO task_checkpoints (task_id, step, state, workspace, created_at)"
                        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
                        "step = excluded.step, state = excluded.state, "
                        "workspace = excluded.workspace, created_at = excluded.created_at",
                        (task_id, step, json.dumps(state), workspace, now))
+        return True
 
     def load_checkpoint(self, task_id: str) -> Checkpoint | None:
         row = self._db().execute("SELECT task_id, step, state, workspace, created_at FROM "

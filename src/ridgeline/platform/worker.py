@@ -163,6 +163,11 @@ class TaskRun:
             if self._workspace is not None:
                 restore_workspace(sandbox, self._workspace)
             else:
+                # a DAG node starts from its dependencies' final workspaces, in order
+                for source in self.task.request.get("workspace_from") or []:
+                    done = self.store.load_checkpoint(source)
+                    if done is not None and done.workspace is not None:
+                        restore_workspace(sandbox, done.workspace)
                 for path, content in (self.task.request.get("files") or {}).items():
                     sandbox.write_file(path, content)
         except BaseException:
@@ -171,10 +176,14 @@ class TaskRun:
         return sandbox
 
     def snapshot(self) -> bytes | None:
-        """The workspace as a tar.gz (None while no sandbox was needed: the request's
-        files are the workspace then)."""
+        """The workspace as a tar.gz (None while no sandbox was needed and nothing was
+        given to start from)."""
         if not self.sandbox.started:
-            return self._workspace
+            if self._workspace is None and (self.task.request.get("files")
+                                            or self.task.request.get("workspace_from")):
+                self.sandbox.get()  # materialise the inputs so the result carries them
+            else:
+                return self._workspace
         self._workspace = snapshot_workspace(self.sandbox.get(),
                                              self.worker.config.max_workspace_bytes)
         return self._workspace

@@ -396,7 +396,7 @@ class AgentWorker:
         if state == "dead":
             self.store.finish(job.id, TaskStatus.FAILED, error=error, attempt=task.attempts)
             self._finished(job.id)
-        else:
+        elif state == "queued":  # "lost": cancelled or taken over meanwhile, nothing to say
             self.store.append_event(job.id, "task.retrying",
                                     {"attempt": task.attempts, "error": error[:500]})
 

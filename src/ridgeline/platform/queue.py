@@ -1,0 +1,836 @@
+"""The durable job queue: at-least-once delivery with leases, heartbeats, attempts and a
+dead-letter state. Two backends behind one `JobQueue` protocol:
+
+- `SqliteJobQueue` (the embedded default): one table in a WAL-mode SQLite file. Leases are
+  taken inside `BEGIN IMMEDIATE`, so two threads or processes on the same file never lease
+  the same job.
+- `RedisJobQueue` (scale-out): a stream per kind read through one consumer group
+  (XREADGROUP), expired leases taken over with XAUTOCLAIM, a hash per job holding its state,
+  attempts and lease token, a sorted set of delayed jobs and a dead-letter stream. Every
+  state change is one Lua script, so a stale lease holder can never ack, fail or extend a
+  job another worker now holds.
+
+A job is leased by one worker at a time for `lease_s` seconds; the worker extends the lease
+with `heartbeat` while it works and ends it with `ack` (done) or `fail` (retry or dead).
+A worker that dies stops heartbeating; its lease expires and the next `lease` call takes the
+job over with a new lease token, counting another attempt. A job leased more than
+`max_attempts` times goes to the dead-letter state, from where `requeue_dead` revives it.
+
+States: queued (waiting, possibly delayed), leased, done, dead, cancelled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ridgeline.errors import ConfigError
+
+STATES = ("queued", "leased", "done", "dead", "cancelled")
+
+#: The longest lease a job may hold between heartbeats. Redis measures every lease against
+#: this one XAUTOCLAIM threshold (see RedisJobQueue), so it is shared by all workers.
+MAX_LEASE_S = 86_400.0
+
+
+@dataclass
+class Job:
+    id: str                  # unique job id (the platform uses the agent task id)
+    kind: str                # e.g. "agent_task", "webhook"
+    payload: dict[str, Any]  # JSON-serialisable
+    attempt: int             # 1 for the first lease, 2 after one failed/expired lease...
+    max_attempts: int
+    lease_token: str         # identifies this lease; a stale holder's ack/heartbeat is refused
+    last_error: str | None = None  # why the previous attempt ended (None on the first)
+
+
+@runtime_checkable
+class JobQueue(Protocol):
+    def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
+                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
+        """Add a job; idempotent on `job_id` (an existing id is returned, nothing added)."""
+        ...
+
+    def lease(self, worker: str, *, kinds: Sequence[str] | None = None,
+              lease_s: float | None = None, wait_s: float = 0.0) -> Job | None:
+        """The oldest ready job of `kinds` (all when None), or one whose lease expired;
+        waits up to `wait_s` for one. None when there is none."""
+        ...
+
+    def heartbeat(self, job: Job, *, lease_s: float | None = None) -> bool:
+        """Extend the lease; False when it was lost (taken over, cancelled, finished)."""
+        ...
+
+    def ack(self, job: Job) -> bool:
+        """Mark done; False when this lease was lost meanwhile."""
+        ...
+
+    def fail(self, job: Job, error: str, *, retry_in_s: float = 0.0) -> str:
+        """End this attempt with `error`: "queued" (retried after `retry_in_s`), "dead"
+        (no attempts left) or "lost" (this lease no longer holds the job; nothing changed)."""
+        ...
+
+    def cancel(self, job_id: str) -> bool:
+        """A queued job never runs; a leased one's next heartbeat/ack returns False.
+        False when the job is unknown or already finished (done, dead, cancelled)."""
+        ...
+
+    def depth(self) -> dict[str, int]:
+        """Job counts by state: queued, leased, done, dead, cancelled."""
+        ...
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Dead jobs, oldest death first: id, kind, payload, attempts, max_attempts,
+        last_error."""
+        ...
+
+    def requeue_dead(self, job_id: str) -> bool:
+        """Queue a dead job again with a fresh set of attempts; False if it is not dead."""
+        ...
+
+    def info(self, job_id: str) -> dict[str, Any] | None:
+        """id, kind, state, attempts, max_attempts, last_error, worker; None if unknown."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class QueueConfig(BaseModel):
+    """Where the queue lives. The default is a SQLite file next to the process; set
+    `backend: redis` and `url` to share one queue between machines."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["sqlite", "redis"] = "sqlite"
+    path: str = "platform-queue.db"        # sqlite file
+    url: str = "redis://127.0.0.1:6379/0"  # redis
+    stream_prefix: str = Field("ridgeline", min_length=1)
+    lease_s: float = Field(60.0, gt=0, le=MAX_LEASE_S)
+    max_attempts: int = Field(3, ge=1)
+    poll_s: float = Field(0.05, gt=0, description="how often lease(wait_s=...) looks again")
+    busy_timeout_s: float = Field(30.0, gt=0, description="sqlite: wait this long for a "
+                                  "write lock held by another process before failing")
+
+
+def open_queue(config: QueueConfig) -> JobQueue:
+    """The configured backend; `ConfigError` when it cannot be used (unknown backend,
+    missing directory, unreachable Redis)."""
+    if config.backend == "sqlite":
+        return SqliteJobQueue(config)
+    if config.backend == "redis":
+        return RedisJobQueue(config)
+    raise ConfigError(f"unknown queue backend {config.backend!r}",
+                      hint="set queue.backend to 'sqlite' or 'redis'")
+
+
+def _new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def _dump_payload(payload: dict[str, Any]) -> str:
+    if not isinstance(payload, dict):
+        raise TypeError(f"job payload must be a dict, got {type(payload).__name__}")
+    try:
+        return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"job payload is not JSON-serialisable: {e}") from None
+
+
+class _QueueBase:
+    """What both backends share: argument checks and `wait_s` (poll, woken early by an
+    enqueue in this process)."""
+
+    def __init__(self, config: QueueConfig) -> None:
+        self.config = config
+        self._wake = threading.Condition()
+        self._closed = False
+
+    # -- argument checks ---------------------------------------------------------------
+
+    def _lease_s(self, lease_s: float | None) -> float:
+        value = self.config.lease_s if lease_s is None else float(lease_s)
+        if not 0 < value <= MAX_LEASE_S:
+            raise ConfigError(f"lease_s must be in (0, {MAX_LEASE_S:g}] seconds, got {value}",
+                              hint="heartbeat to hold a job longer")
+        return value
+
+    def _max_attempts(self, max_attempts: int | None) -> int:
+        value = self.config.max_attempts if max_attempts is None else int(max_attempts)
+        if value < 1:
+            raise ConfigError(f"max_attempts must be at least 1, got {value}")
+        return value
+
+    @staticmethod
+    def _check_kind(kind: str) -> None:
+        if not isinstance(kind, str) or not kind:
+            raise ConfigError(f"job kind must be a non-empty string, got {kind!r}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the job queue is closed")
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    # -- lease with waiting ------------------------------------------------------------
+
+    def lease(self, worker: str, *, kinds: Sequence[str] | None = None,
+              lease_s: float | None = None, wait_s: float = 0.0) -> Job | None:
+        self._check_open()
+        if not isinstance(worker, str) or not worker:
+            raise ConfigError(f"worker must be a non-empty name, got {worker!r}")
+        seconds = self._lease_s(lease_s)
+        if isinstance(kinds, str):  # one kind given bare, not its characters
+            kinds = [kinds]
+        kind_list = None if kinds is None else list(dict.fromkeys(kinds))
+        for kind in kind_list or ():
+            self._check_kind(kind)
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            job = self._try_lease(worker, kind_list, seconds)
+            remaining = deadline - time.monotonic()
+            if job is not None or remaining <= 0 or self._closed:
+                return job
+            with self._wake:
+                self._wake.wait(min(self.config.poll_s, remaining))
+
+    def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> _QueueBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _expired_error(worker: str | None, attempt: int, max_attempts: int) -> str:
+    return (f"lease expired: worker {worker or '?'} stopped heartbeating "
+            f"(attempt {attempt} of {max_attempts})")
+
+
+# ---------------------------------------------------------------------------------------
+# SQLite
+# ---------------------------------------------------------------------------------------
+
+# due_at is when the row next needs attention: for a queued job when it becomes ready
+# (now, or later when delayed), for a leased one when its lease expires. So "ready or
+# expired" is one range scan, oldest first, over a partial index of the live rows.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
+    id           TEXT NOT NULL UNIQUE,
+    kind         TEXT NOT NULL,
+    payload      TEXT NOT NULL,
+    state        TEXT NOT NULL,
+    attempts     INTEGER NOT NULL DEFAULT 0,
+    max_attempts INTEGER NOT NULL,
+    due_at       REAL NOT NULL,
+    lease_token  TEXT,
+    worker       TEXT,
+    last_error   TEXT,
+    created_at   REAL NOT NULL,
+    updated_at   REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_live ON jobs (due_at, seq) WHERE state IN ('queued', 'leased');
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
+"""
+
+
+class SqliteJobQueue(_QueueBase):
+    """The queue in one SQLite file (WAL). Safe from many threads (a connection each) and
+    many processes on the same file; a lease is a `BEGIN IMMEDIATE` transaction."""
+
+    def __init__(self, config: QueueConfig) -> None:
+        super().__init__(config)
+        if config.path == ":memory:" or config.path.startswith("file:"):
+            raise ConfigError(f"queue.path must be a file path, got {config.path!r}",
+                              hint="the queue is shared between threads and processes "
+                              "through a file; use e.g. platform-queue.db")
+        path = Path(config.path).expanduser()
+        if not path.parent.is_dir():
+            raise ConfigError(f"queue.path {str(path)!r}: directory {str(path.parent)!r} "
+                              "does not exist", hint="create it or choose another path")
+        if path.is_dir():
+            raise ConfigError(f"queue.path {str(path)!r} is a directory",
+                              hint="name a file, e.g. platform-queue.db")
+        self.path = str(path)
+        self._local = threading.local()
+        self._conns: list[tuple[threading.Thread, sqlite3.Connection]] = []
+        self._conns_lock = threading.Lock()
+        try:
+            conn = self._conn()
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            self.close()
+            raise ConfigError(f"queue.path {self.path!r} is not a usable SQLite database: {e}",
+                              hint="point queue.path at a new file") from None
+
+    def _conn(self) -> sqlite3.Connection:
+        """This thread's connection (opened on first use; reopened after a fork)."""
+        self._check_open()
+        held = getattr(self._local, "conn", None)
+        if held is not None and held[0] == os.getpid():
+            return held[1]
+        conn = sqlite3.connect(self.path, timeout=self.config.busy_timeout_s,
+                               isolation_level=None, check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        # WAL + NORMAL: a commit survives a crash of the process (not of the OS); readers
+        # never block the writer.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute(f"PRAGMA busy_timeout={int(self.config.busy_timeout_s * 1000)}")
+        self._local.conn = (os.getpid(), conn)
+        with self._conns_lock:
+            # Connections of threads that have ended are closed here, not leaked.
+            alive = []
+            for thread, c in self._conns:
+                if thread.is_alive():
+                    alive.append((thread, c))
+                else:
+                    c.close()
+            alive.append((threading.current_thread(), conn))
+            self._conns = alive
+        return conn
+
+    def _write(self, fn: Any) -> Any:
+        """Run fn(conn) inside BEGIN IMMEDIATE: the write lock is taken up front, so what
+        fn reads cannot change before it writes."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return result
+
+    def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
+                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
+        self._check_kind(kind)
+        job_id = job_id or uuid.uuid4().hex
+        body = _dump_payload(payload)
+        attempts = self._max_attempts(max_attempts)
+        now = time.time()
+        self._conn().execute(
+            "INSERT OR IGNORE INTO jobs (id, kind, payload, state, attempts, max_attempts,"
+            " due_at, created_at, updated_at) VALUES (?, ?, ?, 'queued', 0, ?, ?, ?, ?)",
+            (job_id, kind, body, attempts, now + max(0.0, delay_s), now, now))
+        self._notify()
+        return job_id
+
+    def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
+        if kinds is not None and not kinds:
+            return None
+        where = "state IN ('queued', 'leased') AND due_at <= ?"
+        if kinds is not None:
+            where += f" AND kind IN ({','.join('?' * len(kinds))})"
+        # INDEXED BY: walk the live rows in due order and stop at the first match (the
+        # planner would otherwise pick jobs_state and sort every queued row per lease).
+        select = (f"SELECT * FROM jobs INDEXED BY jobs_live WHERE {where}"
+                  " ORDER BY due_at, seq LIMIT 1")
+
+        def take(conn: sqlite3.Connection) -> Job | None:
+            now = time.time()
+            while True:
+                row = conn.execute(select, (now, *(kinds or ()))).fetchone()
+                if row is None:
+                    return None
+                last_error = row["last_error"]
+                if row["state"] == "leased":  # its holder stopped heartbeating
+                    last_error = _expired_error(row["worker"], row["attempts"],
+                                                row["max_attempts"])
+                    if row["attempts"] >= row["max_attempts"]:
+                        conn.execute("UPDATE jobs SET state = 'dead', last_error = ?,"
+                                     " lease_token = NULL, updated_at = ? WHERE seq = ?",
+                                     (last_error, now, row["seq"]))
+                        continue
+                token = _new_token()
+                conn.execute(
+                    "UPDATE jobs SET state = 'leased', attempts = attempts + 1,"
+                    " lease_token = ?, worker = ?, due_at = ?, last_error = ?, updated_at = ?"
+                    " WHERE seq = ?",
+                    (token, worker, now + lease_s, last_error, now, row["seq"]))
+                return Job(id=row["id"], kind=row["kind"], payload=json.loads(row["payload"]),
+                           attempt=row["attempts"] + 1, max_attempts=row["max_attempts"],
+                           lease_token=token, last_error=last_error)
+
+        return self._write(take)
+
+    def heartbeat(self, job: Job, *, lease_s: float | None = None) -> bool:
+        seconds = self._lease_s(lease_s)
+        now = time.time()
+        cur = self._conn().execute(
+            "UPDATE jobs SET due_at = ?, updated_at = ?"
+            " WHERE id = ? AND lease_token = ? AND state = 'leased'",
+            (now + seconds, now, job.id, job.lease_token))
+        return cur.rowcount == 1
+
+    def ack(self, job: Job) -> bool:
+        cur = self._conn().execute(
+            "UPDATE jobs SET state = 'done', updated_at = ?"
+            " WHERE id = ? AND lease_token = ? AND state = 'leased'",
+            (time.time(), job.id, job.lease_token))
+        return cur.rowcount == 1
+
+    def fail(self, job: Job, error: str, *, retry_in_s: float = 0.0) -> str:
+        now = time.time()
+        rows = self._conn().execute(
+            "UPDATE jobs SET state = CASE WHEN attempts >= max_attempts THEN 'dead'"
+            " ELSE 'queued' END, due_at = ?, last_error = ?, lease_token = NULL,"
+            " updated_at = ? WHERE id = ? AND lease_token = ? AND state = 'leased'"
+            " RETURNING state",
+            (now + max(0.0, retry_in_s), str(error), now, job.id, job.lease_token)).fetchall()
+        if not rows:
+            return "lost"
+        state: str = rows[0][0]
+        if state == "queued":
+            self._notify()
+        return state
+
+    def cancel(self, job_id: str) -> bool:
+        cur = self._conn().execute(
+            "UPDATE jobs SET state = 'cancelled', updated_at = ?"
+            " WHERE id = ? AND state IN ('queued', 'leased')", (time.time(), job_id))
+        return cur.rowcount == 1
+
+    def depth(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATES, 0)
+        for state, n in self._conn().execute(
+                "SELECT state, COUNT(*) FROM jobs GROUP BY state"):
+            counts[state] = n
+        return counts
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        rows = self._conn().execute(
+            "SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
+            " WHERE state = 'dead' ORDER BY updated_at, seq LIMIT ?", (int(limit),))
+        return [{"id": r["id"], "kind": r["kind"], "payload": json.loads(r["payload"]),
+                 "attempts": r["attempts"], "max_attempts": r["max_attempts"],
+                 "last_error": r["last_error"]} for r in rows]
+
+    def requeue_dead(self, job_id: str) -> bool:
+        now = time.time()
+        cur = self._conn().execute(
+            "UPDATE jobs SET state = 'queued', attempts = 0, due_at = ?, lease_token = NULL,"
+            " updated_at = ? WHERE id = ? AND state = 'dead'", (now, now, job_id))
+        if cur.rowcount == 1:
+            self._notify()
+        return cur.rowcount == 1
+
+    def info(self, job_id: str) -> dict[str, Any] | None:
+        row = self._conn().execute(
+            "SELECT id, kind, state, attempts, max_attempts, last_error, worker FROM jobs"
+            " WHERE id = ?", (job_id,)).fetchone()
+        return None if row is None else dict(row)
+
+    def close(self) -> None:
+        self._closed = True
+        self._notify()
+        with self._conns_lock:
+            for _, conn in self._conns:
+                conn.close()
+            self._conns = []
+        self._local = threading.local()
+
+
+# ---------------------------------------------------------------------------------------
+# Redis
+# ---------------------------------------------------------------------------------------
+
+# Keys, for prefix P: P:job:<id> (hash: state, attempts, lease token, stream entry...),
+# P:stream:<kind> (the kind's stream, consumer group P), P:delayed (sorted set of job ids
+# by due time), P:dead (dead-letter stream), P:depth (hash of counts by state), P:kinds
+# (set of kinds seen), P:cursor:<kind> (where XAUTOCLAIM's scan of the group's pending
+# list goes on). Times are the server's clock (TIME), so workers' clocks do not matter.
+#
+# The lease clock is the pending entry's idle time. Every entry a worker holds has its idle
+# time set (XCLAIM ... IDLE) to MAX_LEASE - lease, so it reaches MAX_LEASE exactly when the
+# lease ends, whatever each worker's lease_s; XAUTOCLAIM with min-idle MAX_LEASE then finds
+# precisely the expired leases. A heartbeat sets the idle time back the same way.
+_LUA_COMMON = """
+local P, G = ARGV[1], ARGV[2]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function job_key(id) return P .. ':job:' .. id end
+local function stream_key(kind) return P .. ':stream:' .. kind end
+local function count(from, to)
+  if from then redis.call('HINCRBY', P .. ':depth', from, -1) end
+  if to then redis.call('HINCRBY', P .. ':depth', to, 1) end
+end
+local function push(job, id, kind)
+  local s = stream_key(kind)
+  redis.pcall('XGROUP', 'CREATE', s, G, '0', 'MKSTREAM')  -- BUSYGROUP when it exists
+  redis.call('HSET', job, 'entry', redis.call('XADD', s, '*', 'id', id))
+end
+local function release(job, kind)  -- drop the job's stream entry (and pending entry)
+  local e = redis.call('HGET', job, 'entry')
+  if e then
+    local s = stream_key(kind)
+    redis.call('XACK', s, G, e)
+    redis.call('XDEL', s, e)
+    redis.call('HDEL', job, 'entry')
+  end
+end
+local function bury(job, id, kind, err)  -- to the dead-letter stream
+  release(job, kind)
+  local d = redis.call('XADD', P .. ':dead', '*', 'id', id)
+  redis.call('HSET', job, 'state', 'dead', 'last_error', err, 'dead_entry', d,
+             'lease_token', '')
+end
+local function holds(job, token)  -- is this lease token the job's current lease?
+  local h = redis.call('HMGET', job, 'state', 'lease_token')
+  return h[1] == 'leased' and h[2] == token
+end
+"""
+
+_LUA_ENQUEUE = _LUA_COMMON + """
+local id, kind, payload, max, delay = ARGV[3], ARGV[4], ARGV[5], ARGV[6], tonumber(ARGV[7])
+local job = job_key(id)
+if redis.call('EXISTS', job) == 1 then return 0 end
+local now = now_ms()
+redis.call('HSET', job, 'id', id, 'kind', kind, 'payload', payload, 'state', 'queued',
+           'attempts', 0, 'max_attempts', max, 'created_ms', now)
+redis.call('SADD', P .. ':kinds', kind)
+if delay > 0 then
+  redis.call('ZADD', P .. ':delayed', now + delay, id)
+else
+  push(job, id, kind)
+end
+count(nil, 'queued')
+return 1
+"""
+
+_LUA_LEASE = _LUA_COMMON + """
+local worker, token, lease, max_idle = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+
+-- delayed jobs that are due join their stream
+local delayed = P .. ':delayed'
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, 100)) do
+  redis.call('ZREM', delayed, id)
+  local job = job_key(id)
+  local h = redis.call('HMGET', job, 'state', 'kind')
+  if h[1] == 'queued' then push(job, id, h[2]) end
+end
+
+local kinds = {}
+if #ARGV > 6 then
+  for i = 7, #ARGV do kinds[#kinds + 1] = ARGV[i] end
+else
+  kinds = redis.call('SMEMBERS', P .. ':kinds')
+  table.sort(kinds)
+end
+
+local function grant(job, id, kind, s, eid, last_error)
+  local attempts = redis.call('HINCRBY', job, 'attempts', 1)
+  redis.call('HSET', job, 'state', 'leased', 'lease_token', token, 'worker', worker,
+             'lease_until_ms', now + lease, 'entry', eid)
+  if last_error then redis.call('HSET', job, 'last_error', last_error) end
+  redis.call('XCLAIM', s, G, worker, 0, eid, 'IDLE', max_idle - lease, 'JUSTID')
+  local h = redis.call('HMGET', job, 'payload', 'max_attempts', 'last_error')
+  return {id, kind, h[1], attempts, tonumber(h[2]), token, h[3] or false}
+end
+
+-- 1. leases that expired: their holders stopped heartbeating
+for _, kind in ipairs(kinds) do
+  local s = stream_key(kind)
+  if redis.call('EXISTS', s) == 1 then
+    local ckey = P .. ':cursor:' .. kind
+    local cursor = redis.call('GET', ckey) or '0-0'
+    for _ = 1, 10 do
+      local r = redis.call('XAUTOCLAIM', s, G, worker, max_idle, cursor, 'COUNT', 1)
+      cursor = r[1]
+      local entry = r[2][1]
+      if entry and entry[2] then
+        local eid, id = entry[1], entry[2][2]
+        local job = job_key(id)
+        local h = redis.call('HMGET', job, 'state', 'entry', 'attempts', 'max_attempts',
+                             'worker')
+        if h[1] ~= 'leased' or h[2] ~= eid then
+          redis.call('XACK', s, G, eid)  -- an orphan entry: nothing holds it
+          redis.call('XDEL', s, eid)
+        else
+          local attempts, max = tonumber(h[3]), tonumber(h[4])
+          local err = 'lease expired: worker ' .. (h[5] or '?') ..
+                      ' stopped heartbeating (attempt ' .. attempts .. ' of ' .. max .. ')'
+          if attempts >= max then
+            bury(job, id, kind, err)
+            count('leased', 'dead')
+          else
+            redis.call('SET', ckey, cursor)
+            return grant(job, id, kind, s, eid, err)
+          end
+        end
+      end
+      if cursor == '0-0' then break end
+    end
+    redis.call('SET', ckey, cursor)
+  end
+end
+
+-- 2. the oldest entry not yet delivered, over all the kinds' streams
+local function older(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am < bm or (am == bm and as < bs)
+end
+for _ = 1, 100 do
+  local best_kind, best_id = nil, nil
+  for _, kind in ipairs(kinds) do
+    local s = stream_key(kind)
+    if redis.call('EXISTS', s) == 1 then
+      for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+        local f = {}
+        for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+        if f['name'] == G then
+          local nxt = redis.call('XRANGE', s, '(' .. f['last-delivered-id'], '+', 'COUNT', 1)
+          if nxt[1] and (best_id == nil or older(nxt[1][1], best_id)) then
+            best_kind, best_id = kind, nxt[1][1]
+          end
+        end
+      end
+    end
+  end
+  if not best_kind then return false end
+  local s = stream_key(best_kind)
+  local got = redis.call('XREADGROUP', 'GROUP', G, worker, 'COUNT', 1, 'STREAMS', s, '>')
+  local eid, id = got[1][2][1][1], got[1][2][1][2][2]
+  local job = job_key(id)
+  local h = redis.call('HMGET', job, 'state', 'entry')
+  if h[1] == 'queued' and h[2] == eid then
+    count('queued', 'leased')
+    return grant(job, id, best_kind, s, eid, nil)
+  end
+  redis.call('XACK', s, G, eid)  -- an orphan entry (its job was cancelled or removed)
+  redis.call('XDEL', s, eid)
+end
+return false
+"""
+
+_LUA_HEARTBEAT = _LUA_COMMON + """
+local id, token, lease, max_idle = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local job = job_key(id)
+if not holds(job, token) then return 0 end
+local h = redis.call('HMGET', job, 'kind', 'worker', 'entry')
+redis.call('XCLAIM', stream_key(h[1]), G, h[2], 0, h[3], 'IDLE', max_idle - lease, 'JUSTID')
+redis.call('HSET', job, 'lease_until_ms', now_ms() + lease)
+return 1
+"""
+
+_LUA_ACK = _LUA_COMMON + """
+local id, token = ARGV[3], ARGV[4]
+local job = job_key(id)
+if not holds(job, token) then return 0 end
+release(job, redis.call('HGET', job, 'kind'))
+redis.call('HSET', job, 'state', 'done', 'done_ms', now_ms())
+count('leased', 'done')
+return 1
+"""
+
+_LUA_FAIL = _LUA_COMMON + """
+local id, token, err, retry = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
+local job = job_key(id)
+if not holds(job, token) then return 'lost' end
+local h = redis.call('HMGET', job, 'kind', 'attempts', 'max_attempts')
+local kind = h[1]
+if tonumber(h[2]) >= tonumber(h[3]) then
+  bury(job, id, kind, err)
+  count('leased', 'dead')
+  return 'dead'
+end
+release(job, kind)
+redis.call('HSET', job, 'state', 'queued', 'last_error', err, 'lease_token', '')
+if retry > 0 then
+  redis.call('ZADD', P .. ':delayed', now_ms() + retry, id)
+else
+  push(job, id, kind)
+end
+count('leased', 'queued')
+return 'queued'
+"""
+
+_LUA_CANCEL = _LUA_COMMON + """
+local id = ARGV[3]
+local job = job_key(id)
+local h = redis.call('HMGET', job, 'state', 'kind')
+if h[1] ~= 'queued' and h[1] ~= 'leased' then return 0 end
+redis.call('ZREM', P .. ':delayed', id)
+release(job, h[2])
+redis.call('HSET', job, 'state', 'cancelled', 'lease_token', '')
+count(h[1], 'cancelled')
+return 1
+"""
+
+_LUA_REQUEUE_DEAD = _LUA_COMMON + """
+local id = ARGV[3]
+local job = job_key(id)
+local h = redis.call('HMGET', job, 'state', 'kind', 'dead_entry')
+if h[1] ~= 'dead' then return 0 end
+if h[3] then redis.call('XDEL', P .. ':dead', h[3]) end
+redis.call('HDEL', job, 'dead_entry')
+redis.call('HSET', job, 'state', 'queued', 'attempts', 0)
+push(job, id, h[2])
+count('dead', 'queued')
+return 1
+"""
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisJobQueue(_QueueBase):
+    """The queue on a Redis server (>= 6.2: XAUTOCLAIM), shared by any number of workers on
+    any number of machines. Keys live under `config.stream_prefix`."""
+
+    def __init__(self, config: QueueConfig) -> None:
+        super().__init__(config)
+        try:
+            import redis
+        except ImportError:
+            raise ConfigError("queue.backend 'redis' needs the redis client",
+                              hint="pip install 'ridgeline[redis]'") from None
+        url = _safe_url(config.url)
+        try:
+            self._redis = redis.Redis.from_url(config.url, decode_responses=True,
+                                               socket_connect_timeout=5.0)
+        except ValueError as e:
+            raise ConfigError(f"queue.url {url!r} is not a Redis URL: {e}",
+                              hint="use redis://HOST:PORT/DB") from None
+        try:
+            version = str(self._redis.info("server").get("redis_version", "0"))
+        except redis.RedisError as e:
+            self._redis.close()
+            raise ConfigError(f"cannot reach Redis at {url}: {e}",
+                              hint="start redis-server there, or set queue.url (or use "
+                              "queue.backend: sqlite on one machine)") from None
+        if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (6, 2):
+            self._redis.close()
+            raise ConfigError(f"Redis at {url} is version {version}; the queue needs 6.2 "
+                              "or newer (XAUTOCLAIM)", hint="upgrade redis-server")
+        self.prefix = config.stream_prefix
+        self._max_idle_ms = int(MAX_LEASE_S * 1000)
+        scripts = {"enqueue": _LUA_ENQUEUE, "lease": _LUA_LEASE, "heartbeat": _LUA_HEARTBEAT,
+                   "ack": _LUA_ACK, "fail": _LUA_FAIL, "cancel": _LUA_CANCEL,
+                   "requeue_dead": _LUA_REQUEUE_DEAD}
+        self._scripts = {name: self._redis.register_script(src)
+                         for name, src in scripts.items()}
+
+    def _run(self, name: str, *args: Any) -> Any:
+        self._check_open()
+        return self._scripts[name](keys=[], args=[self.prefix, self.prefix, *args])
+
+    @staticmethod
+    def _ms(seconds: float) -> int:
+        return max(0, math.ceil(seconds * 1000))
+
+    def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
+                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
+        self._check_kind(kind)
+        job_id = job_id or uuid.uuid4().hex
+        body = _dump_payload(payload)
+        attempts = self._max_attempts(max_attempts)
+        if self._run("enqueue", job_id, kind, body, attempts, self._ms(delay_s)):
+            self._notify()
+        return job_id
+
+    def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
+        if kinds is not None and not kinds:
+            return None
+        got = self._run("lease", worker, _new_token(), self._ms(lease_s), self._max_idle_ms,
+                        *(kinds or ()))
+        if not got:
+            return None
+        job_id, kind, payload, attempt, max_attempts, token, last_error = got
+        return Job(id=job_id, kind=kind, payload=json.loads(payload), attempt=int(attempt),
+                   max_attempts=int(max_attempts), lease_token=token,
+                   last_error=last_error or None)
+
+    def heartbeat(self, job: Job, *, lease_s: float | None = None) -> bool:
+        seconds = self._lease_s(lease_s)
+        return bool(self._run("heartbeat", job.id, job.lease_token, self._ms(seconds),
+                              self._max_idle_ms))
+
+    def ack(self, job: Job) -> bool:
+        return bool(self._run("ack", job.id, job.lease_token))
+
+    def fail(self, job: Job, error: str, *, retry_in_s: float = 0.0) -> str:
+        state = str(self._run("fail", job.id, job.lease_token, str(error),
+                              self._ms(retry_in_s)))
+        if state == "queued":
+            self._notify()
+        return state
+
+    def cancel(self, job_id: str) -> bool:
+        return bool(self._run("cancel", job_id))
+
+    def depth(self) -> dict[str, int]:
+        self._check_open()
+        counts = dict.fromkeys(STATES, 0)
+        for state, n in self._redis.hgetall(f"{self.prefix}:depth").items():
+            counts[state] = int(n)
+        return counts
+
+    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        self._check_open()
+        entries = self._redis.xrange(f"{self.prefix}:dead", count=int(limit))
+        pipe = self._redis.pipeline(transaction=False)
+        for _, fields in entries:
+            pipe.hmget(f"{self.prefix}:job:{fields['id']}", "id", "kind", "payload",
+                       "attempts", "max_attempts", "last_error")
+        out = []
+        for job_id, kind, payload, attempts, max_attempts, last_error in pipe.execute():
+            if job_id is None:
+                continue
+            out.append({"id": job_id, "kind": kind, "payload": json.loads(payload),
+                        "attempts": int(attempts), "max_attempts": int(max_attempts),
+                        "last_error": last_error})
+        return out
+
+    def requeue_dead(self, job_id: str) -> bool:
+        ok = bool(self._run("requeue_dead", job_id))
+        if ok:
+            self._notify()
+        return ok
+
+    def info(self, job_id: str) -> dict[str, Any] | None:
+        self._check_open()
+        h = self._redis.hgetall(f"{self.prefix}:job:{job_id}")
+        if not h:
+            return None
+        return {"id": h["id"], "kind": h["kind"], "state": h["state"],
+                "attempts": int(h["attempts"]), "max_attempts": int(h["max_attempts"]),
+                "last_error": h.get("last_error") or None, "worker": h.get("worker")}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._notify()
+            self._redis.close()

@@ -1,0 +1,107 @@
+"""The platform's configuration: one YAML file for the API server and its workers.
+
+Every section has defaults that run on one machine with nothing else installed (SQLite
+files and an embedded Qdrant under `data_dir`); pointing `queue` at Redis and `rag` at a
+Qdrant server scales the same code out. Relative paths are taken relative to `data_dir`.
+
+    data_dir: platform-data
+    gateway: {upstreams: [{name: local, base_url: "http://127.0.0.1:8000/v1"}]}
+    worker: {base_url: "http://127.0.0.1:8080/v1", sandbox: bwrap}
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ridgeline.errors import ConfigError, NotFoundError
+from ridgeline.platform.gateway import GatewayConfig
+from ridgeline.platform.keys import KeyStoreConfig
+from ridgeline.platform.queue import QueueConfig
+from ridgeline.platform.rag import RagConfig
+from ridgeline.platform.webhooks import WebhookConfig
+from ridgeline.platform.worker import WorkerConfig
+
+
+class StoreConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field("sqlite:///platform.db", description="the task store (tasks, events, "
+                     "checkpoints): sqlite:///path (relative to data_dir)")
+
+
+class OpenAPIToolSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    spec: str = Field(description="path or URL-less file of an OpenAPI 3 document")
+    base_url: str
+    scopes: list[str] | None = Field(None, description="scopes a key needs for these tools; "
+                                     "default: tools:read for GET, tools:write otherwise")
+    allow_private: bool = False
+
+
+class ToolsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    openapi: list[OpenAPIToolSource] = Field(default_factory=list)
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    run_workers: int = Field(0, ge=0, description="agent worker threads inside the API "
+                             "process (0: run `ridgeline platform worker` separately)")
+    maintenance_s: float = Field(10.0, gt=0, description="how often queued tasks without a "
+                                 "job, stalled graphs and dead letters are repaired")
+
+
+class PlatformConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: str = "platform-data"
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    keys: KeyStoreConfig = Field(default_factory=lambda: KeyStoreConfig(path="keys.db"))
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    rag: RagConfig = Field(default_factory=RagConfig)
+    webhooks: WebhookConfig = Field(default_factory=WebhookConfig)
+    webhooks_path: str = Field("webhooks.db", description="the webhook outbox (SQLite)")
+    tools_path: str = Field("tools.db", description="recorded results of side-effect tools")
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] | None) -> "PlatformConfig":
+        if path is None:
+            return cls()
+        p = Path(path)
+        if not p.is_file():
+            raise NotFoundError(f"platform config {p} does not exist",
+                                hint="pass --config with a YAML file (see deploy/compose/"
+                                "platform.yaml for one)")
+        try:
+            data: Any = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p} must hold a mapping of sections")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ConfigError(f"{p}: {where}: {first['msg']}",
+                              hint=f"{e.error_count()} problem(s) in all") from None
+
+    def path(self, value: str) -> str:
+        """A path from the config: relative ones live under data_dir."""
+        if value == ":memory:" or os.path.isabs(value):
+            return value
+        return str(Path(self.data_dir) / value)
+
+    def prepare(self) -> None:
+        """Create data_dir (the only directory the platform makes on its own)."""
+        Path(self.data_dir).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,217 @@
+"""The platform assembled: one object that owns the stores, the queue, the webhook outbox,
+the tools registry and the RAG index, and the FastAPI app that serves them.
+
+    platform = Platform(PlatformConfig.load("platform.yaml"))
+    app = platform.app()            # gateway + agent tasks + RAG + dashboard + metrics
+    platform.worker().run_forever() # in another process (`ridgeline platform worker`)
+
+Everything a task needs between processes lives in the stores (task rows, events,
+checkpoints, jobs, deliveries), so API servers and workers can be restarted, scaled and
+killed independently. `maintenance()` repairs what a crash between two writes can leave:
+a queued task whose job was never enqueued, a graph that did not advance after a child
+finished, a job the queue dead-lettered while its task still says in progress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from importlib import resources
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import HTMLResponse, Response
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ridgeline.errors import PermissionDeniedError
+from ridgeline.platform.config import PlatformConfig
+from ridgeline.platform.dag import GraphRunner
+from ridgeline.platform.gateway import Gateway, gateway_router
+from ridgeline.platform.http import install_error_handlers, principal_dependency
+from ridgeline.platform.keys import KeyStore
+from ridgeline.platform.principal import Principal
+from ridgeline.platform.queue import open_queue
+from ridgeline.platform.replay import REPLAY_MODEL
+from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
+from ridgeline.platform.tasks_api import AgentTaskRequest, RequestError, enqueue, tasks_router
+from ridgeline.platform.urls import check_outbound_url
+from ridgeline.platform.webhooks import WebhookDispatcher, WebhookOutbox, new_secret
+from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
+
+log = logging.getLogger(__name__)
+
+#: Tasks queued longer than this without their job in the queue are enqueued again.
+ORPHAN_AFTER_S = 30.0
+
+
+class Platform:
+    def __init__(self, config: PlatformConfig, *, model_factory: ModelFactory | None = None,
+                 env_factory: EnvFactory | None = None) -> None:
+        self.config = config
+        config.prepare()
+        self.store = TaskStore(store_path(config.store.url, config.data_dir))
+        self.queue = open_queue(config.queue.model_copy(
+            update={"path": config.path(config.queue.path)}))
+        self.keys = KeyStore.from_config(config.keys.model_copy(
+            update={"path": config.path(config.keys.path)}))
+        self.outbox = WebhookOutbox(config.path(config.webhooks_path), config.webhooks)
+        self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
+        self.model_factory = model_factory
+        self.env_factory = env_factory
+        self.metrics = CollectorRegistry()
+        self._queue_depth = Gauge("ridgeline_queue_depth", "jobs by state",
+                                  ["state"], registry=self.metrics)
+        self._tasks = Gauge("ridgeline_agent_tasks", "agent tasks by status", ["status"],
+                            registry=self.metrics)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- the life of a task ------------------------------------------------------------
+    def prepare_request(self, body: AgentTaskRequest, who: Principal) -> dict[str, Any]:
+        """Everything checked before a task is stored: the model the key may use, replay
+        only where allowed, the webhook URL (SSRF); a secret generated when none is given."""
+        base = body.model.split(":", 1)[0]
+        if body.model == REPLAY_MODEL:
+            if not self.config.worker.allow_replay_model:
+                raise RequestError("model 'replay' is not enabled on this platform",
+                                   hint="it is for load tests: set worker.allow_replay_model")
+        elif not who.may_use_model(base):
+            raise PermissionDeniedError(f"this API key may not use model {base!r}")
+        stored = body.model_dump(mode="json", exclude_none=True)
+        if body.webhook is not None:
+            check_outbound_url(body.webhook.url,
+                               allow_private=self.config.webhooks.allow_private_targets)
+            stored["webhook"] = {"url": body.webhook.url,
+                                 "secret": body.webhook.secret or new_secret()}
+        return stored
+
+    def task_finished(self, task: TaskRecord) -> None:
+        """A task reached a terminal state: its webhook is queued (durably; the dispatcher
+        sends it) and its graph, if it is a node of one, moves on."""
+        hook = task.request.get("webhook")
+        if hook and task.status.terminal:
+            self.outbox.submit(hook["url"], f"agent_task.{task.status.value}", task.public(),
+                               hook["secret"], idempotency_key=f"{task.id}:{task.status.value}")
+        if task.parent_id:
+            self.graphs.advance(task.parent_id)
+
+    def worker(self, name: str | None = None) -> AgentWorker:
+        return AgentWorker(self.config.worker, self.store, self.queue,
+                           model_factory=self.model_factory, env_factory=self.env_factory,
+                           on_finish=self.task_finished, name=name)
+
+    def maintenance(self, now: float | None = None) -> dict[str, int]:
+        """Repair what a crash between two writes can leave (safe to run anywhere, any
+        number of times: every step is idempotent)."""
+        now = time.time() if now is None else now
+        requeued = dead = 0
+        for task in self.store.list(None, status=TaskStatus.QUEUED.value, limit=10_000):
+            if task.kind == "agent" and now - task.created_at > ORPHAN_AFTER_S \
+                    and self.queue.info(task.id) is None:
+                enqueue(self.store, self.queue, task)
+                requeued += 1
+        for letter in self.queue.dead_letters(limit=1000):
+            if letter["kind"] != AGENT_TASK:
+                continue
+            with contextlib.suppress(Exception):
+                task = self.store.get(letter["id"])
+                if not task.status.terminal and self.store.finish(
+                        task.id, TaskStatus.FAILED,
+                        error=f"gave up after {letter['attempts']} attempts: "
+                              f"{letter.get('last_error')}"):
+                    self.task_finished(self.store.get(task.id))
+                    dead += 1
+        graphs = self.graphs.advance_all()
+        return {"requeued": requeued, "dead": dead, "graphs": graphs}
+
+    def stats(self) -> dict[str, Any]:
+        return {"tasks": self.store.counts(), "queue": self.queue.depth(),
+                "webhooks": self.outbox.counts() if hasattr(self.outbox, "counts") else {}}
+
+    # -- background work of the API process ----------------------------------------------
+    def start_background(self) -> None:
+        dispatcher = WebhookDispatcher(self.outbox, self.config.webhooks)
+        dispatcher.start()
+        self._dispatcher = dispatcher
+        t = threading.Thread(target=self._maintain, name="platform-maintenance", daemon=True)
+        t.start()
+        self._threads.append(t)
+        self._workers = [self.worker(f"api-worker-{i}").start()
+                         for i in range(self.config.server.run_workers)]
+
+    def _maintain(self) -> None:
+        while not self._stop.wait(self.config.server.maintenance_s):
+            try:
+                self.maintenance()
+            except Exception as e:  # logged; the next round tries again
+                log.error("platform maintenance failed: %s", e)
+
+    def stop_background(self) -> None:
+        self._stop.set()
+        for w in getattr(self, "_workers", []):
+            w.stop()
+        if getattr(self, "_dispatcher", None) is not None:
+            self._dispatcher.stop()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def close(self) -> None:
+        self.stop_background()
+        self.keys.close() if hasattr(self.keys, "close") else None
+        self.outbox.close()
+        self.queue.close()
+        self.store.close()
+
+    # -- HTTP --------------------------------------------------------------------------
+    def app(self, *, background: bool = True) -> FastAPI:
+        gateway = Gateway(self.config.gateway, self.keys)
+        principal = principal_dependency(self.keys)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            if background:
+                self.start_background()
+            yield
+            await gateway.aclose()
+            if background:
+                self.stop_background()
+
+        app = FastAPI(title="Ridgeline platform", lifespan=lifespan)
+        install_error_handlers(app)
+        app.include_router(gateway_router(gateway, principal))
+        app.include_router(tasks_router(self.store, self.queue, principal, graphs=self.graphs,
+                                        prepare=self.prepare_request,
+                                        on_finish=self.task_finished))
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok"}
+
+        @app.get("/v1/platform/stats")
+        async def stats(who: Principal = Depends(principal)) -> dict[str, Any]:
+            if who.admin:
+                return self.stats()
+            counts: dict[str, int] = {s.value: 0 for s in TaskStatus}
+            for t in self.store.list(who.tenant, limit=10_000):
+                counts[t.status.value] += 1
+            return {"tasks": counts, "queue": self.queue.depth()}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            for state, n in self.queue.depth().items():
+                self._queue_depth.labels(state).set(n)
+            for status, n in self.store.counts().items():
+                self._tasks.labels(status).set(n)
+            return Response(generate_latest(self.metrics), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/dashboard", response_class=HTMLResponse)
+        async def dashboard() -> HTMLResponse:
+            page = resources.files("ridgeline.platform").joinpath("static/dashboard.html")
+            return HTMLResponse(page.read_text())
+
+        app.state.platform = self
+        app.state.gateway = gateway
+        return app

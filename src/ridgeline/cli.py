@@ -12,6 +12,7 @@ from ridgeline import __version__
 from ridgeline.engine import cli as engine_cli
 from ridgeline.errors import RidgelineError
 from ridgeline.eval import cli as eval_cli
+from ridgeline.platform import cli as platform_cli
 from ridgeline.rl import cli as rl_cli
 from ridgeline.sandbox import cli as sandbox_cli
 from ridgeline.serve import cli as serve_cli
@@ -49,6 +50,7 @@ serve_cli.register(app)
 app.add_typer(tasks_cli.app, name="tasks", help="Terminal tasks: list and quality-check.")
 eval_cli.register(app)
 rl_cli.register(app)
+platform_cli.register(app)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ridgeline.errors import PermissionDeniedError
+from ridgeline.errors import PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
 from ridgeline.platform.gateway import Gateway, gateway_router
@@ -93,8 +93,12 @@ class Platform:
         sends it) and its graph, if it is a node of one, moves on."""
         hook = task.request.get("webhook")
         if hook and task.status.terminal:
-            self.outbox.submit(hook["url"], f"agent_task.{task.status.value}", task.public(),
-                               hook["secret"], idempotency_key=f"{task.id}:{task.status.value}")
+            try:
+                self.outbox.submit(hook["url"], f"agent_task.{task.status.value}",
+                                   task.public(), hook["secret"],
+                                   idempotency_key=f"{task.id}:{task.status.value}")
+            except RidgelineError as e:  # e.g. the host now resolves to a private address
+                self.store.append_event(task.id, "webhook.refused", {"error": str(e)[:500]})
         if task.parent_id:
             self.graphs.advance(task.parent_id)
 
@@ -129,7 +133,7 @@ class Platform:
 
     def stats(self) -> dict[str, Any]:
         return {"tasks": self.store.counts(), "queue": self.queue.depth(),
-                "webhooks": self.outbox.counts() if hasattr(self.outbox, "counts") else {}}
+                "webhooks": self.outbox.counts()}
 
     # -- background work of the API process ----------------------------------------------
     def start_background(self) -> None:
@@ -154,13 +158,14 @@ class Platform:
         for w in getattr(self, "_workers", []):
             w.stop()
         if getattr(self, "_dispatcher", None) is not None:
-            self._dispatcher.stop()
+            self._dispatcher.close()
+            self._dispatcher = None
         for t in self._threads:
             t.join(timeout=5)
 
     def close(self) -> None:
         self.stop_background()
-        self.keys.close() if hasattr(self.keys, "close") else None
+        self.keys.close()
         self.outbox.close()
         self.queue.close()
         self.store.close()

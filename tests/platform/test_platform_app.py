@@ -252,3 +252,17 @@ def test_dashboard_stats_and_metrics(platform) -> None:
         assert set(stats) >= {"tasks", "queue"}
         metrics = c.get("/metrics").text
         assert "ridgeline_queue_depth" in metrics and "ridgeline_agent_tasks" in metrics
+
+
+def test_rag_is_served_with_the_callers_tenant(platform) -> None:
+    plat, server, keys = platform
+    doc = {"id": "handbook", "text": "The deploy password rotates every Monday.",
+           "acl": {"public": True}}
+    with client(server, keys["alice"]) as c:
+        assert c.post("/v1/rag/documents", json=doc).status_code == 200
+        hits = c.post("/v1/rag/search", json={"query": "deploy password", "k": 3}).json()
+        assert hits["data"] and hits["data"][0]["doc_id"] == "handbook"
+    with client(server, keys["bob"]) as c:  # another tenant, even for a public document
+        hits = c.post("/v1/rag/search", json={"query": "deploy password", "k": 3,
+                                              "tenant": "acme"}).json()
+        assert hits["data"] == []

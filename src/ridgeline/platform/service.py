@@ -34,6 +34,8 @@ from ridgeline.platform.http import install_error_handlers, principal_dependency
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import open_queue
+from ridgeline.platform.rag import AgentMemory, DocumentIndex, open_index, open_memory
+from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
 from ridgeline.platform.tasks_api import AgentTaskRequest, RequestError, enqueue, tasks_router
@@ -68,6 +70,18 @@ class Platform:
                             registry=self.metrics)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._rag: tuple[DocumentIndex, AgentMemory] | None = None
+
+    def rag(self) -> tuple[DocumentIndex, AgentMemory]:
+        """The document index and agent memory, opened on first use (the embedded Qdrant
+        store belongs to one process: the API server's; workers never open it)."""
+        if self._rag is None:
+            rag = self.config.rag
+            if not rag.qdrant_url and rag.qdrant_path != ":memory:":
+                rag = rag.model_copy(update={"qdrant_path": self.config.path(rag.qdrant_path)})
+            index = open_index(rag)
+            self._rag = (index, open_memory(index, rag))
+        return self._rag
 
     # -- the life of a task ------------------------------------------------------------
     def prepare_request(self, body: AgentTaskRequest, who: Principal) -> dict[str, Any]:
@@ -166,6 +180,9 @@ class Platform:
     def close(self) -> None:
         self.stop_background()
         self.keys.close()
+        if self._rag is not None:
+            self._rag[0].close()
+            self._rag = None
         self.outbox.close()
         self.queue.close()
         self.store.close()
@@ -187,6 +204,8 @@ class Platform:
         app = FastAPI(title="Ridgeline platform", lifespan=lifespan)
         install_error_handlers(app)
         app.include_router(gateway_router(gateway, principal))
+        index, memory = self.rag()
+        app.include_router(rag_router(index, memory, principal))
         app.include_router(tasks_router(self.store, self.queue, principal, graphs=self.graphs,
                                         prepare=self.prepare_request,
                                         on_finish=self.task_finished))

@@ -65,8 +65,9 @@ def platform(tmp_path: Path):
     alice, _ = platform.keys.create("acme", user="alice")
     bob, _ = platform.keys.create("globex", user="bob")
     limited, _ = platform.keys.create("acme", user="carol", models=["other"])
+    reader, _ = platform.keys.create("acme", user="dave", scopes=["rag:read"])
     server = ServerThread(platform.app()).start()
-    yield platform, server, {"alice": alice, "bob": bob, "limited": limited}
+    yield platform, server, {"alice": alice, "bob": bob, "limited": limited, "reader": reader}
     server.stop()
     platform.close()
 
@@ -266,3 +267,25 @@ def test_rag_is_served_with_the_callers_tenant(platform) -> None:
         hits = c.post("/v1/rag/search", json={"query": "deploy password", "k": 3,
                                               "tenant": "acme"}).json()
         assert hits["data"] == []
+
+
+def test_an_agent_task_uses_a_registry_tool_as_its_owner(platform) -> None:
+    plat, server, keys = platform
+    with client(server, keys["alice"]) as c:  # alice shares a note with dave only
+        c.post("/v1/rag/documents", json={"id": "note", "text": "The vault code is 4711.",
+                                          "acl": {"users": ["dave"]}}).raise_for_status()
+    call = '<tool_call>{"name": "search_documents", "arguments": {"query": "vault code"}}</tool_call>'
+    body = {"instruction": "find the code", "model": "replay", "tools": ["search_documents"],
+            "replay": [call, "<finish>found</finish>"]}
+    with client(server, keys["alice"]) as c:  # alice has no rag:read scope
+        r = c.post("/v1/agent/tasks", json=body)
+        assert r.status_code == 403 and "rag:read" in r.json()["error"]["message"]
+        r = c.post("/v1/agent/tasks", json={**body, "tools": ["no_such_tool"]})
+        assert r.status_code == 404
+    with client(server, keys["reader"]) as c:
+        r = c.post("/v1/agent/tasks", json=body)
+        assert r.status_code == 202, r.text
+        done = wait_status(c, r.json()["id"])
+        assert done["status"] == "completed", done
+        step = next(e for e in sse(c, done["id"]) if e["event"] == "task.step")
+        assert "4711" in step["data"]["data"]["observation"]["text"]

@@ -26,6 +26,9 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ridgeline.agent.config import AgentConfig
+from ridgeline.agent.environment import ToolEnvironment
+from ridgeline.agent.tools import Workbench
 from ridgeline.errors import PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
@@ -39,6 +42,9 @@ from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
 from ridgeline.platform.tasks_api import AgentTaskRequest, RequestError, enqueue, tasks_router
+from ridgeline.platform.openapi_tools import load_openapi_tools
+from ridgeline.platform.tool_env import PlatformToolEnvironment
+from ridgeline.platform.tools import SQLiteIdempotencyStore, ToolCallContext, ToolRegistry
 from ridgeline.platform.urls import check_outbound_url
 from ridgeline.platform.webhooks import WebhookDispatcher, WebhookOutbox, new_secret
 from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
@@ -62,8 +68,11 @@ class Platform:
         self.outbox = WebhookOutbox(config.path(config.webhooks_path), config.webhooks)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
         self.model_factory = model_factory
-        self.env_factory = env_factory
         self.metrics = CollectorRegistry()
+        self.tools = ToolRegistry(self.metrics, idempotency_store=SQLiteIdempotencyStore(
+            config.path(config.tools_path)))
+        self._register_tools()
+        self.env_factory = env_factory or self.task_environment
         self._queue_depth = Gauge("ridgeline_queue_depth", "jobs by state",
                                   ["state"], registry=self.metrics)
         self._tasks = Gauge("ridgeline_agent_tasks", "agent tasks by status", ["status"],
@@ -83,6 +92,53 @@ class Platform:
             self._rag = (index, open_memory(index, rag))
         return self._rag
 
+    # -- tools -------------------------------------------------------------------------
+    def _register_tools(self) -> None:
+        """The platform's own tools (documents and memory, under the caller's tenant and
+        ACL) and the REST tools of the configured OpenAPI specs."""
+        platform = self
+
+        @self.tools.tool(name="search_documents", scopes=("rag:read",))
+        def search_documents(query: str, k: int = 5, *, ctx: ToolCallContext) -> str:
+            """Search the documents this task's owner may read; returns the best passages."""
+            index, _ = platform.rag()
+            hits = index.search(query, ctx.principal, k=k)
+            if not hits:
+                return "no matching documents"
+            return "\n\n".join(f"[{h.doc_id} #{h.chunk}] {h.text}" for h in hits)
+
+        @self.tools.tool(name="remember", scopes=("memory:write",), side_effects=True)
+        def remember(text: str, *, ctx: ToolCallContext) -> str:
+            """Keep a note in this owner's long-term memory for later tasks."""
+            _, memory = platform.rag()
+            return memory.remember(ctx.principal, "agent", text)
+
+        @self.tools.tool(name="recall", scopes=("memory:read",))
+        def recall(query: str, k: int = 5, *, ctx: ToolCallContext) -> str:
+            """Notes from this owner's long-term memory that match the query."""
+            _, memory = platform.rag()
+            hits = memory.recall(ctx.principal, "agent", query, k=k)
+            return "\n".join(f"- {h.text}" for h in hits) or "nothing remembered yet"
+
+        for source in self.config.tools.openapi:
+            for tool in load_openapi_tools(
+                    self.config.path(source.spec) if "://" not in source.spec else source.spec,
+                    source.base_url, allow_private=source.allow_private,
+                    **({"scopes_for": lambda *_a, s=tuple(source.scopes): s}
+                       if source.scopes is not None else {})):
+                self.tools.add(tool)
+
+    def task_environment(self, task: TaskRecord, sandbox: Any, run: Any) -> ToolEnvironment:
+        """The sandbox's tools plus the registry tools the task asked for, run as the
+        principal that submitted it (its scopes, tenant, user and groups as stored then)."""
+        p = task.request.get("principal") or {}
+        principal = Principal(key_id=task.key_id, tenant=task.tenant, user=p.get("user"),
+                              groups=frozenset(p.get("groups", [])),
+                              scopes=frozenset(p.get("scopes", [])))
+        return PlatformToolEnvironment(
+            Workbench(sandbox, AgentConfig().observation_max_bytes), self.tools, principal,
+            idempotency_prefix=task.id, only=task.request.get("tools") or [])
+
     # -- the life of a task ------------------------------------------------------------
     def prepare_request(self, body: AgentTaskRequest, who: Principal) -> dict[str, Any]:
         """Everything checked before a task is stored: the model the key may use, replay
@@ -94,7 +150,12 @@ class Platform:
                                    hint="it is for load tests: set worker.allow_replay_model")
         elif not who.may_use_model(base):
             raise PermissionDeniedError(f"this API key may not use model {base!r}")
+        for name in body.tools:  # 404 for an unknown tool, 403 outside the key's scopes
+            self.tools.authorize(name, who)
         stored = body.model_dump(mode="json", exclude_none=True)
+        # who the agent acts as, fixed at submission (workers have no request to ask)
+        stored["principal"] = {"user": who.user, "groups": sorted(who.groups),
+                               "scopes": sorted(who.scopes | ({"*"} if who.admin else set()))}
         if body.webhook is not None:
             check_outbound_url(body.webhook.url,
                                allow_private=self.config.webhooks.allow_private_targets)

@@ -122,7 +122,8 @@ def tasks_router(store: TaskStore, queue: JobQueue, principal: Callable[..., Any
             await asyncio.to_thread(graphs.advance, task.id)  # type: ignore[union-attr]
         elif created:
             await asyncio.to_thread(enqueue, store, queue, task)
-        out = store.get(task.id).public()
+        # the task as created (a worker may already hold it); a replay shows it as it is now
+        out = (task if created else store.get(task.id)).public()
         if created and secret and not (body.webhook and body.webhook.secret):
             out["webhook_secret"] = secret  # shown once: the receiver verifies with it
         return JSONResponse(out, status_code=202 if created else 200)

@@ -40,6 +40,7 @@ from ridgeline.llm.base import ChatModel
 from ridgeline.platform.queue import Job, JobQueue
 from ridgeline.platform.replay import REPLAY_MODEL, ReplayModel
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
+from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.sandbox import Sandbox, SandboxSpec, get_provider
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,10 @@ class TaskRun:
         agent = Agent(model, agent_config)
         episode = Episode(agent, InstructionTask(request["instruction"], id=self.task.id), env,
                           None, on_step=self.on_step)
+        if isinstance(env, PlatformToolEnvironment):
+            # side effects keyed by step number: the replay of a cut-short step after a
+            # resume has the same number (a model's call ids would be new)
+            env.step = lambda: episode.n_steps
         if self.checkpoint is not None:
             episode.load_state(self.checkpoint.state)
             self.store.append_event(self.task.id, "task.resumed",

@@ -1,0 +1,923 @@
+"""The tools registry: tools the platform's agents (and API clients) may call, each with a
+JSON-schema'd argument object, the permission scopes a caller needs, and whether it acts
+on the world outside the sandbox.
+
+    tools = ToolRegistry()
+
+    @tools.tool(scopes=("crm:write",), side_effects=True)
+    def create_ticket(title: str, priority: int = 3) -> dict:
+        "Open a support ticket."
+        ...
+
+    tools.openai_tools(principal)     # OpenAI function tools, strict schemas, scope-filtered
+    tools.call("create_ticket", '{"title": "x", "priority": null}', principal,
+               idempotency_key="task-7:step-3")
+
+Tools come from typed Python functions (pydantic builds the argument model from the
+signature), from an OpenAPI spec (`openapi_tools`) or from an MCP server (`mcp_bridge`);
+all are `Tool`s and are called the same way.
+
+- Schemas. `openai_tools` emits each tool's arguments in OpenAI's strict structured-output
+  subset: every object closed (`additionalProperties: false`), every property required, an
+  optional one as a union with null (a null argument then means "use the default": it is
+  dropped before validation), unsupported keywords dropped (a default moves into the
+  description), non-recursive `$ref`s inlined. A schema the subset cannot express (a
+  free-form object, an untyped value) is sent with `"strict": false` instead.
+- Scopes. A tool names the scopes it needs; a `Principal` must hold all of them.
+  Listing hides the tools a caller may not use; calling one raises `ToolPermissionError`
+  (a 403 `PermissionDeniedError` that names the scope).
+- Side effects. A tool with `side_effects=True` is only called with an idempotency key;
+  its result is stored under (tenant, key) in an `IdempotencyStore` (SQLite on disk, or
+  memory), so a repeated call (a resumed agent task replaying its step) gets the stored
+  result back without acting twice. The same key with other arguments is a 409.
+- Failures. A tool that raises gives `ToolResult(ok=False)`, never a crash: the model
+  sees the error and can fix its call. Bad arguments come back the same way.
+- Telemetry. Prometheus `ridgeline_tool_calls_total{tool,outcome}` (ok, error, denied)
+  and `ridgeline_tool_latency_seconds{tool}`; the success rate of a tool is
+  `rate(ridgeline_tool_calls_total{outcome="ok"}[5m]) / rate(ridgeline_tool_calls_total
+  {outcome!="denied"}[5m])`. Every call is an OpenTelemetry span following the GenAI
+  semantic conventions (`execute_tool {name}`, `gen_ai.operation.name=execute_tool`,
+  `gen_ai.tool.name`, `gen_ai.tool.call.id`, `gen_ai.tool.type`, `error.type`); it is a
+  no-op until the application installs a tracer provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import inspect
+import json
+import logging
+import re
+import sqlite3
+import threading
+import time
+import typing
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import jsonschema
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+
+from ridgeline.agent.observation import truncate_middle
+from ridgeline.errors import (
+    ConfigError, ConflictError, NotFoundError, PermissionDeniedError, RidgelineError,
+)
+from ridgeline.platform.principal import Principal
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCOPES: tuple[str, ...] = ("tools:read",)
+#: OpenAI's rule for function names.
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# ---- errors and results -----------------------------------------------------------------------
+
+
+class ToolPermissionError(PermissionDeniedError):
+    """The caller's key lacks a scope the tool needs (403)."""
+
+    code = "insufficient_scope"
+
+    def __init__(self, tool: str, missing: list[str]) -> None:
+        self.tool = tool
+        self.missing = missing
+        self.param = None
+        scopes = ", ".join(repr(s) for s in missing)
+        super().__init__(f"this API key may not call the tool {tool!r}: it needs the "
+                         f"scope{'s' if len(missing) > 1 else ''} {scopes}",
+                         hint="ask an administrator for a key with that scope")
+
+
+class ToolArgumentsError(RidgelineError):
+    """A tool call's arguments do not fit the tool's schema (400). Inside `call` this
+    becomes a `ToolResult(ok=False)` so that the model sees the message."""
+
+    code = "invalid_tool_arguments"
+    param = "arguments"
+
+
+class ToolSourceError(RidgelineError):
+    """A remote source of tools (an MCP server, a REST API's spec) cannot be used (502)."""
+
+    http_status = 502
+
+
+class ToolFailure(Exception):
+    """Raised by a tool for a failure of its own (an HTTP 404 from the API it wraps, an
+    MCP tool's error result): the message goes to the model as the call's error, and
+    `error_type` (low-cardinality, e.g. "404") to the span's `error.type`."""
+
+    def __init__(self, message: str, *, error_type: str = "tool_error",
+                 content: str = "") -> None:
+        super().__init__(message)
+        self.error_type = error_type
+        self.content = content
+
+
+class ToolResult(BaseModel):
+    """What one call did. `content` is the tool's output as text (JSON for structured
+    values); `error` says why it failed; `replayed` marks a result read back from the
+    idempotency store instead of running the tool again."""
+
+    ok: bool
+    content: str = ""
+    error: str | None = None
+    error_type: str | None = None
+    duration_s: float = 0.0
+    replayed: bool = False
+
+    def text(self) -> str:
+        """The result as a model is shown it."""
+        if self.ok:
+            return self.content if self.content.strip() else "(no output)"
+        return f"error: {self.error}" + (f"\n{self.content}" if self.content else "")
+
+
+@dataclass(frozen=True)
+class ToolCallContext:
+    """What a tool may want to know of the call besides its arguments. A Python tool
+    receives it if one of its parameters is annotated `ToolCallContext`."""
+
+    principal: Principal
+    call_id: str | None = None
+    idempotency_key: str | None = None
+    timeout_s: float | None = None
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+ToolRunner = Callable[[dict[str, Any], ToolCallContext], Any]
+
+
+@dataclass
+class Tool:
+    """One callable tool. `parameters` is the JSON schema of its argument object (what
+    calls are validated against, unless `arguments_model` does it); `run(args, ctx)`
+    gets the validated arguments. `kind` is the GenAI `gen_ai.tool.type`: "function"
+    for code run in-process, "extension" for calls to external APIs."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: ToolRunner
+    scopes: tuple[str, ...] = DEFAULT_SCOPES
+    side_effects: bool = False
+    kind: str = "extension"
+    arguments_model: type[BaseModel] | None = None
+    _openai: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    _validator: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not TOOL_NAME_RE.match(self.name):
+            raise ConfigError(f"tool name {self.name!r} is not allowed",
+                              hint="use 1-64 letters, digits, '_' or '-' (OpenAI's rule)")
+        if self.parameters.get("type") != "object":
+            raise ConfigError(f"tool {self.name!r}: the arguments schema must be an object")
+        self.scopes = tuple(self.scopes)
+        cls = jsonschema.validators.validator_for(self.parameters)
+        try:
+            cls.check_schema(self.parameters)
+        except jsonschema.SchemaError as e:
+            raise ConfigError(f"tool {self.name!r}: invalid arguments schema: {e.message}") from None
+        self._validator = cls(self.parameters)
+
+    def openai_tool(self) -> dict[str, Any]:
+        """The OpenAI function tool: strict when the schema allows it (see the module doc)."""
+        if self._openai is None:
+            try:
+                parameters, strict = strict_schema(self.parameters), True
+            except StrictSchemaError as e:
+                log.info("tool %s is offered without strict mode: %s", self.name, e)
+                parameters, strict = copy.deepcopy(self.parameters), False
+            function: dict[str, Any] = {"name": self.name}
+            if self.description:
+                function["description"] = self.description
+            function.update(parameters=parameters, strict=strict)
+            self._openai = {"type": "function", "function": function}
+        return copy.deepcopy(self._openai)
+
+    def validate(self, arguments: dict[str, Any] | str | None) -> dict[str, Any]:
+        """The arguments `run` gets; `ToolArgumentsError` says what is wrong with them.
+        A JSON string is parsed; a null for an optional property that does not take
+        null means "not given" (strict mode makes models send every property)."""
+        if arguments is None or arguments == "":
+            arguments = {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ToolArgumentsError(f"the arguments of {self.name} are not valid JSON: "
+                                         f"{e.msg} at character {e.pos}") from None
+        if not isinstance(arguments, dict):
+            raise ToolArgumentsError(f"the arguments of {self.name} must be a JSON object, "
+                                     f"not {type(arguments).__name__}")
+        args = drop_optional_nulls(arguments, self.parameters, self.parameters)
+        if self.arguments_model is not None:
+            try:
+                model = self.arguments_model.model_validate(args)
+            except ValidationError as e:
+                raise ToolArgumentsError(f"invalid arguments for {self.name}: "
+                                         f"{describe_validation_error(e)}") from None
+            return {name: getattr(model, name) for name in type(model).model_fields}
+        errors = sorted(self._validator.iter_errors(args), key=lambda e: list(e.absolute_path))
+        if errors:
+            problems = "; ".join(_describe_schema_error(e) for e in errors[:5])
+            raise ToolArgumentsError(f"invalid arguments for {self.name}: {problems}")
+        return args
+
+
+def describe_validation_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "(arguments)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown argument"
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+def _describe_schema_error(e: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in e.absolute_path) or "(arguments)"
+    return f"{where}: {e.message}"
+
+
+def function_tool(fn: Callable[..., Any], *, name: str | None = None,
+                  description: str | None = None, scopes: Iterable[str] = DEFAULT_SCOPES,
+                  side_effects: bool = False) -> Tool:
+    """A `Tool` from a typed Python function: its parameters (annotations, defaults,
+    `Annotated[..., Field(description=...)]`) become the arguments model, its docstring
+    the description. A parameter annotated `ToolCallContext` receives the call's context.
+    Coroutine functions are run to completion on a private event loop."""
+    tool_name = name or fn.__name__
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except (NameError, TypeError) as e:
+        raise ConfigError(f"tool {tool_name!r}: cannot read the type hints of "
+                          f"{fn.__qualname__}: {e}") from None
+    fields: dict[str, Any] = {}
+    context_param: str | None = None
+    for pname, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise ConfigError(f"tool {tool_name!r}: parameter {pname!r} must be a plain "
+                              "keyword-capable parameter (no *args, **kwargs or /)")
+        annotation = hints.get(pname, inspect.Parameter.empty)
+        if annotation is ToolCallContext:
+            context_param = pname
+            continue
+        if annotation is inspect.Parameter.empty:
+            raise ConfigError(f"tool {tool_name!r}: parameter {pname!r} needs a type annotation",
+                              hint="the annotation is the schema the model is shown")
+        if pname.startswith("_"):
+            raise ConfigError(f"tool {tool_name!r}: parameter {pname!r} may not start with '_'")
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[pname] = (annotation, default)
+    model = create_model(f"{tool_name}_arguments",  # type: ignore[call-overload]
+                         __config__=ConfigDict(extra="forbid"), **fields)
+    parameters = model.model_json_schema()
+    parameters.pop("title", None)
+    parameters.setdefault("properties", {})
+    is_async = inspect.iscoroutinefunction(fn)
+
+    def run(args: dict[str, Any], ctx: ToolCallContext) -> Any:
+        kwargs = dict(args)
+        if context_param is not None:
+            kwargs[context_param] = ctx
+        if is_async:
+            return asyncio.run(fn(**kwargs))
+        return fn(**kwargs)
+
+    doc = description if description is not None else (inspect.getdoc(fn) or "")
+    return Tool(name=tool_name, description=doc, parameters=parameters, run=run,
+                scopes=tuple(scopes), side_effects=side_effects, kind="function",
+                arguments_model=model)
+
+
+# ---- strict schemas ----------------------------------------------------------------------------
+
+
+class StrictSchemaError(ValueError):
+    """A schema OpenAI's strict mode cannot express."""
+
+
+# What strict mode accepts besides the structure keywords (type, properties, items, ...).
+_STRICT_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname",
+                             "ipv4", "ipv6", "uuid"})
+_STRICT_KEEP = ("enum", "const", "pattern", "multipleOf", "minimum", "maximum",
+                "exclusiveMinimum", "exclusiveMaximum", "minItems", "maxItems")
+MAX_STRICT_DEPTH = 10
+MAX_STRICT_PROPERTIES = 5000
+
+
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` (an object schema) in OpenAI's strict subset; `StrictSchemaError` if it
+    cannot be expressed there. The input is not modified."""
+    converter = _StrictConverter(schema)
+    out = converter.node(schema, "", 0, root=True)
+    if converter.defs:
+        out["$defs"] = converter.defs
+    return out
+
+
+class _StrictConverter:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.defs: dict[str, dict[str, Any]] = {}
+        self.def_names: dict[str, str] = {}   # $ref -> name in the output's $defs
+        self.stack: list[str] = []            # the $refs being inlined (to find cycles)
+        self.n_properties = 0
+
+    def node(self, s: Any, path: str, depth: int, root: bool = False) -> dict[str, Any]:
+        where = path or "the arguments"
+        if not isinstance(s, dict):
+            raise StrictSchemaError(f"{where}: a schema of {s!r} (any value) has no type")
+        if "$ref" in s:
+            return self.ref(s, path, depth, root)
+        s = _normalise(s, where)
+        out: dict[str, Any] = {}
+        description = _description_with_default(s)
+        if "anyOf" in s:
+            if root:
+                raise StrictSchemaError("the arguments must be an object, not a union")
+            variants = [self.node(v, path, depth) for v in s["anyOf"]]
+            if len(variants) == 1:
+                out = variants[0]
+            else:
+                out["anyOf"] = variants
+            if description:
+                out["description"] = description
+            return out
+        typ = s.get("type")
+        if typ is None:
+            if "properties" in s:
+                typ = "object"
+            elif "items" in s:
+                typ = "array"
+            elif "enum" not in s and "const" not in s:
+                raise StrictSchemaError(f"{where} has no type")
+        types = [typ] if isinstance(typ, str) else list(typ or [])
+        if root and types != ["object"]:
+            raise StrictSchemaError("the arguments must be an object")
+        if typ is not None:
+            out["type"] = typ
+        if "object" in types:
+            out.update(self.object(s, path, depth, root))
+        if "array" in types:
+            items = s.get("items")
+            if not isinstance(items, dict):
+                raise StrictSchemaError(f"{where}: an array needs one `items` schema")
+            out["items"] = self.node(items, f"{path}[]", depth + 1)
+        for key in _STRICT_KEEP:
+            if key in s:
+                out[key] = s[key]
+        if s.get("format") in _STRICT_FORMATS:
+            out["format"] = s["format"]
+        if description:
+            out["description"] = description
+        return out
+
+    def object(self, s: dict[str, Any], path: str, depth: int, root: bool) -> dict[str, Any]:
+        where = path or "the arguments"
+        if depth + 1 > MAX_STRICT_DEPTH:
+            raise StrictSchemaError(f"{where}: nested deeper than {MAX_STRICT_DEPTH} objects")
+        props = s.get("properties")
+        if props is None:
+            if not root and s.get("additionalProperties") is not False:
+                raise StrictSchemaError(f"{where}: a free-form object (no fixed properties)")
+            props = {}
+        required = set(s.get("required", []))
+        self.n_properties += len(props)
+        if self.n_properties > MAX_STRICT_PROPERTIES:
+            raise StrictSchemaError(f"more than {MAX_STRICT_PROPERTIES} properties")
+        out_props: dict[str, Any] = {}
+        for key, sub in props.items():
+            converted = self.node(sub, f"{path}.{key}" if path else key, depth + 1)
+            if key not in required:
+                converted = make_nullable(converted)
+            out_props[key] = converted
+        return {"properties": out_props, "required": list(out_props),
+                "additionalProperties": False}
+
+    def ref(self, s: dict[str, Any], path: str, depth: int, root: bool) -> dict[str, Any]:
+        ref = s["$ref"]
+        target = resolve_ref(self.root, ref)
+        if ref in self.stack:  # a recursive schema: keep the reference, define it once
+            name = self.def_names.get(ref)
+            if name is None:
+                name = self._def_name(ref)
+                self.def_names[ref] = name
+                self.defs[name] = {}  # placeholder while it is converted
+                self.defs[name] = self.node(target, path, depth)
+            return {"$ref": f"#/$defs/{name}"} if ref != "#" else {"$ref": "#"}
+        siblings = {k: v for k, v in s.items() if k != "$ref"}
+        self.stack.append(ref)
+        try:
+            return self.node({**target, **siblings}, path, depth, root)
+        finally:
+            self.stack.pop()
+
+    def _def_name(self, ref: str) -> str:
+        base = re.sub(r"[^A-Za-z0-9_]", "_", ref.rsplit("/", 1)[-1]) or "def"
+        name, n = base, 1
+        while name in self.defs:
+            n += 1
+            name = f"{base}_{n}"
+        return name
+
+
+def _normalise(s: dict[str, Any], where: str) -> dict[str, Any]:
+    """OpenAPI 3.0 `nullable`, `oneOf` and `allOf` in the forms strict mode has."""
+    s = dict(s)
+    if s.pop("nullable", False) is True:
+        s = make_nullable(s)
+    if "oneOf" in s:
+        if "anyOf" in s:
+            raise StrictSchemaError(f"{where}: both anyOf and oneOf")
+        s["anyOf"] = s.pop("oneOf")
+    if "allOf" in s:
+        parts = s.pop("allOf")
+        if len(parts) == 1 and isinstance(parts[0], dict) and not s.keys() & {"properties", "type"}:
+            s = {**parts[0], **s}
+        else:
+            s = _merge_objects(s, parts, where)
+    return s
+
+
+def _merge_objects(s: dict[str, Any], parts: list[Any], where: str) -> dict[str, Any]:
+    merged = {k: v for k, v in s.items()}
+    props = dict(merged.get("properties", {}))
+    required = list(merged.get("required", []))
+    for part in parts:
+        if not isinstance(part, dict) or "$ref" in part or not (
+                part.get("type") == "object" or "properties" in part):
+            raise StrictSchemaError(f"{where}: allOf of anything but inline objects")
+        props.update(part.get("properties", {}))
+        required += [r for r in part.get("required", []) if r not in required]
+    merged.update(type="object", properties=props, required=required)
+    return merged
+
+
+def _description_with_default(s: dict[str, Any]) -> str:
+    description = str(s.get("description") or "").strip()
+    if "default" in s and s["default"] is not None:
+        shown = json.dumps(s["default"], default=str)
+        if len(shown) <= 80:
+            description = f"{description} (default: {shown})".strip()
+    return description
+
+
+def accepts_null(s: Any, root: dict[str, Any] | None = None, _seen: int = 0) -> bool:
+    """Whether a schema admits null (following local `$ref`s in `root`)."""
+    if not isinstance(s, dict) or _seen > 20:
+        return s is True or s == {}
+    if "$ref" in s and root is not None:
+        try:
+            return accepts_null(resolve_ref(root, s["$ref"]), root, _seen + 1)
+        except StrictSchemaError:
+            return False
+    typ = s.get("type")
+    if typ == "null" or (isinstance(typ, list) and "null" in typ) or s.get("nullable") is True:
+        return True
+    if "enum" in s and None in s["enum"]:
+        return True
+    if "const" in s and s["const"] is None:
+        return True
+    return any(accepts_null(v, root, _seen + 1) for v in s.get("anyOf", []) + s.get("oneOf", []))
+
+
+def make_nullable(s: dict[str, Any]) -> dict[str, Any]:
+    """`s` or null: in the type list for a scalar, as an `anyOf` otherwise."""
+    if accepts_null(s):
+        return s
+    if "anyOf" in s:
+        return {**s, "anyOf": [*s["anyOf"], {"type": "null"}]}
+    typ = s.get("type")
+    scalar = isinstance(typ, str) and typ in ("string", "number", "integer", "boolean")
+    if scalar and "const" not in s and "enum" not in s:
+        return {**s, "type": [typ, "null"]}
+    inner = {k: v for k, v in s.items() if k != "description"}
+    out = {"anyOf": [inner, {"type": "null"}]}
+    if "description" in s:
+        out["description"] = s["description"]
+    return out
+
+
+def resolve_ref(root: dict[str, Any], ref: str) -> dict[str, Any]:
+    """The schema a local JSON pointer (`#/$defs/X`, `#/components/schemas/X`) names."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        raise StrictSchemaError(f"only local $refs are supported, not {ref!r}")
+    node: Any = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            raise StrictSchemaError(f"$ref {ref!r} points at nothing")
+        node = node[part]
+    if not isinstance(node, dict):
+        raise StrictSchemaError(f"$ref {ref!r} is not a schema")
+    return node
+
+
+def drop_optional_nulls(value: Any, schema: Any, root: dict[str, Any], _depth: int = 0) -> Any:
+    """`value` without the nulls a strict-mode model sends for optional properties that
+    do not themselves take null (so that their defaults apply), at every object level."""
+    if _depth > 32 or not isinstance(schema, dict):
+        return value
+    for _ in range(20):  # follow $ref chains
+        if "$ref" not in schema:
+            break
+        try:
+            schema = resolve_ref(root, schema["$ref"])
+        except StrictSchemaError:
+            return value
+    if isinstance(value, dict):
+        props = _object_properties(schema, root)
+        if props is None:
+            return value
+        properties, required = props
+        out = {}
+        for key, item in value.items():
+            sub = properties.get(key)
+            if item is None and sub is not None and key not in required \
+                    and not accepts_null(sub, root):
+                continue
+            out[key] = drop_optional_nulls(item, sub, root, _depth + 1) if sub is not None else item
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [drop_optional_nulls(v, schema["items"], root, _depth + 1) for v in value]
+    return value
+
+
+def _object_properties(schema: dict[str, Any],
+                       root: dict[str, Any]) -> tuple[dict[str, Any], set[str]] | None:
+    if "properties" in schema or "allOf" in schema:
+        props = dict(schema.get("properties", {}))
+        required = set(schema.get("required", []))
+        for part in schema.get("allOf", []):
+            sub = _deref(part, root)
+            props.update(sub.get("properties", {}))
+            required |= set(sub.get("required", []))
+        return props, required
+    branches = [_deref(b, root) for b in schema.get("anyOf", []) + schema.get("oneOf", [])]
+    objects = [b for b in branches if "properties" in b]
+    if len(objects) == 1:
+        return dict(objects[0]["properties"]), set(objects[0].get("required", []))
+    return None
+
+
+def _deref(s: Any, root: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(s, dict) and "$ref" in s:
+        try:
+            return resolve_ref(root, s["$ref"])
+        except StrictSchemaError:
+            return {}
+    return s if isinstance(s, dict) else {}
+
+
+# ---- idempotency -------------------------------------------------------------------------------
+
+
+class IdempotencyRecord(BaseModel):
+    """The stored outcome of one side-effecting call."""
+
+    tool: str
+    fingerprint: str = Field(description="sha256 of the tool and its validated arguments")
+    result: ToolResult
+    created_at: float = Field(default_factory=time.time)
+
+
+@runtime_checkable
+class IdempotencyStore(Protocol):
+    def get(self, key: str) -> IdempotencyRecord | None: ...
+
+    def put(self, key: str, record: IdempotencyRecord) -> None:
+        """Store `record` unless `key` is already stored (the first result wins)."""
+        ...
+
+
+class MemoryIdempotencyStore:
+    """Results kept in memory for the life of the process (no restart to survive), the
+    newest `max_records` of them."""
+
+    def __init__(self, max_records: int = 100_000) -> None:
+        self.max_records = max_records
+        self._records: dict[str, IdempotencyRecord] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        with self._lock:
+            return self._records.get(key)
+
+    def put(self, key: str, record: IdempotencyRecord) -> None:
+        with self._lock:
+            if key in self._records:
+                return
+            self._records[key] = record
+            while len(self._records) > self.max_records:  # dicts keep insertion order
+                del self._records[next(iter(self._records))]
+
+
+class SQLiteIdempotencyStore:
+    """Results in one SQLite file (WAL: several threads and processes on one machine),
+    kept for `ttl_s` seconds (None: forever); expired rows are purged as new ones come.
+
+    The registry serialises calls with one key inside a process; across processes a key
+    belongs to one task, which one worker runs at a time (the queue's lease), so two
+    processes never race on it."""
+
+    _PURGE_EVERY = 256
+
+    def __init__(self, path: str | Path, *, ttl_s: float | None = 7 * 24 * 3600.0) -> None:
+        self.path = str(path)
+        self.ttl_s = ttl_s
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._puts = 0
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30.0,
+                                       isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            self._db.execute("CREATE TABLE IF NOT EXISTS tool_idempotency ("
+                             "key TEXT PRIMARY KEY, record TEXT NOT NULL, "
+                             "created_at REAL NOT NULL)")
+        except sqlite3.Error as e:
+            raise ConfigError(f"cannot open the tool idempotency store {self.path}: {e}",
+                              hint="check that the directory exists and is writable") from None
+
+    def get(self, key: str) -> IdempotencyRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT record, created_at FROM tool_idempotency "
+                                   "WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        if self.ttl_s is not None and row[1] < time.time() - self.ttl_s:
+            return None
+        return IdempotencyRecord.model_validate_json(row[0])
+
+    def put(self, key: str, record: IdempotencyRecord) -> None:
+        with self._lock:
+            self._puts += 1
+            if self.ttl_s is not None and self._puts % self._PURGE_EVERY == 0:
+                self._db.execute("DELETE FROM tool_idempotency WHERE created_at < ?",
+                                 (time.time() - self.ttl_s,))
+            if self.ttl_s is not None:  # an expired row gives way to the new result
+                self._db.execute("DELETE FROM tool_idempotency WHERE key = ? AND "
+                                 "created_at < ?", (key, time.time() - self.ttl_s))
+            self._db.execute("INSERT INTO tool_idempotency (key, record, created_at) "
+                             "VALUES (?, ?, ?) ON CONFLICT(key) DO NOTHING",
+                             (key, record.model_dump_json(), record.created_at))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def arguments_fingerprint(tool: str, args: dict[str, Any]) -> str:
+    data = TypeAdapter(Any).dump_python(args, mode="json")
+    canonical = json.dumps([tool, data], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+
+
+class ToolMetrics:
+    """The tool metrics in one Prometheus registry. Several `ToolRegistry`s may share a
+    Prometheus registry (e.g. one tool registry per tenant): they share these metrics."""
+
+    _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, ToolMetrics] = \
+        weakref.WeakKeyDictionary()
+    _guard = threading.Lock()
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.calls = Counter("ridgeline_tool_calls", "Tool calls by tool and outcome "
+                             "(ok, error: the tool failed or got bad arguments, denied: the "
+                             "caller lacks a scope)", ["tool", "outcome"], registry=registry)
+        self.latency = Histogram("ridgeline_tool_latency_seconds",
+                                 "Time a tool took to run (calls that ran)", ["tool"],
+                                 buckets=_LATENCY_BUCKETS, registry=registry)
+        self.replays = Counter("ridgeline_tool_replays", "Side-effecting calls answered from "
+                               "the idempotency store instead of running again", ["tool"],
+                               registry=registry)
+
+    @classmethod
+    def for_registry(cls, registry: CollectorRegistry) -> ToolMetrics:
+        with cls._guard:
+            metrics = cls._by_registry.get(registry)
+            if metrics is None:
+                metrics = cls._by_registry[registry] = cls(registry)
+            return metrics
+
+
+# ---- the registry ------------------------------------------------------------------------------
+
+
+class ToolRegistry:
+    """The tools a deployment offers. Thread-safe: workers call tools from many threads."""
+
+    _N_LOCKS = 64
+
+    def __init__(self, metrics_registry: CollectorRegistry | None = None, tracer: Any = None,
+                 *, idempotency_store: IdempotencyStore | None = None,
+                 max_content_bytes: int = 100_000) -> None:
+        self.metrics_registry = metrics_registry if metrics_registry is not None \
+            else CollectorRegistry(auto_describe=True)
+        self.metrics = ToolMetrics.for_registry(self.metrics_registry)
+        self.tracer = tracer if tracer is not None else trace.get_tracer("ridgeline.platform.tools")
+        self.idempotency_store: IdempotencyStore = idempotency_store \
+            if idempotency_store is not None else MemoryIdempotencyStore()
+        self.max_content_bytes = max_content_bytes
+        self._tools: dict[str, Tool] = {}
+        self._guard = threading.Lock()
+        # One lock per key stripe: two calls with one key never run the tool twice.
+        self._key_locks = [threading.Lock() for _ in range(self._N_LOCKS)]
+
+    # -- registering ------------------------------------------------------------------------
+    def add(self, tool: Tool, *, replace: bool = False) -> Tool:
+        tool.openai_tool()  # convert the schema now: a tool that cannot be offered fails here
+        with self._guard:
+            if tool.name in self._tools and not replace:
+                raise ConfigError(f"a tool named {tool.name!r} is already registered",
+                                  hint="give one of them another name (or a name prefix)")
+            self._tools[tool.name] = tool
+        return tool
+
+    def remove(self, name: str) -> None:
+        with self._guard:
+            self._tools.pop(name, None)
+
+    def tool(self, fn: Callable[..., Any] | None = None, *, name: str | None = None,
+             description: str | None = None, scopes: Iterable[str] = DEFAULT_SCOPES,
+             side_effects: bool = False) -> Any:
+        """Decorator: `@registry.tool` or `@registry.tool(scopes=..., side_effects=True)`.
+        The function is registered and returned unchanged."""
+        def register(f: Callable[..., Any]) -> Callable[..., Any]:
+            self.add(function_tool(f, name=name, description=description, scopes=scopes,
+                                   side_effects=side_effects))
+            return f
+        return register(fn) if fn is not None else register
+
+    # -- looking up -------------------------------------------------------------------------
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def get(self, name: str) -> Tool:
+        tool = self._tools.get(name)
+        if tool is None:
+            raise NotFoundError(f"no tool named {name!r}",
+                                hint="list the tools this key may use (GET /v1/tools)")
+        return tool
+
+    def allowed(self, tool: Tool, principal: Principal | None) -> bool:
+        return principal is None or all(principal.has_scope(s) for s in tool.scopes)
+
+    def tools_for(self, principal: Principal | None = None) -> list[Tool]:
+        """The tools `principal` may call (all of them for None), in registration order."""
+        with self._guard:
+            tools = list(self._tools.values())
+        return [t for t in tools if self.allowed(t, principal)]
+
+    def openai_tools(self, principal: Principal | None = None) -> list[dict[str, Any]]:
+        """OpenAI function tools (strict schemas) for what `principal` may call."""
+        return [t.openai_tool() for t in self.tools_for(principal)]
+
+    def authorize(self, name: str, principal: Principal) -> Tool:
+        """The tool, if `principal` may call it: `NotFoundError` or `ToolPermissionError`."""
+        tool = self.get(name)
+        missing = [s for s in tool.scopes if not principal.has_scope(s)]
+        if missing:
+            raise ToolPermissionError(name, missing)
+        return tool
+
+    # -- calling ----------------------------------------------------------------------------
+    def call(self, name: str, arguments: dict[str, Any] | str | None, principal: Principal, *,
+             idempotency_key: str | None = None, call_id: str | None = None,
+             timeout_s: float | None = None) -> ToolResult:
+        """Run one tool call for `principal`. Raises `NotFoundError` (no such tool),
+        `ToolPermissionError` (a scope is missing), `RidgelineError` (a side-effecting
+        tool called without `idempotency_key`) and `ConflictError` (that key was used
+        with other arguments); everything the tool or its arguments do wrong comes back
+        as `ToolResult(ok=False)`."""
+        attributes: dict[str, Any] = {"gen_ai.operation.name": "execute_tool",
+                                      "gen_ai.tool.name": name}
+        if call_id:
+            attributes["gen_ai.tool.call.id"] = call_id
+        with self.tracer.start_as_current_span(f"execute_tool {name}", kind=SpanKind.INTERNAL,
+                                               attributes=attributes) as span:
+            try:
+                tool = self.authorize(name, principal)
+            except PermissionDeniedError as e:
+                self.metrics.calls.labels(tool=name, outcome="denied").inc()
+                _fail_span(span, type(e).__name__, e.message)
+                raise
+            except NotFoundError as e:  # not counted: models invent names (label cardinality)
+                _fail_span(span, type(e).__name__, e.message)
+                raise
+            span.set_attribute("gen_ai.tool.type", tool.kind)
+            if tool.description:
+                span.set_attribute("gen_ai.tool.description", tool.description[:500])
+            if tool.side_effects and not idempotency_key:
+                _fail_span(span, "missing_idempotency_key", "no idempotency key")
+                raise RidgelineError(f"the tool {name!r} has side effects: call it with an "
+                                     "idempotency key", hint="derive the key from what makes "
+                                     "the call unique, e.g. task id and step, so a retry "
+                                     "reuses it")
+            try:
+                args = tool.validate(arguments)
+            except ToolArgumentsError as e:
+                self.metrics.calls.labels(tool=name, outcome="error").inc()
+                _fail_span(span, "invalid_arguments", e.message)
+                return ToolResult(ok=False, error=e.message, error_type="invalid_arguments")
+            ctx = ToolCallContext(principal=principal, call_id=call_id,
+                                  idempotency_key=idempotency_key, timeout_s=timeout_s)
+            if not tool.side_effects:
+                return self._run(tool, args, ctx, span)
+            assert idempotency_key is not None
+            key = _scoped_key(principal.tenant, idempotency_key)
+            fingerprint = arguments_fingerprint(name, args)
+            with self._key_locks[hash(key) % self._N_LOCKS]:
+                record = self.idempotency_store.get(key)
+                if record is not None:
+                    if record.tool != name or record.fingerprint != fingerprint:
+                        _fail_span(span, "ConflictError", "idempotency key reused")
+                        raise ConflictError(
+                            f"the idempotency key {idempotency_key!r} was used for another "
+                            f"call ({record.tool} with other arguments)",
+                            hint="use a new key for a new call; reuse a key only to retry "
+                                 "the very same call")
+                    span.set_attribute("ridgeline.tool.replayed", True)
+                    self.metrics.replays.labels(tool=name).inc()
+                    result = record.result.model_copy(update={"replayed": True})
+                    if not result.ok:
+                        _fail_span(span, result.error_type or "tool_error", result.error or "")
+                    return result
+                result = self._run(tool, args, ctx, span)
+                self.idempotency_store.put(key, IdempotencyRecord(
+                    tool=name, fingerprint=fingerprint, result=result))
+                return result
+
+    def _run(self, tool: Tool, args: dict[str, Any], ctx: ToolCallContext,
+             span: trace.Span) -> ToolResult:
+        t0 = time.perf_counter()
+        try:
+            value = tool.run(args, ctx)
+        except ToolFailure as e:
+            result = ToolResult(ok=False, error=str(e), error_type=e.error_type,
+                                content=self._bounded(e.content))
+        except Exception as e:  # a tool's own bug or failure: the model sees it, we go on
+            log.warning("tool %s raised %s: %s", tool.name, type(e).__name__, e,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
+            result = ToolResult(ok=False, error=f"{type(e).__name__}: {e}",
+                                error_type=type(e).__name__)
+        else:
+            result = ToolResult(ok=True, content=self._bounded(to_text(value)))
+        result.duration_s = time.perf_counter() - t0
+        self.metrics.latency.labels(tool=tool.name).observe(result.duration_s)
+        self.metrics.calls.labels(tool=tool.name, outcome="ok" if result.ok else "error").inc()
+        if not result.ok:
+            _fail_span(span, result.error_type or "tool_error", result.error or "")
+        return result
+
+    def _bounded(self, text: str) -> str:
+        return truncate_middle(text, self.max_content_bytes)[0]
+
+
+def _scoped_key(tenant: str, key: str) -> str:
+    """One namespace of keys per tenant: two tenants' equal keys never meet."""
+    return f"{len(tenant)}:{tenant}:{key}"
+
+
+def _fail_span(span: trace.Span, error_type: str, message: str) -> None:
+    span.set_attribute("error.type", error_type)
+    span.set_status(Status(StatusCode.ERROR, message[:500]))
+
+
+def to_text(value: Any) -> str:
+    """A tool's return value as text for a model: strings as they are, the rest as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    try:
+        return json.dumps(TypeAdapter(Any).dump_python(value, mode="json"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)

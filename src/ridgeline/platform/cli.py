@@ -97,6 +97,32 @@ def maintain(config: Path | None = ConfigOption) -> None:
         platform.close()
 
 
+@app.command("mcp")
+def mcp(config: Path | None = ConfigOption,
+        key: str = typer.Option(..., "--key", envvar="RIDGELINE_API_KEY",
+                                help="the API key whose scopes decide which tools are served")
+        ) -> None:
+    """Serve the platform's tools to an MCP client over stdio (as the key's principal)."""
+    import anyio
+
+    from ridgeline.platform.mcp_bridge import mcp_server
+    from ridgeline.platform.service import Platform
+
+    platform = Platform(_load(config))
+    try:
+        principal = platform.keys.authenticate(key).principal
+        server = mcp_server(platform.tools, principal)
+
+        async def serve_stdio() -> None:
+            from mcp.server.stdio import stdio_server
+            async with stdio_server() as (read, write):
+                await server.run(read, write, server.create_initialization_options())
+
+        anyio.run(serve_stdio)
+    finally:
+        platform.close()
+
+
 @keys_app.command("create")
 def keys_create(config: Path | None = ConfigOption,
                 tenant: str = typer.Option(..., "--tenant"),
@@ -143,13 +169,15 @@ def keys_revoke(key_id: str, config: Path | None = ConfigOption) -> None:
 
 @keys_app.command("list")
 def keys_list(config: Path | None = ConfigOption,
-              tenant: str | None = typer.Option(None, "--tenant")) -> None:
+              tenant: str | None = typer.Option(None, "--tenant"),
+              all_keys: bool = typer.Option(False, "--all", help="revoked keys too")) -> None:
+    """List keys (never their secrets)."""
     from ridgeline.platform.keys import KeyStore
 
     cfg = _load(config)
     store = KeyStore.from_config(cfg.keys.model_copy(update={"path": cfg.path(cfg.keys.path)}))
     try:
-        for k in store.list(tenant=tenant):
+        for k in store.list(tenant=tenant, include_revoked=all_keys):
             print(json.dumps({"key_id": k.key_id, "tenant": k.tenant, "user": k.user,
                               "admin": k.admin, "revoked": k.revoked,
                               "models": sorted(k.models) if k.models is not None else None,

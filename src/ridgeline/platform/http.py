@@ -1,0 +1,157 @@
+"""HTTP glue every platform router shares: OpenAI-style error bodies and the caller's
+identity from its API key.
+
+    app = FastAPI()
+    install_error_handlers(app)
+    principal = principal_dependency(keystore)
+
+    @app.get("/v1/things")
+    async def things(who: Principal = Depends(principal)) -> ...
+
+`install_error_handlers` answers a `RidgelineError` with its status and the body
+``{"error": {"message", "type", "param", "code"}}`` (`serve.protocol.error_for`; a 429
+also carries Retry-After, a 401 ``WWW-Authenticate: Bearer``), FastAPI's validation
+errors with a 400 naming the first bad field, unknown routes and methods with 404/405 in
+the same shape, and a bug with a 500 that says only "internal error" and the request
+id, the exception and traceback going to the log. Every response carries its request id
+in ``x-request-id``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ridgeline.errors import AuthenticationError, RateLimitError, RidgelineError
+from ridgeline.platform.keys import InvalidApiKeyError, KeyStore
+from ridgeline.platform.limits import retry_after_header
+from ridgeline.platform.principal import Principal
+from ridgeline.serve.protocol import error_body, error_for, error_type
+
+log = logging.getLogger(__name__)
+
+
+def error_response(exc: RidgelineError) -> JSONResponse:
+    """The JSON response for a user mistake, with the headers its status calls for."""
+    status, body = error_for(exc)
+    headers: dict[str, str] = {}
+    if isinstance(exc, RateLimitError) and exc.retry_after_s is not None:
+        headers["retry-after"] = retry_after_header(exc.retry_after_s)
+    if isinstance(exc, AuthenticationError):
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def internal_error_body(request_id: str) -> dict[str, Any]:
+    return error_body(f"internal error (request id {request_id})", type="internal_error",
+                      code="internal_error")
+
+
+def request_id_of(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id", "unknown")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style answers to every error the app's routes can raise (see the module)."""
+
+    @app.exception_handler(RidgelineError)
+    async def _user_error(_: Request, exc: RidgelineError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        loc = [str(p) for p in err.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        param = ".".join(loc) or None
+        if err.get("type") == "missing":
+            body = error_body(f"missing required field {param!r}", param=param,
+                              code="missing_required_parameter")
+        elif err.get("type") == "json_invalid":
+            body = error_body("invalid JSON in the request body", code="invalid_json")
+        else:
+            where = f" for {param!r}" if param else ""
+            body = error_body(f"invalid value{where}: {err.get('msg')}", param=param,
+                              code="invalid_value")
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), type=error_type(exc.status_code),
+                                       code=exc.status_code),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    app.add_middleware(_RequestIds)
+
+
+class _RequestIds:
+    """Pure ASGI (streams pass through untouched): a request id for every request, in
+    the `x-request-id` response header and `request.state.request_id`, and the 500 for
+    a bug, logged with that id."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+        started = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message = {**message, "headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("internal error (request id %s, %s %s)", request_id,
+                          scope.get("method"), scope.get("path"))
+            if started:  # half sent: it can only be cut short
+                raise
+            body = json.dumps(internal_error_body(request_id)).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"), header]})
+            await send({"type": "http.response.body", "body": body})
+
+
+def bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def principal_dependency(keystore: KeyStore) -> Callable[[Request], Awaitable[Principal]]:
+    """A FastAPI dependency: the `Principal` of the request's ``Authorization: Bearer``
+    key, or a 401 (`InvalidApiKeyError`)."""
+
+    async def principal(request: Request) -> Principal:
+        token = bearer_token(request)
+        if token is None:
+            raise InvalidApiKeyError("no API key given",
+                                     hint="send the header 'Authorization: Bearer <key>'")
+        return keystore.authenticate(token).principal
+
+    return principal
+
+
+__all__ = ["bearer_token", "error_response", "install_error_handlers", "internal_error_body",
+           "principal_dependency", "request_id_of"]

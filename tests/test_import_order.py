@@ -64,6 +64,8 @@ def test_no_module_imports_beside_or_to_its_right() -> None:
     ("ridgeline.llm", ("ridgeline.engine", "ridgeline.serve", "torch")),
     # `ridgeline --help` mounts serve's CLI; FastAPI loads only when serving
     ("ridgeline.serve.cli", ("ridgeline.serve.app", "fastapi")),
+    # the platform's API processes and workers never run a model in-process
+    ("ridgeline.platform.service", ("torch",)),
 ])
 def test_importing_loads_only_what_is_to_the_left(module: str,
                                                   must_not_load: tuple[str, ...]) -> None:

@@ -232,3 +232,27 @@ def test_a_worker_that_lost_its_lease_cannot_write_over_its_successor(platform) 
     assert not store.finish(tid, TaskStatus.COMPLETED, result={}, attempt=first.attempts)
     assert store.load_checkpoint(tid).state == {"fresh": True}
     assert store.get(tid).status is TaskStatus.IN_PROGRESS
+
+
+def test_sigterm_hands_running_tasks_back_after_their_step(platform, tmp_path: Path) -> None:
+    store, queue = platform
+    tid = submit(store, queue, {"instruction": "slow",
+                                "replay": [bash("echo a >> log.txt; sleep 1")] * 3
+                                + [bash("echo b >> log.txt"), "<finish>ok</finish>"]})
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "tasks.db"),
+                             str(tmp_path / "queue.db"), "local"],
+                            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: any(e.type == "task.step" for e in store.events(tid)), timeout=60)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    types = [e.type for e in store.events(tid)]
+    assert types[-1] == "task.handed_back" and types.count("task.step") < 5
+    assert queue.info(tid)["state"] == "queued"  # at once, not after the lease
+    run_until_done(store, queue, [tid], CONFIG)
+    task = store.get(tid)
+    assert task.status is TaskStatus.COMPLETED and task.attempts == 2
+    files = workspace_files(store.load_checkpoint(tid).workspace)
+    assert files["log.txt"].count(b"a\n") == 3 and files["log.txt"].endswith(b"b\n")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 import uuid
@@ -76,6 +77,11 @@ class TaskCancelled(Exception):
 class LeaseLost(Exception):
     """Raised when this worker no longer owns the task (its lease expired and another
     worker has it): stop without writing anything more."""
+
+
+class WorkerDraining(Exception):
+    """Raised from the step hook when the worker is shutting down (SIGTERM): the task
+    goes back to the queue at once and another worker resumes it from this checkpoint."""
 
 
 class LazySandbox:
@@ -200,6 +206,8 @@ class TaskRun:
         self.store.append_event(self.task.id, "task.step", step_event(record))
         if self.store.cancel_requested(self.task.id):
             raise TaskCancelled(self.task.id)
+        if self.worker.draining.is_set():
+            raise WorkerDraining(self.task.id)
 
     def run(self) -> None:
         request = self.task.request
@@ -330,6 +338,7 @@ class AgentWorker:
         self.on_finish = on_finish
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._stop = threading.Event()
+        self.draining = threading.Event()
         self._threads: list[threading.Thread] = []
         self.completed = 0
 
@@ -346,12 +355,26 @@ class AgentWorker:
         for t in self._threads:
             t.join(timeout)
 
+    def drain(self) -> None:
+        """Stop taking tasks; running ones hand back after their current step (SIGTERM:
+        a scale-down costs one step, not a lease timeout)."""
+        self.draining.set()
+        self._stop.set()
+
     def run_forever(self) -> None:
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.drain())
         self.start()
-        with contextlib.suppress(KeyboardInterrupt):
-            while not self._stop.wait(1.0):
-                pass
-        self.stop()
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                while not self._stop.wait(1.0):
+                    pass
+            self.drain()
+            self.stop(timeout=max(30.0, self.config.command_timeout_s))
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -376,6 +399,12 @@ class AgentWorker:
             TaskRun(self, task, job).run()
         except LeaseLost:
             log.warning("task %s: lease lost, another worker continues it", job.id)
+            return
+        except WorkerDraining:
+            # back to the queue now (this counts as an attempt) rather than after the lease
+            if self.queue.fail(job, "the worker shut down", retry_in_s=0.0) == "queued":
+                self.store.append_event(job.id, "task.handed_back",
+                                        {"attempt": task.attempts, "worker": self.name})
             return
         except RidgelineError as e:
             if not isinstance(e, INFRASTRUCTURE_ERRORS):  # the request itself is wrong:

@@ -10,13 +10,15 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-# bubblewrap: the sandbox backend; redis-server: the queue at scale (tests start one on
-# loopback); chromium: the dashboard's browser test.
+# bubblewrap: the sandbox backend; redis-server and postgresql: the queue and the task
+# store at scale (tests start their own servers on loopback); chromium: the dashboard's
+# browser test.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 

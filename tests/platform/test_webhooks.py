@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from postgres_server import postgres_server_fixture
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from ridgeline.errors import (
@@ -585,3 +586,115 @@ def test_two_dispatchers_on_one_file_never_send_a_delivery_twice(
     assert {x.state for x in a.deliveries(limit=100)} == {"delivered"}
     a.close()
     b.close()
+
+
+# ---- the same persistence on SQLite and on PostgreSQL ---------------------------------------
+
+postgres_server = postgres_server_fixture()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the test's outbox lives: a new SQLite file, or a new database on the session's
+    PostgreSQL server (started on loopback by the tests)."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_server").new_database()
+    return str(tmp_path / "hooks.db")
+
+
+def test_pending_deliveries_survive_a_restart_on_each_backend(
+        database: str, receiver: Receiver, url: str) -> None:
+    first = fixed_clock_outbox(database)  # type: ignore[arg-type]
+    in_flight = first.submit(url, "b", {"n": 2}, SECRET)
+    (claimed, secrets), = first.claim_due(T0, 10, lease_s=60)   # dies while sending it
+    assert (claimed.id, claimed.attempts, secrets) == (in_flight, 1, [SECRET])
+    waiting = first.submit(url, "a", {"n": 1}, SECRET)
+    first.close()
+
+    second = fixed_clock_outbox(database)  # type: ignore[arg-type]
+    assert {x.id for x in second.deliveries("pending")} == {waiting, in_flight}
+    with dispatcher(second) as d:
+        assert d.run_once(T0) == 1                # the claimed one waits out its lease
+        assert d.run_once(T0 + 61) == 1           # then it is sent again
+    assert {x.id: (x.state, x.attempts) for x in second.deliveries()} == {
+        waiting: ("delivered", 1), in_flight: ("delivered", 2)}
+    assert sorted(r["id"] for r in receiver.received) == sorted([waiting, in_flight])
+    assert second.counts() == {"pending": 0, "delivered": 2, "dead": 0}
+    second.close()
+
+
+def test_ties_in_time_go_by_insertion_order_on_each_backend(database: str, url: str) -> None:
+    box = fixed_clock_outbox(database)  # type: ignore[arg-type]   # every one at T0
+    ids = [box.submit(url, "x", {"i": i}, SECRET) for i in range(6)]
+    assert [d.id for d in box.due(T0)] == ids                   # oldest first
+    assert [d.id for d in box.deliveries()] == ids[::-1]        # newest first
+    assert [d.id for d, _ in box.claim_due(T0, 4, lease_s=60)] == ids[:4]
+    assert box.next_due_at() == T0 and [d.id for d in box.due(T0)] == ids[4:]
+    box.close()
+
+
+def test_idempotency_key_on_each_backend(database: str, url: str) -> None:
+    boxes = [fixed_clock_outbox(database) for _ in range(2)]  # type: ignore[arg-type]
+    got: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(8)
+
+    def submit(i: int) -> None:
+        barrier.wait()
+        did = boxes[i % 2].submit(url, "task.completed", {"task": "t1"}, SECRET,
+                                  idempotency_key="t1:done")
+        with lock:
+            got.append(did)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len(set(got)) == 1       # eight racing submits, one delivery
+    assert len(boxes[0].deliveries()) == 1
+    with pytest.raises(ConflictError):
+        boxes[1].submit(url, "task.completed", {"task": "t2"}, SECRET,
+                        idempotency_key="t1:done")
+    assert boxes[1].requeue(got[0], now=T0 + 1).next_attempt_at == T0 + 1
+    with pytest.raises(NotFoundError):
+        boxes[1].requeue("msg_nope")
+    for box in boxes:
+        box.close()
+
+
+def test_two_dispatchers_never_send_a_delivery_twice_on_each_backend(
+        database: str, receiver: Receiver, url: str) -> None:
+    small_batches = config(batch_size=3)    # many claims each, interleaved
+    a = fixed_clock_outbox(database, small_batches)  # type: ignore[arg-type]
+    b = fixed_clock_outbox(database, small_batches)  # type: ignore[arg-type]
+    ids = [a.submit(url, "x", {"i": i}, SECRET) for i in range(24)]
+    sent: dict[str, int] = {}
+
+    def drain(name: str, d: WebhookDispatcher) -> None:
+        total = 0
+        while (n := d.run_once(T0)) > 0:
+            total += n
+        sent[name] = total
+
+    with dispatcher(a) as da, dispatcher(b) as db:
+        threads = [threading.Thread(target=drain, args=(n, d)) for n, d in (("a", da), ("b", db))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sum(sent.values()) == 24
+    assert sorted(received_ids(receiver)) == sorted(ids)      # each exactly once
+    assert {x.state for x in b.deliveries(limit=100)} == {"delivered"}
+    a.close()
+    b.close()
+
+
+def test_a_receivers_nul_byte_is_kept_in_the_last_error(database: str, url: str) -> None:
+    box = fixed_clock_outbox(database)  # type: ignore[arg-type]
+    did = box.submit(url, "x", {}, SECRET)
+    box.mark_retry(did, 500, "HTTP 500: bad\x00body", T0, T0 + 5)
+    got = box.get(did)
+    assert (got.state, got.last_status, got.next_attempt_at) == ("pending", 500, T0 + 5)
+    assert got.last_error is not None and got.last_error.startswith("HTTP 500: bad")
+    box.close()

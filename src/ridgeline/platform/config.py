@@ -1,8 +1,9 @@
 """The platform's configuration: one YAML file for the API server and its workers.
 
 Every section has defaults that run on one machine with nothing else installed (SQLite
-files and an embedded Qdrant under `data_dir`); pointing `queue` at Redis and `rag` at a
-Qdrant server scales the same code out. Relative paths are taken relative to `data_dir`.
+files and an embedded Qdrant under `data_dir`); pointing `store` (and `webhooks_url`) at
+PostgreSQL, `queue` at Redis and `rag` at a Qdrant server scales the same code out.
+Relative paths are taken relative to `data_dir`.
 
     data_dir: platform-data
     gateway: {upstreams: [{name: local, base_url: "http://127.0.0.1:8000/v1"}]}
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ridgeline.errors import ConfigError, NotFoundError
+from ridgeline.platform.db import resolve_location
 from ridgeline.platform.gateway import GatewayConfig
 from ridgeline.platform.keys import KeyStoreConfig
 from ridgeline.platform.queue import QueueConfig
@@ -27,10 +29,27 @@ from ridgeline.platform.webhooks import WebhookConfig
 from ridgeline.platform.worker import WorkerConfig
 
 
+def _database_url(value: str | None) -> str | None:
+    """A SQLite path or URL, or a PostgreSQL URL (checked here so a typo fails at load)."""
+    if value is not None:
+        resolve_location(value)   # ConfigError (a ValueError's message) for other schemes
+    return value
+
+
 class StoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field("sqlite:///platform.db", description="the task store (tasks, events, "
-                     "checkpoints): sqlite:///path (relative to data_dir)")
+                     "checkpoints): sqlite:///path (relative to data_dir) on one machine, or "
+                     "postgresql://user:password@host:5432/dbname shared by API servers and "
+                     "workers on many")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        try:
+            return _database_url(value) or value
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
 
 
 class OpenAPIToolSource(BaseModel):
@@ -69,9 +88,20 @@ class PlatformConfig(BaseModel):
     rag: RagConfig = Field(default_factory=RagConfig)
     webhooks: WebhookConfig = Field(default_factory=WebhookConfig)
     webhooks_path: str = Field("webhooks.db", description="the webhook outbox (SQLite)")
+    webhooks_url: str | None = Field(None, description="the webhook outbox as a URL, "
+                                     "overriding webhooks_path: sqlite:///path or "
+                                     "postgresql://... (it may share the store's database)")
     tools_path: str = Field("tools.db", description="recorded results of side-effect tools")
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
+
+    @field_validator("webhooks_url")
+    @classmethod
+    def _check_webhooks_url(cls, value: str | None) -> str | None:
+        try:
+            return _database_url(value)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None) -> "PlatformConfig":

@@ -65,7 +65,8 @@ class Platform:
             update={"path": config.path(config.queue.path)}))
         self.keys = KeyStore.from_config(config.keys.model_copy(
             update={"path": config.path(config.keys.path)}))
-        self.outbox = WebhookOutbox(config.path(config.webhooks_path), config.webhooks)
+        self.outbox = WebhookOutbox(store_path(config.webhooks_url or config.webhooks_path,
+                                               config.data_dir), config.webhooks)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
         self.model_factory = model_factory
         self.metrics = CollectorRegistry()

@@ -1,32 +1,37 @@
 """The durable state of agent tasks: the task rows, their event log and their checkpoints.
 
-One SQLite file in WAL mode (many threads and processes on one machine; readers never
-block the writer). The queue (`platform.queue`) only says *who works on what now*; this
-store says *what a task is, what happened to it and where to resume it*, so a queue
-redelivery or a new worker can always continue from the last checkpoint.
+One database (`platform.db`): a SQLite file in WAL mode by default (many threads and
+processes on one machine; readers never block the writer), or PostgreSQL when API servers
+and workers run on many machines (`store.url: postgresql://...`). The queue
+(`platform.queue`) only says *who works on what now*; this store says *what a task is,
+what happened to it and where to resume it*, so a queue redelivery or a new worker can
+always continue from the last checkpoint.
 
 Writes that must agree happen in one transaction: an event gets the next sequence number
 of its task (`Last-Event-ID` resumes a stream exactly), a status change is conditional on
 the current status (a cancelled or finished task never flips back), and an idempotency key
 maps to one task per tenant (the same key with another body is a 409, never a second task).
+Every write transaction on a task first takes the task's lock (`Transaction.lock`): on
+PostgreSQL, where transactions of many connections interleave, this is what keeps the
+event numbers free of gaps and duplicates and a status check and its update together;
+SQLite's `BEGIN IMMEDIATE` already lets one writer in at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError
+from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location
 from ridgeline.platform.principal import Principal
 
 
@@ -145,56 +150,19 @@ def canonical_hash(obj: Any) -> str:
 
 
 class TaskStore:
-    """Tasks, events and checkpoints in one SQLite file; safe from many threads (a
-    connection per thread) and many processes (WAL, `BEGIN IMMEDIATE` for writes)."""
+    """Tasks, events and checkpoints in one database (`ridgeline.platform.db`): a SQLite
+    file (a plain path or `sqlite:///path`), `:memory:`, or `postgresql://...`. Safe from
+    many threads and, but for `:memory:`, many processes; on PostgreSQL, many machines."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, data_dir: str | os.PathLike[str] = ".",
+                 pool_size: int = 10) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            parent = Path(self.path).expanduser().resolve().parent
-            if not parent.is_dir():
-                raise ConfigError(f"the task store's directory {parent} does not exist",
-                                  hint="create it or set store.path to a writable place")
-        if self.path == ":memory:":  # one shared in-memory database for every thread
-            self.path = f"file:ridgeline-store-{uuid.uuid4().hex}?mode=memory&cache=shared"
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        self.db = open_database(path, data_dir=data_dir, pool_size=pool_size)
         self._changed = threading.Condition()  # in-process wake-up for event streams
-        self._db().executescript(_SCHEMA)  # idempotent; executescript commits by itself
-
-    # -- connections ---------------------------------------------------------------------
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=30.0, isolation_level=None,
-                                 check_same_thread=False, uri=self.path.startswith("file:"))
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across crashes
-            db.execute("PRAGMA busy_timeout=30000")   # of the process, not of the OS
-            self._local.db = db
-            with self._lock:
-                self._connections.append(db)
-        return db
-
-    @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        self.db.executescript(_SCHEMA)  # idempotent
 
     def close(self) -> None:
-        with self._lock:
-            for db in self._connections:
-                with contextlib.suppress(sqlite3.Error):
-                    db.close()
-            self._connections.clear()
-        self._local = threading.local()
+        self.db.close()
 
     # -- tasks ---------------------------------------------------------------------------
     def create_task(self, principal: Principal, request: dict[str, Any], *, kind: str = "agent",
@@ -205,35 +173,41 @@ class TaskStore:
         digest = canonical_hash({"kind": kind, "request": request})
         now = time.time()
         task_id = task_id or f"task_{uuid.uuid4().hex}"
-        with self._tx() as db:
+
+        def create(tx: Transaction) -> TaskRecord | None:
             if idempotency_key is not None:
-                row = db.execute(f"SELECT {_COLUMNS}, request_hash FROM tasks "
-                                 "WHERE tenant = ? AND idempotency_key = ?",
-                                 (principal.tenant, idempotency_key)).fetchone()
+                # two creates with one key must not both miss the row and both insert
+                tx.lock(f"task-idempotency:{principal.tenant}:{idempotency_key}")
+                row = tx.fetchone(f"SELECT {_COLUMNS}, request_hash FROM tasks "
+                                  "WHERE tenant = ? AND idempotency_key = ?",
+                                  (principal.tenant, idempotency_key))
                 if row is not None:
                     if row[-1] != digest:
                         raise ConflictError(
                             f"idempotency key {idempotency_key!r} was used for another request "
                             f"(task {row[0]})", hint="use a new key for a different request")
-                    return _record(row[:-1]), False
-            db.execute("INSERT INTO tasks (id, tenant, key_id, kind, status, request, "
+                    return _record(row[:-1])
+            tx.execute("INSERT INTO tasks (id, tenant, key_id, kind, status, request, "
                        "request_hash, idempotency_key, parent_id, created_at, updated_at) "
                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                        (task_id, principal.tenant, principal.key_id, kind,
                         TaskStatus.QUEUED.value, json.dumps(request), digest, idempotency_key,
                         parent_id, now, now))
-            self._append(db, task_id, "task.created", {"status": "queued"}, now)
+            self._append(tx, task_id, "task.created", {"status": "queued"}, now)
+            return None
+
+        existing = self.db.run(create)
+        if existing is not None:
+            return existing, False
         self._notify()
         return self.get(task_id), True
 
     def get(self, task_id: str, tenant: str | None = None) -> TaskRecord:
         """The task; with `tenant`, another tenant's task is reported as missing (404,
         never 403, so ids of other tenants cannot be probed)."""
-        row = self._db().execute(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()
+        row = self.db.fetchone(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,))
         if row is None or (tenant is not None and row[1] != tenant):
-            raise NotFoundError(f"no agent task {task_id!r}",
-                                hint="list your tasks with GET /v1/agent/tasks")
+            raise _not_found(task_id)
         return _record(row)
 
     def list(self, tenant: str | None, *, status: str | None = None, parent_id: str | None = None,
@@ -250,26 +224,31 @@ class TaskStore:
             args.append(parent_id)
         sql += " ORDER BY created_at DESC LIMIT ?"
         args.append(int(limit))
-        return [_record(r) for r in self._db().execute(sql, args).fetchall()]
+        return [_record(r) for r in self.db.fetchall(sql, args)]
 
     def counts(self) -> dict[str, int]:
-        rows = self._db().execute("SELECT status, COUNT(*) FROM tasks GROUP BY status").fetchall()
+        rows = self.db.fetchall("SELECT status, COUNT(*) FROM tasks GROUP BY status")
         out = {s.value: 0 for s in TaskStatus}
-        out.update({s: n for s, n in rows})
+        out.update({s: int(n) for s, n in rows})
         return out
 
     def start_attempt(self, task_id: str) -> TaskRecord | None:
         """Mark the task in progress for a new attempt; None if it is already terminal
         (cancelled while queued, or finished by an earlier holder of the job)."""
         now = time.time()
-        with self._tx() as db:
-            row = db.execute("SELECT status, attempts FROM tasks WHERE id = ?",
-                             (task_id,)).fetchone()
+
+        def start(tx: Transaction) -> bool:
+            tx.lock(_task_lock(task_id))
+            row = tx.fetchone("SELECT status, attempts FROM tasks WHERE id = ?", (task_id,))
             if row is None or TaskStatus(row[0]).terminal:
-                return None
-            db.execute("UPDATE tasks SET status = ?, attempts = attempts + 1, updated_at = ? "
+                return False
+            tx.execute("UPDATE tasks SET status = ?, attempts = attempts + 1, updated_at = ? "
                        "WHERE id = ?", (TaskStatus.IN_PROGRESS.value, now, task_id))
-            self._append(db, task_id, "task.started", {"attempt": row[1] + 1}, now)
+            self._append(tx, task_id, "task.started", {"attempt": row[1] + 1}, now)
+            return True
+
+        if not self.db.run(start):
+            return None
         self._notify()
         return self.get(task_id)
 
@@ -281,64 +260,83 @@ class TaskStore:
         `attempt`, if a later attempt has started (the caller lost its lease)."""
         assert status.terminal
         now = time.time()
-        fence, args = ("", []) if attempt is None else (" AND attempts = ?", [attempt])
-        with self._tx() as db:
-            changed = db.execute(
-                "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ? "
-                "WHERE id = ? AND status NOT IN ('completed', 'failed', 'cancelled')" + fence,
-                (status.value, json.dumps(result) if result is not None else None, error, now,
-                 task_id, *args)).rowcount
-            if changed:
-                data = {"status": status.value, **(event_data or {})}
-                if error:
-                    data["error"] = error
-                self._append(db, task_id, f"task.{status.value}", data, now)
+        changed = self.db.run(lambda tx: self._finish(tx, task_id, status, result, error,
+                                                      event_data, attempt, now))
         self._notify()
+        return changed
+
+    def _finish(self, tx: Transaction, task_id: str, status: TaskStatus,
+                result: dict[str, Any] | None, error: str | None,
+                event_data: dict[str, Any] | None, attempt: int | None, now: float) -> bool:
+        tx.lock(_task_lock(task_id))
+        if error is not None:
+            error = error.replace("\x00", "\ufffd")  # PostgreSQL text holds no NUL
+        fence, args = ("", []) if attempt is None else (" AND attempts = ?", [attempt])
+        changed = tx.execute(
+            "UPDATE tasks SET status = ?, result = ?, error = ?, updated_at = ? "
+            "WHERE id = ? AND status NOT IN ('completed', 'failed', 'cancelled')" + fence,
+            (status.value, json.dumps(result) if result is not None else None, error, now,
+             task_id, *args))
+        if changed:
+            data = {"status": status.value, **(event_data or {})}
+            if error:
+                data["error"] = error
+            self._append(tx, task_id, f"task.{status.value}", data, now)
         return bool(changed)
 
     def request_cancel(self, task_id: str, tenant: str | None) -> TaskRecord:
         """Cancel: a queued task is cancelled at once; a running one is flagged and its
         worker stops after the current step. A finished task is a ConflictError."""
-        task = self.get(task_id, tenant)
-        if task.status.terminal:
-            raise ConflictError(f"task {task_id} is already {task.status.value}",
-                                hint="only queued or running tasks can be cancelled")
         now = time.time()
-        with self._tx() as db:
-            db.execute("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?",
+
+        def cancel(tx: Transaction) -> None:
+            tx.lock(_task_lock(task_id))   # the status read here is the one acted on
+            row = tx.fetchone("SELECT tenant, status FROM tasks WHERE id = ?", (task_id,))
+            if row is None or (tenant is not None and row[0] != tenant):
+                raise _not_found(task_id)
+            status = TaskStatus(row[1])
+            if status.terminal:
+                raise ConflictError(f"task {task_id} is already {status.value}",
+                                    hint="only queued or running tasks can be cancelled")
+            tx.execute("UPDATE tasks SET cancel_requested = 1, updated_at = ? WHERE id = ?",
                        (now, task_id))
-            self._append(db, task_id, "task.cancel_requested", {}, now)
-        if task.status is TaskStatus.QUEUED:
-            self.finish(task_id, TaskStatus.CANCELLED, error="cancelled before it started")
+            self._append(tx, task_id, "task.cancel_requested", {}, now)
+            if status is TaskStatus.QUEUED:
+                self._finish(tx, task_id, TaskStatus.CANCELLED, None,
+                             "cancelled before it started", None, None, now)
+
+        self.db.run(cancel)
         self._notify()
         return self.get(task_id)
 
     def cancel_requested(self, task_id: str) -> bool:
-        row = self._db().execute("SELECT cancel_requested FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()
+        row = self.db.fetchone("SELECT cancel_requested FROM tasks WHERE id = ?", (task_id,))
         return bool(row and row[0])
 
     # -- events --------------------------------------------------------------------------
     def append_event(self, task_id: str, type: str, data: dict[str, Any]) -> int:
-        with self._tx() as db:
-            seq = self._append(db, task_id, type, data, time.time())
+        now = time.time()
+        seq = self.db.run(lambda tx: self._append(tx, task_id, type, data, now))
         self._notify()
         return seq
 
     @staticmethod
-    def _append(db: sqlite3.Connection, task_id: str, type: str, data: dict[str, Any],
+    def _append(tx: Transaction, task_id: str, type: str, data: dict[str, Any],
                 now: float) -> int:
-        (last,) = db.execute("SELECT COALESCE(MAX(seq), 0) FROM task_events WHERE task_id = ?",
-                             (task_id,)).fetchone()
-        db.execute("INSERT INTO task_events (task_id, seq, type, data, created_at) "
+        # the task's lock makes "the last number + 1" safe on PostgreSQL, where two
+        # transactions would otherwise read the same last number
+        tx.lock(_task_lock(task_id))
+        (last,) = tx.fetchone("SELECT COALESCE(MAX(seq), 0) FROM task_events "
+                              "WHERE task_id = ?", (task_id,)) or (0,)
+        tx.execute("INSERT INTO task_events (task_id, seq, type, data, created_at) "
                    "VALUES (?, ?, ?, ?, ?)", (task_id, last + 1, type, json.dumps(data), now))
-        return last + 1
+        return int(last) + 1
 
     def events(self, task_id: str, after: int = 0, limit: int = 500) -> list[Event]:
-        rows = self._db().execute(
+        rows = self.db.fetchall(
             "SELECT task_id, seq, type, data, created_at FROM task_events "
             "WHERE task_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-            (task_id, int(after), int(limit))).fetchall()
+            (task_id, int(after), int(limit)))
         return [Event(r[0], r[1], r[2], json.loads(r[3]), r[4]) for r in rows]
 
     def wait_for_change(self, timeout: float) -> None:
@@ -359,29 +357,42 @@ class TaskStore:
         `attempt`, nothing is written (False) once a later attempt has started or the task
         is finished: a worker that lost its lease cannot overwrite its successor."""
         now = time.time()
-        with self._tx() as db:
+
+        def save(tx: Transaction) -> bool:
             if attempt is not None:
-                row = db.execute("SELECT attempts, status FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()
+                tx.lock(_task_lock(task_id))   # no new attempt starts between check and write
+                row = tx.fetchone("SELECT attempts, status FROM tasks WHERE id = ?",
+                                  (task_id,))
                 if row is None or row[0] != attempt or TaskStatus(row[1]).terminal:
                     return False
-            db.execute("INSERT INTO task_checkpoints (task_id, step, state, workspace, created_at)"
-                       " VALUES (?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
+            tx.execute("INSERT INTO task_checkpoints (task_id, step, state, workspace, "
+                       "created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (task_id) DO UPDATE SET "
                        "step = excluded.step, state = excluded.state, "
                        "workspace = excluded.workspace, created_at = excluded.created_at",
                        (task_id, step, json.dumps(state), workspace, now))
-        return True
+            return True
+
+        return self.db.run(save)
 
     def load_checkpoint(self, task_id: str) -> Checkpoint | None:
-        row = self._db().execute("SELECT task_id, step, state, workspace, created_at FROM "
-                                 "task_checkpoints WHERE task_id = ?", (task_id,)).fetchone()
+        row = self.db.fetchone("SELECT task_id, step, state, workspace, created_at FROM "
+                               "task_checkpoints WHERE task_id = ?", (task_id,))
         if row is None:
             return None
-        return Checkpoint(row[0], row[1], json.loads(row[2]), row[3], row[4])
+        workspace = None if row[3] is None else bytes(row[3])
+        return Checkpoint(row[0], row[1], json.loads(row[2]), workspace, row[4])
 
     def delete_checkpoint(self, task_id: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM task_checkpoints WHERE task_id = ?", (task_id,))
+        self.db.execute("DELETE FROM task_checkpoints WHERE task_id = ?", (task_id,))
+
+
+def _task_lock(task_id: str) -> str:
+    return f"task:{task_id}"
+
+
+def _not_found(task_id: str) -> NotFoundError:
+    return NotFoundError(f"no agent task {task_id!r}",
+                         hint="list your tasks with GET /v1/agent/tasks")
 
 
 def _record(row: tuple[Any, ...]) -> TaskRecord:
@@ -393,15 +404,14 @@ def _record(row: tuple[Any, ...]) -> TaskRecord:
 
 
 def store_path(url_or_path: str, data_dir: str | os.PathLike[str]) -> str:
-    """`sqlite:///abs/path`, `sqlite:///relative` (to data_dir) or a plain path."""
-    value = url_or_path
-    if value.startswith("sqlite:///"):
-        value = value[len("sqlite:///"):]
-        if not value.startswith("/"):
-            value = str(Path(data_dir) / value)
-    elif "://" in value:
-        raise ConfigError(f"store.url {url_or_path!r} is not a SQLite URL",
-                          hint="use sqlite:///path/to/platform.db (the task store is SQLite)")
-    elif not os.path.isabs(value) and value != ":memory:":
-        value = str(Path(data_dir) / value)
-    return value
+    """Where the task store lives, for `TaskStore`: a `postgresql://` URL as it is;
+    `sqlite:///abs/path`, `sqlite:///relative` (to data_dir) or a plain path as a file
+    path; `:memory:`."""
+    try:
+        return resolve_location(url_or_path, data_dir)
+    except ConfigError:
+        raise ConfigError(f"store.url {mask_url(url_or_path)!r} is neither a SQLite nor a "
+                          "PostgreSQL URL",
+                          hint="use sqlite:///path/to/platform.db (one machine) or "
+                               "postgresql://user:password@host:5432/dbname (many)") from None
+

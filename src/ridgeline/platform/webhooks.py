@@ -3,17 +3,19 @@
 verifies them), retried with exponential backoff and full jitter, dead-lettered after
 `max_attempts`.
 
-`WebhookOutbox` is the durable part: a SQLite table `webhook_deliveries` (WAL, so readers
-and one writer at a time across processes) holding each delivery's URL, signed body,
-secret and state (pending -> delivered | dead). `submit` checks the URL against SSRF
-(`ridgeline.platform.urls`) and the body's size before anything is stored.
+`WebhookOutbox` is the durable part: a table `webhook_deliveries` (`ridgeline.platform.db`:
+a SQLite file in WAL mode on one machine, or PostgreSQL shared by many) holding each
+delivery's URL, signed body, secret and state (pending -> delivered | dead). `submit`
+checks the URL against SSRF (`ridgeline.platform.urls`) and the body's size before
+anything is stored.
 `WebhookDispatcher` sends what is due: `run_once` for a caller's own loop, `start`/`stop`
 for a background thread woken by each submit and by a timer.
 
 Delivery is at least once: the webhook id (`webhook-id`, also the delivery id) is the same
 on every attempt, so receivers dedupe on it. A dispatcher *claims* what it sends by moving
-its next attempt a lease into the future, so two dispatchers on one file do not send the
-same delivery at once, and one that dies mid-send leaves it to be sent again.
+its next attempt a lease into the future, with an update conditional on the delivery still
+being due, so two dispatchers on one database do not send the same delivery at once, and
+one that dies mid-send leaves it to be sent again.
 
 Outcomes: 2xx delivered; 4xx other than 408/409/425/429 permanent (dead at once); other
 statuses, timeouts and connection errors retried after a delay drawn uniformly from
@@ -24,7 +26,7 @@ internal address) is dead at once. Redirects are not followed (a redirect is an 
 The body is `{"type", "timestamp", "data"}`, fixed at submit, so every attempt sends the
 same bytes; the signature's `webhook-timestamp` is the wall-clock time of each attempt
 (receivers reject old ones), while scheduling uses the dispatcher's clock, which tests
-replace. Secrets are stored in the table (signing needs them): protect the file as such.
+replace. Secrets are stored in the table (signing needs them): protect the database as such.
 """
 
 from __future__ import annotations
@@ -38,13 +40,12 @@ import json
 import logging
 import random
 import secrets as _secrets
-import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ridgeline.errors import (
     ConfigError, ConflictError, NotFoundError, PayloadTooLargeError, RidgelineError,
 )
+from ridgeline.platform.db import Transaction, is_postgres_url, open_database, resolve_location
 from ridgeline.platform.urls import UnsafeURLError, check_outbound_url, safe_client
 
 log = logging.getLogger(__name__)
@@ -210,11 +212,16 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
     updated_at REAL NOT NULL,
     last_status INTEGER,
     last_error TEXT,
-    delivered_at REAL
+    delivered_at REAL{insertion_order}
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due
     ON webhook_deliveries (state, next_attempt_at);
 """
+
+
+# Ties between equal timestamps go by insertion order: SQLite's implicit rowid, a serial
+# column on PostgreSQL (which has no rowid).
+_INSERTION_ORDER = {"sqlite": ("", "rowid"), "postgresql": (",\n    seq BIGSERIAL", "seq")}
 
 
 def _row(r: tuple[Any, ...]) -> Delivery:
@@ -225,27 +232,26 @@ def _row(r: tuple[Any, ...]) -> Delivery:
 
 
 class WebhookOutbox:
-    """Durable store of deliveries in one SQLite file; safe to share between threads (one
-    connection behind a lock) and between processes (WAL, IMMEDIATE transactions)."""
+    """Durable store of deliveries in one database: a SQLite file (a path or
+    `sqlite:///path`) or `postgresql://...`; safe to share between threads, processes
+    and, on PostgreSQL, machines."""
 
     def __init__(self, path: str | Path, config: WebhookConfig | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
+                 clock: Callable[[], float] = time.time, pool_size: int = 4) -> None:
+        location = resolve_location(path)
+        self.path: Path | str = location if is_postgres_url(location) else Path(location)
         self.config = config or WebhookConfig()
         self._clock = clock
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False,
-                                   isolation_level=None, timeout=10.0)
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+        if isinstance(self.path, Path) and location != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = open_database(location, pool_size=pool_size)
+        column, self._order = _INSERTION_ORDER[self._db.dialect]
+        self._db.executescript(_SCHEMA.format(insertion_order=column))
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._db.close()
 
     def __enter__(self) -> WebhookOutbox:
         return self
@@ -309,31 +315,30 @@ class WebhookOutbox:
         request_hash = hashlib.sha256(
             json.dumps([url, event_type, data]).encode()).hexdigest()
         delivery_id = "msg_" + uuid.uuid4().hex
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if idempotency_key is not None:
-                    found = self._db.execute(
-                        "SELECT id, request_hash FROM webhook_deliveries "
-                        "WHERE idempotency_key = ?", (idempotency_key,)).fetchone()
-                    if found is not None:
-                        self._db.execute("COMMIT")
-                        if found[1] != request_hash:
-                            raise ConflictError(
-                                f"idempotency key {idempotency_key!r} was used for another "
-                                "webhook", hint="use a new key for a different request")
-                        return str(found[0])
-                self._db.execute(
-                    "INSERT INTO webhook_deliveries (id, url, event_type, body, secret, "
-                    "idempotency_key, request_hash, state, attempts, next_attempt_at, "
-                    "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?)",
-                    (delivery_id, url, event_type, body, " ".join(keys), idempotency_key,
-                     request_hash, now, now, now))
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+
+        def store(tx: Transaction) -> tuple[Any, ...] | None:
+            if idempotency_key is not None:
+                # two submits with one key must not both miss the row and both insert
+                tx.lock(f"webhook-idempotency:{idempotency_key}")
+                found = tx.fetchone("SELECT id, request_hash FROM webhook_deliveries "
+                                    "WHERE idempotency_key = ?", (idempotency_key,))
+                if found is not None:
+                    return found
+            tx.execute(
+                "INSERT INTO webhook_deliveries (id, url, event_type, body, secret, "
+                "idempotency_key, request_hash, state, attempts, next_attempt_at, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?)",
+                (delivery_id, url, event_type, body, " ".join(keys), idempotency_key,
+                 request_hash, now, now, now))
+            return None
+
+        found = self._db.run(store)
+        if found is not None:
+            if found[1] != request_hash:
+                raise ConflictError(
+                    f"idempotency key {idempotency_key!r} was used for another "
+                    "webhook", hint="use a new key for a different request")
+            return str(found[0])
         self._notify()
         return delivery_id
 
@@ -341,22 +346,20 @@ class WebhookOutbox:
         """Send a dead (or delivered) delivery again, with a fresh count of attempts and
         the same webhook id."""
         now = self._clock() if now is None else now
-        with self._lock:
-            cur = self._db.execute(
-                "UPDATE webhook_deliveries SET state = 'pending', attempts = 0, "
-                "next_attempt_at = ?, updated_at = ?, delivered_at = NULL WHERE id = ?",
-                (now, now, delivery_id))
-            if cur.rowcount == 0:
-                raise NotFoundError(f"no webhook delivery {delivery_id!r}")
+        changed = self._db.execute(
+            "UPDATE webhook_deliveries SET state = 'pending', attempts = 0, "
+            "next_attempt_at = ?, updated_at = ?, delivered_at = NULL WHERE id = ?",
+            (now, now, delivery_id))
+        if changed == 0:
+            raise NotFoundError(f"no webhook delivery {delivery_id!r}")
         self._notify()
         return self.get(delivery_id)
 
     # -- reading --
 
     def get(self, delivery_id: str) -> Delivery:
-        with self._lock:
-            r = self._db.execute(f"SELECT {_COLUMNS} FROM webhook_deliveries WHERE id = ?",
-                                 (delivery_id,)).fetchone()
+        r = self._db.fetchone(f"SELECT {_COLUMNS} FROM webhook_deliveries WHERE id = ?",
+                              (delivery_id,))
         if r is None:
             raise NotFoundError(f"no webhook delivery {delivery_id!r}")
         return _row(r)
@@ -364,11 +367,10 @@ class WebhookOutbox:
     def due(self, now: float | None = None, limit: int = 100) -> list[Delivery]:
         """Pending deliveries whose next attempt is at or before `now`, soonest first."""
         now = self._clock() if now is None else now
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM webhook_deliveries WHERE state = 'pending' AND "
-                "next_attempt_at <= ? ORDER BY next_attempt_at, created_at, rowid LIMIT ?",
-                (now, limit)).fetchall()
+        rows = self._db.fetchall(
+            f"SELECT {_COLUMNS} FROM webhook_deliveries WHERE state = 'pending' AND "
+            f"next_attempt_at <= ? ORDER BY next_attempt_at, created_at, {self._order} LIMIT ?",
+            (now, limit))
         return [_row(r) for r in rows]
 
     def deliveries(self, state: DeliveryState | None = None, limit: int = 100) -> list[Delivery]:
@@ -376,55 +378,48 @@ class WebhookOutbox:
         if state is not None and state not in STATES:
             raise RidgelineError(f"unknown delivery state {state!r}; use one of {STATES}")
         where, args = ("WHERE state = ?", (state,)) if state else ("", ())
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT {_COLUMNS} FROM webhook_deliveries {where} "
-                "ORDER BY created_at DESC, rowid DESC LIMIT ?", (*args, limit)).fetchall()
+        rows = self._db.fetchall(
+            f"SELECT {_COLUMNS} FROM webhook_deliveries {where} "
+            f"ORDER BY created_at DESC, {self._order} DESC LIMIT ?", (*args, limit))
         return [_row(r) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """How many deliveries are in each state (every state named, 0 if none)."""
-        with self._lock:
-            rows = self._db.execute("SELECT state, COUNT(*) FROM webhook_deliveries "
-                                    "GROUP BY state").fetchall()
+        rows = self._db.fetchall("SELECT state, COUNT(*) FROM webhook_deliveries "
+                                 "GROUP BY state")
         return {state: 0 for state in STATES} | {str(s): int(n) for s, n in rows}
 
     def next_due_at(self) -> float | None:
         """When the soonest pending delivery is due (None: nothing pending)."""
-        with self._lock:
-            r = self._db.execute("SELECT MIN(next_attempt_at) FROM webhook_deliveries "
-                                 "WHERE state = 'pending'").fetchone()
-        return None if r[0] is None else float(r[0])
+        r = self._db.fetchone("SELECT MIN(next_attempt_at) FROM webhook_deliveries "
+                              "WHERE state = 'pending'")
+        return None if r is None or r[0] is None else float(r[0])
 
     # -- the dispatcher's side --
 
     def claim_due(self, now: float, limit: int, lease_s: float) -> list[tuple[Delivery, list[str]]]:
         """Take due deliveries for one attempt each: count the attempt and push the next one
         `lease_s` ahead, so no other dispatcher sends them meanwhile. With their secrets."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                rows = self._db.execute(
-                    f"SELECT {_COLUMNS}, secret FROM webhook_deliveries WHERE state = "
-                    "'pending' AND next_attempt_at <= ? "
-                    "ORDER BY next_attempt_at, created_at, rowid LIMIT ?",
-                    (now, limit)).fetchall()
-                self._db.executemany(
-                    "UPDATE webhook_deliveries SET attempts = attempts + 1, "
-                    "next_attempt_at = ?, updated_at = ? WHERE id = ?",
-                    [(now + lease_s, now, r[0]) for r in rows])
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
-        claimed = []
-        for r in rows:
-            d = _row(r[:-1])
-            d = replace(d, attempts=d.attempts + 1, next_attempt_at=now + lease_s,
-                        updated_at=now)
-            claimed.append((d, str(r[-1]).split(" ")))
-        return claimed
+        def claim(tx: Transaction) -> list[tuple[Any, ...]]:
+            candidates = tx.fetchall(
+                "SELECT id FROM webhook_deliveries WHERE state = 'pending' AND "
+                f"next_attempt_at <= ? ORDER BY next_attempt_at, created_at, {self._order} "
+                "LIMIT ?", (now, limit))
+            claimed = []
+            for (delivery_id,) in candidates:
+                # conditional: a dispatcher that claimed it first (PostgreSQL lets two
+                # read the same candidates) has moved its next attempt past `now`
+                if tx.execute("UPDATE webhook_deliveries SET attempts = attempts + 1, "
+                              "next_attempt_at = ?, updated_at = ? WHERE id = ? AND "
+                              "state = 'pending' AND next_attempt_at <= ?",
+                              (now + lease_s, now, delivery_id, now)):
+                    row = tx.fetchone(f"SELECT {_COLUMNS}, secret FROM webhook_deliveries "
+                                      "WHERE id = ?", (delivery_id,))
+                    assert row is not None
+                    claimed.append(row)
+            return claimed
+
+        return [(_row(r[:-1]), str(r[-1]).split(" ")) for r in self._db.run(claim)]
 
     def mark_delivered(self, delivery_id: str, status: int, now: float) -> None:
         self._finish(delivery_id, "delivered", status, None, now, delivered_at=now)
@@ -439,13 +434,14 @@ class WebhookOutbox:
     def _finish(self, delivery_id: str, state: DeliveryState, status: int | None,
                 error: str | None, now: float, *, delivered_at: float | None = None,
                 next_attempt_at: float | None = None) -> None:
-        with self._lock:
-            self._db.execute(
-                "UPDATE webhook_deliveries SET state = ?, last_status = ?, "
-                "last_error = COALESCE(?, last_error), updated_at = ?, "
-                "delivered_at = COALESCE(?, delivered_at), "
-                "next_attempt_at = COALESCE(?, next_attempt_at) WHERE id = ?",
-                (state, status, error, now, delivered_at, next_attempt_at, delivery_id))
+        if error is not None:   # a receiver's body may hold NUL; PostgreSQL text cannot
+            error = error.replace("\x00", "\ufffd")
+        self._db.execute(
+            "UPDATE webhook_deliveries SET state = ?, last_status = ?, "
+            "last_error = COALESCE(?, last_error), updated_at = ?, "
+            "delivered_at = COALESCE(?, delivered_at), "
+            "next_attempt_at = COALESCE(?, next_attempt_at) WHERE id = ?",
+            (state, status, error, now, delivered_at, next_attempt_at, delivery_id))
 
 
 # ---- the dispatcher ------------------------------------------------------------------------

@@ -289,3 +289,35 @@ def test_an_agent_task_uses_a_registry_tool_as_its_owner(platform) -> None:
         assert done["status"] == "completed", done
         step = next(e for e in sse(c, done["id"]) if e["event"] == "task.step")
         assert "4711" in step["data"]["data"]["observation"]["text"]
+
+
+def test_a_thousand_concurrent_tasks_all_finish_once(platform) -> None:
+    """The issue's check: 1,000 tasks submitted concurrently all finish, none lost or
+    duplicated (each completes in one attempt, with one terminal event)."""
+    plat, server, keys = platform
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"instruction": "quick", "model": "replay", "replay": ["<finish>ok</finish>"]}
+
+    def submit(i: int) -> str:
+        with client(server, keys["alice"]) as c:
+            r = c.post("/v1/agent/tasks", json=body, headers={"Idempotency-Key": f"k{i}"})
+            assert r.status_code == 202, r.text
+            return r.json()["id"]
+
+    with ThreadPoolExecutor(16) as pool:
+        ids = list(pool.map(submit, range(1000)))
+    assert len(set(ids)) == 1000
+    extra = plat.worker("extra").start()  # a second worker competes for the same jobs
+    try:
+        deadline = time.monotonic() + 300
+        while plat.store.counts()["completed"] < 1000 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        extra.stop()
+    assert plat.store.counts()["completed"] == 1000
+    assert plat.queue.depth()["done"] == 1000
+    for tid in ids[::50]:
+        events = [e.type for e in plat.store.events(tid)]
+        assert events.count("task.started") == 1 and events.count("task.completed") == 1
+    assert {t.attempts for t in plat.store.list("acme", limit=2000)} == {1}

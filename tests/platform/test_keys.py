@@ -1,22 +1,28 @@
-"""The key store on a real SQLite file: keys whose secret never reaches the disk, lookups
-cached for a TTL (revocation by another store on the same file applies when it runs
-out), usage counted in memory and written in batches, the admin key from config or env;
-and the HTTP glue every platform router shares (401/400/404/429/500 bodies)."""
+"""The key store on a real SQLite file and on a real PostgreSQL server started on loopback
+by the tests: keys whose secret never reaches the disk, lookups cached for a TTL
+(revocation by another store on the same database applies when it runs out), keys and
+usage surviving a reopen, usage counted in memory and written in batches that add up
+exactly when replicas flush at once (and are kept when a write fails), the admin key
+from config or env; and the HTTP glue every platform router shares (401/400/404/429/500
+bodies)."""
 
 from __future__ import annotations
 
 import hashlib
-import sqlite3
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
+from postgres_server import postgres_server_fixture
+from pydantic import BaseModel, ValidationError
 
 from ridgeline.errors import ConfigError, NotFoundError
+from ridgeline.platform.db import open_database
 from ridgeline.platform.http import install_error_handlers, principal_dependency
 from ridgeline.platform.keys import (
     ADMIN_KEY_ENV, InvalidApiKeyError, KeyStore, KeyStoreConfig, generate_key, split_key,
@@ -33,15 +39,28 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "platform.db"
+postgres_server = postgres_server_fixture()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the test's empty key store lives: a new SQLite file, or a new database on the
+    session's PostgreSQL server."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_server").new_database()
+    return str(tmp_path / "platform.db")
 
 
 @pytest.fixture
-def store(db: Path):
-    with KeyStore(db, usage_flush_s=60) as s:
+def store(location: str) -> Iterator[KeyStore]:
+    with KeyStore(location, usage_flush_s=60) as s:
         yield s
+
+
+def query(location: str, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows read by another handle on the database (as another process would)."""
+    with open_database(location) as db:
+        return db.fetchall(sql, args)
 
 
 def wait_for(condition: Any, timeout: float = 10.0) -> bool:
@@ -72,15 +91,19 @@ def test_key_format_and_principal(store: KeyStore) -> None:
     assert split_key(other)[1] != secret
 
 
-def test_the_database_never_holds_the_secret(store: KeyStore, db: Path) -> None:
+def test_the_database_never_holds_the_secret(store: KeyStore, location: str) -> None:
     key, info = store.create("acme")
     _, secret = split_key(key)
     store.close()
-    raw = b"".join(p.read_bytes() for p in db.parent.iterdir() if p.name.startswith(db.name))
-    assert secret.encode() not in raw and key.encode() not in raw
-    with sqlite3.connect(db) as conn:
-        (stored,) = conn.execute("SELECT secret_sha256 FROM api_keys WHERE key_id = ?",
-                                 (info.key_id,)).fetchone()
+    if "://" not in location:   # SQLite: not in any byte of the file and its WAL
+        db = Path(location)
+        raw = b"".join(p.read_bytes() for p in db.parent.iterdir()
+                       if p.name.startswith(db.name))
+        assert secret.encode() not in raw and key.encode() not in raw
+    rows = query(location, "SELECT * FROM api_keys")
+    assert len(rows) == 1 and not any(secret in str(v) for v in rows[0])
+    [(stored,)] = query(location, "SELECT secret_sha256 FROM api_keys WHERE key_id = ?",
+                        (info.key_id,))
     assert stored == hashlib.sha256(secret.encode()).hexdigest()
     assert "secret" not in repr(info).replace("secret_sha256", "")  # nor the repr a hash
 
@@ -108,9 +131,10 @@ def test_revocation_applies_at_once_here(store: KeyStore) -> None:
     assert [k.key_id for k in store.list("acme", include_revoked=True)] == [info.key_id]
 
 
-def test_revocation_by_another_store_applies_within_the_cache_ttl(db: Path) -> None:
+def test_revocation_by_another_store_applies_within_the_cache_ttl(location: str) -> None:
     clock = Clock()
-    with KeyStore(db, cache_ttl_s=1.0, clock=clock) as gateway_side, KeyStore(db) as admin_side:
+    with KeyStore(location, cache_ttl_s=1.0, clock=clock) as gateway_side, \
+            KeyStore(location) as admin_side:
         key, info = admin_side.create("acme")
         gateway_side.authenticate(key)           # looked up and cached at t=50
         admin_side.revoke(info.key_id)           # another process's store
@@ -136,7 +160,7 @@ def test_list_create_and_ids(store: KeyStore) -> None:
         store.create("")
 
 
-def test_usage_is_batched_and_adds_up(store: KeyStore, db: Path) -> None:
+def test_usage_is_batched_and_adds_up(store: KeyStore, location: str) -> None:
     key, info = store.create("acme")
     other_key, other = store.create("globex")
     for _ in range(3):
@@ -144,8 +168,7 @@ def test_usage_is_batched_and_adds_up(store: KeyStore, db: Path) -> None:
     store.record_usage(info, "tiny:fast", prompt_tokens=1, completion_tokens=2)
     store.record_usage(info.principal, "tiny", error=True)
     store.record_usage(other, "tiny", prompt_tokens=7, completion_tokens=7)
-    with sqlite3.connect(db) as conn:            # nothing written on the request path
-        assert conn.execute("SELECT COUNT(*) FROM usage").fetchone() == (0,)
+    assert query(location, "SELECT COUNT(*) FROM usage") == [(0,)]  # not on the request path
     rows = {(r.key_id, r.model): r for r in store.usage()}
     mine = rows[(info.key_id, "tiny")]
     assert (mine.requests, mine.prompt_tokens, mine.completion_tokens, mine.errors) == \
@@ -159,41 +182,140 @@ def test_usage_is_batched_and_adds_up(store: KeyStore, db: Path) -> None:
     assert store.usage(tenant="nobody") == []
 
 
-def test_the_background_flusher_writes_usage(db: Path) -> None:
-    with KeyStore(db, usage_flush_s=0.05) as store:
+def test_the_background_flusher_writes_usage(location: str) -> None:
+    with KeyStore(location, usage_flush_s=0.05) as store:
         _, info = store.create("acme")
         store.record_usage(info, "tiny", prompt_tokens=3)
-
-        def written() -> bool:
-            with sqlite3.connect(db) as conn:
-                return conn.execute("SELECT requests FROM usage").fetchall() == [(1,)]
-
-        assert wait_for(written)
+        assert wait_for(lambda: query(location, "SELECT requests FROM usage") == [(1,)])
 
 
-def test_close_writes_what_is_pending(db: Path) -> None:
-    store = KeyStore(db, usage_flush_s=60)
+def test_close_writes_what_is_pending(location: str) -> None:
+    store = KeyStore(location, usage_flush_s=60)
     _, info = store.create("acme")
     store.record_usage(info, "tiny", completion_tokens=9)
     store.close()
-    with sqlite3.connect(db) as conn:
-        assert conn.execute("SELECT completion_tokens FROM usage").fetchall() == [(9,)]
+    assert query(location, "SELECT completion_tokens FROM usage") == [(9,)]
 
 
-def test_admin_key_from_config_or_env(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keys_and_usage_survive_a_reopen(location: str) -> None:
+    with KeyStore(location, usage_flush_s=60) as first:
+        key, info = first.create("acme", user="ci", groups=["eng"], scopes=["tools:read"],
+                                 models=["tiny"], limits=KeyLimits(rpm=5, tpm=100),
+                                 key_id="ci_key")
+        gone, gone_info = first.create("acme")
+        first.revoke(gone_info.key_id)
+        first.record_usage(info, "tiny", prompt_tokens=4, completion_tokens=6)
+        first.record_usage(info, "tiny", error=True)
+        # closed with the usage still pending: close writes it
+    with KeyStore(location, usage_flush_s=60) as again:   # a restart
+        got = again.authenticate(key)
+        assert got == info and got.principal == info.principal
+        assert got.limits == KeyLimits(rpm=5, tpm=100) and got.created_at == info.created_at
+        with pytest.raises(InvalidApiKeyError, match="revoked"):
+            again.authenticate(gone)
+        assert again.get(gone_info.key_id).revoked_at is not None
+        assert [k.key_id for k in again.list("acme")] == ["ci_key"]
+        with pytest.raises(ConfigError, match="exists"):
+            again.create("globex", key_id="ci_key")
+        assert again.get("ci_key").tenant == "acme"   # the failed create changed nothing
+        [row] = again.usage()
+        assert (row.key_id, row.tenant, row.model, row.requests, row.prompt_tokens,
+                row.completion_tokens, row.errors) == ("ci_key", "acme", "tiny", 2, 4, 6, 1)
+        again.record_usage(got, "tiny", prompt_tokens=1)
+        assert [(r.requests, r.prompt_tokens) for r in again.usage()] == [(3, 5)]
+        assert again.revoke("ci_key").revoked
+    with KeyStore(location) as third:
+        with pytest.raises(InvalidApiKeyError, match="revoked"):
+            third.authenticate(key)
+
+
+def test_concurrent_flushes_from_four_threads_add_up_exactly(location: str) -> None:
+    """Four replicas (a store each, flushing in the background too) and one store shared
+    by the four threads, all flushing at once onto the same usage rows: nothing lost,
+    nothing counted twice."""
+    rounds = 60
+    with KeyStore(location, usage_flush_s=60) as admin:
+        _, info = admin.create("acme", key_id="shared")
+        replicas = [KeyStore(location, usage_flush_s=0.01) for _ in range(4)]
+        shared = KeyStore(location, usage_flush_s=0.01)
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(4)
+
+        def work(i: int) -> None:
+            try:
+                barrier.wait()
+                for n in range(rounds):
+                    for store in (replicas[i], shared):
+                        store.record_usage(info, "tiny", prompt_tokens=i + 1,
+                                           completion_tokens=n)
+                        store.record_usage(info, "tiny:fast", error=n % 3 == 0)
+                    if n % 4 == i:
+                        replicas[i].flush()
+                        shared.flush()
+            except BaseException as e:   # reported in the test's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for store in (*replicas, shared):
+            store.close()                # writes what is still pending
+        assert errors == []
+        rows = {r.model: r for r in admin.usage()}
+    per_store = rounds * sum(range(1, 5))                      # prompt tokens of 4 threads
+    assert (rows["tiny"].requests, rows["tiny"].prompt_tokens,
+            rows["tiny"].completion_tokens, rows["tiny"].errors) == \
+        (2 * 4 * rounds, 2 * per_store, 2 * 4 * sum(range(rounds)), 0)
+    assert (rows["tiny:fast"].requests, rows["tiny:fast"].errors) == \
+        (2 * 4 * rounds, 2 * 4 * len(range(0, rounds, 3)))
+
+
+def test_a_failed_flush_keeps_the_counts_for_the_next(location: str) -> None:
+    with KeyStore(location, usage_flush_s=60) as store:
+        _, info = store.create("acme")
+        store.record_usage(info, "tiny", prompt_tokens=5)
+        with open_database(location) as outside:
+            outside.execute("DROP TABLE usage")   # the write fails: no table to write to
+        with pytest.raises(Exception, match="usage"):
+            store.flush()
+        store.record_usage(info, "tiny", prompt_tokens=2)
+        KeyStore(location).close()                # a new store puts the table back
+        assert [(r.requests, r.prompt_tokens) for r in store.usage()] == [(2, 7)]
+
+
+def test_admin_key_from_config_or_env(location: str, monkeypatch: pytest.MonkeyPatch) -> None:
     admin = generate_key("admin")
     monkeypatch.setenv(ADMIN_KEY_ENV, admin)
-    with KeyStore.from_config(KeyStoreConfig(path=str(db))) as store:
+    with KeyStore.from_config(KeyStoreConfig(path=location)) as store:
         p = store.authenticate(admin).principal
         assert p.admin and p.key_id == "admin" and p.has_scope("anything")
+        store.revoke("admin")
     rotated = generate_key("admin")              # a new secret in the config replaces it
-    with KeyStore.from_config(KeyStoreConfig(path=str(db), admin_key=rotated)) as store:
-        assert store.authenticate(rotated).admin
+    with KeyStore.from_config(KeyStoreConfig(path=location, admin_key=rotated,
+                                             admin_tenant="ops")) as store:
+        got = store.authenticate(rotated)        # the whole row replaced: not revoked now
+        assert got.admin and got.tenant == "ops" and got.revoked_at is None
         with pytest.raises(InvalidApiKeyError):
             store.authenticate(admin)
+        assert [k.key_id for k in store.list(include_revoked=True)] == ["admin"]
     monkeypatch.setenv(ADMIN_KEY_ENV, "hunter2")
     with pytest.raises(ConfigError, match="rk-<id>-<secret>"):
-        KeyStore.from_config(KeyStoreConfig(path=str(db)))
+        KeyStore.from_config(KeyStoreConfig(path=location))
+
+
+def test_memory_store_and_config_paths() -> None:
+    with KeyStore(":memory:", usage_flush_s=0.01) as store:   # the flusher thread shares it
+        key, info = store.create("acme")
+        store.record_usage(info, "tiny", prompt_tokens=3)
+        assert store.authenticate(key).key_id == info.key_id
+        assert wait_for(lambda: [r.requests for r in store.usage()] == [1])
+    url = "postgresql://ridgeline:pw@db.internal:5432/ridgeline"
+    assert KeyStoreConfig(path=url).path == url
+    assert KeyStoreConfig(path="sqlite:///keys.db").path == "sqlite:///keys.db"
+    with pytest.raises(ValidationError, match="neither SQLite nor PostgreSQL"):
+        KeyStoreConfig(path="mysql://u@h/keys")
 
 
 # ---- the shared HTTP glue ------------------------------------------------------------------------
@@ -228,7 +350,8 @@ def glue_app(store: KeyStore) -> FastAPI:
     return app
 
 
-def test_error_bodies_and_principal_dependency(store: KeyStore) -> None:
+def test_error_bodies_and_principal_dependency() -> None:
+    store = KeyStore(":memory:", usage_flush_s=60)
     key, info = store.create("acme")
     client = TestClient(glue_app(store))
     auth = {"Authorization": f"Bearer {key}"}
@@ -263,3 +386,4 @@ def test_error_bodies_and_principal_dependency(store: KeyStore) -> None:
     body = r.text
     assert r.headers["x-request-id"] in body and "hunter2" not in body
     assert "Traceback" not in body and r.json()["error"]["code"] == "internal_error"
+    store.close()

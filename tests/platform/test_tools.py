@@ -1,16 +1,22 @@
 """The tools registry: strict OpenAI schemas, scopes, argument validation, failures as
-results, idempotent side effects in a real SQLite file, Prometheus metrics and
-OpenTelemetry GenAI spans (recorded by the SDK's in-memory exporter)."""
+results, idempotent side effects in a real SQLite file and in a real PostgreSQL server
+started on loopback by the tests (across restarts of the registry and of the platform,
+under concurrent calls, expired results giving way), Prometheus metrics and OpenTelemetry
+GenAI spans (recorded by the SDK's in-memory exporter)."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
+from collections.abc import Callable, Iterator
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import jsonschema
 import pytest
+from postgres_server import postgres_server_fixture
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -19,10 +25,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError, RidgelineError
+from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.principal import Principal
+from ridgeline.platform.service import Platform
 from ridgeline.platform.tools import (
-    SQLiteIdempotencyStore, StrictSchemaError, Tool, ToolCallContext, ToolFailure,
-    ToolPermissionError, ToolRegistry, function_tool, strict_schema,
+    IdempotencyRecord, SQLIdempotencyStore, SQLiteIdempotencyStore, StrictSchemaError, Tool,
+    ToolCallContext, ToolFailure, ToolPermissionError, ToolRegistry, ToolResult,
+    function_tool, strict_schema,
 )
 from ridgeline.serve.protocol import error_for
 
@@ -308,9 +317,36 @@ def test_tool_failure_context_async_tools_and_bounded_output() -> None:
 # ---- idempotency ------------------------------------------------------------------------------
 
 
-def test_side_effects_run_once_per_key_across_restarts(tmp_path) -> None:
-    path = tmp_path / "idem" / "tools.db"
-    registry, runs = make_registry(idempotency_store=SQLiteIdempotencyStore(path))
+postgres_server = postgres_server_fixture()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where the test's results live: a new SQLite file (in a directory the store makes),
+    or a new database on the session's PostgreSQL server."""
+    if request.param == "postgresql":
+        return request.getfixturevalue("postgres_server").new_database()
+    return str(tmp_path / "idem" / "tools.db")
+
+
+@pytest.fixture
+def open_store(location: str) -> Iterator[Callable[..., SQLIdempotencyStore]]:
+    """Open handles on the test's store (each like another process's)."""
+    opened: list[SQLIdempotencyStore] = []
+
+    def make(**kwargs: Any) -> SQLIdempotencyStore:
+        store = SQLIdempotencyStore(location, **kwargs)
+        opened.append(store)
+        return store
+
+    yield make
+    for s in opened:
+        s.close()
+
+
+def test_side_effects_run_once_per_key_across_restarts(
+        open_store: Callable[..., SQLIdempotencyStore]) -> None:
+    registry, runs = make_registry(idempotency_store=open_store())
     with pytest.raises(RidgelineError, match="idempotency key"):
         registry.call("create_ticket", {"title": "x"}, WRITER)
     first = registry.call("create_ticket", {"title": "Disk full"}, WRITER,
@@ -321,7 +357,7 @@ def test_side_effects_run_once_per_key_across_restarts(tmp_path) -> None:
     assert again.content == first.content and runs["create_ticket"] == 1
 
     # a new process (new registry, same file) still knows the key
-    restarted, restarted_runs = make_registry(idempotency_store=SQLiteIdempotencyStore(path))
+    restarted, restarted_runs = make_registry(idempotency_store=open_store())
     replay = restarted.call("create_ticket", {"title": "Disk full"}, WRITER,
                             idempotency_key="task-1:step-3")
     assert replay.replayed and replay.content == first.content
@@ -337,8 +373,9 @@ def test_side_effects_run_once_per_key_across_restarts(tmp_path) -> None:
     assert not other.replayed and restarted_runs["create_ticket"] == 1
 
 
-def test_concurrent_calls_with_one_key_run_the_tool_once(tmp_path) -> None:
-    registry = ToolRegistry(idempotency_store=SQLiteIdempotencyStore(tmp_path / "t.db"))
+def test_concurrent_calls_with_one_key_run_the_tool_once(
+        open_store: Callable[..., SQLIdempotencyStore]) -> None:
+    registry = ToolRegistry(idempotency_store=open_store())
     runs = []
     gate = threading.Event()
 
@@ -362,6 +399,88 @@ def test_concurrent_calls_with_one_key_run_the_tool_once(tmp_path) -> None:
     assert runs == [500]
     assert sorted(r.replayed for r in results) == [False] + [True] * 5
     assert {r.content for r in results} == {"charged 500"}
+
+
+def record(content: str, created_at: float) -> IdempotencyRecord:
+    return IdempotencyRecord(tool="charge", fingerprint="f", created_at=created_at,
+                             result=ToolResult(ok=True, content=content))
+
+
+def test_the_first_result_wins_and_expired_ones_give_way(
+        open_store: Callable[..., SQLIdempotencyStore]) -> None:
+    store, other = open_store(ttl_s=3600), open_store(ttl_s=3600)
+    now = time.time()
+    store.put("acme:k", record("first", now))
+    other.put("acme:k", record("second", now))           # another process, same key
+    assert store.get("acme:k").result.content == "first"
+    assert other.get("acme:k").result.content == "first"
+
+    store.put("acme:old", record("stale", now - 7200))   # older than the TTL
+    assert store.get("acme:old") is None                 # expired: as if never stored
+    other.put("acme:old", record("fresh", now))          # and replaced by the next result
+    assert store.get("acme:old").result.content == "fresh"
+
+    for i in range(5):
+        store.put(f"acme:gone-{i}", record("x", now - 7200))
+    assert store.db.fetchone("SELECT COUNT(*) FROM tool_idempotency") == (7,)
+    purger = open_store(ttl_s=3600)                      # every 256th put purges
+    for i in range(SQLIdempotencyStore._PURGE_EVERY):
+        purger.put(f"acme:new-{i}", record("y", now))
+    left = {k for (k,) in store.db.fetchall("SELECT key FROM tool_idempotency")}
+    assert not any(k.startswith("acme:gone-") for k in left)
+    assert {"acme:k", "acme:old"} <= left and len(left) == 2 + SQLIdempotencyStore._PURGE_EVERY
+    assert SQLiteIdempotencyStore is SQLIdempotencyStore  # the old name still works
+
+
+def test_the_platform_keeps_keys_and_tool_results_where_configured(
+        location: str, tmp_path: Path) -> None:
+    """`keys.path` and `tools_url` as URLs (PostgreSQL, or sqlite:/// under data_dir):
+    a key and a side effect's result outlive the platform that made them."""
+    url = location if "://" in location else "sqlite:///shared.db"
+    config = PlatformConfig.model_validate({
+        "data_dir": str(tmp_path / "data"), "keys": {"path": url}, "tools_url": url,
+        "rag": {"embedder": "hashing", "qdrant_path": ":memory:"}})
+    sent: list[str] = []
+
+    def start() -> Platform:
+        platform = Platform(config)
+
+        @platform.tools.tool(scopes=("mail:send",), side_effects=True)
+        def send_mail(to: str) -> str:
+            """Send one email."""
+            sent.append(to)
+            return f"sent to {to}"
+
+        return platform
+
+    first = start()
+    try:
+        key, _ = first.keys.create("acme", scopes=["mail:send"])
+        who = first.keys.authenticate(key).principal
+        assert first.tools.call("send_mail", {"to": "a@x"}, who, idempotency_key="t1").ok
+    finally:
+        first.close()
+    again = start()
+    try:
+        who = again.keys.authenticate(key).principal
+        replay = again.tools.call("send_mail", {"to": "a@x"}, who, idempotency_key="t1")
+        assert replay.replayed and replay.content == "sent to a@x" and sent == ["a@x"]
+        dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
+        assert again.keys.db.dialect == dialect
+        assert again.tools.idempotency_store.db.dialect == dialect
+    finally:
+        again.close()
+    if url.startswith("sqlite"):
+        assert (tmp_path / "data" / "shared.db").is_file()   # relative to data_dir
+    with pytest.raises(ConfigError, match="tools_url"):
+        PlatformConfig.load(write_yaml(tmp_path / "bad.yaml", "tools_url: mysql://u@h/t\n"))
+    with pytest.raises(ConfigError, match="keys.path"):
+        PlatformConfig.load(write_yaml(tmp_path / "bad.yaml", "keys: {path: 'redis://h/0'}\n"))
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
 
 
 # ---- metrics and spans ------------------------------------------------------------------------

@@ -32,6 +32,11 @@ def _load(config: Path | None):  # -> PlatformConfig
     return PlatformConfig.load(config)
 
 
+def _keys_config(cfg):  # -> KeyStoreConfig with the path (or postgresql:// URL) resolved
+    from ridgeline.platform.store import store_path
+    return cfg.keys.model_copy(update={"path": store_path(cfg.keys.path, cfg.data_dir)})
+
+
 @app.command("serve")
 def serve(config: Path | None = ConfigOption,
           host: str | None = typer.Option(None, "--host", help="overrides server.host"),
@@ -142,7 +147,7 @@ def keys_create(config: Path | None = ConfigOption,
 
     cfg = _load(config)
     cfg.prepare()
-    store = KeyStore.from_config(cfg.keys.model_copy(update={"path": cfg.path(cfg.keys.path)}))
+    store = KeyStore.from_config(_keys_config(cfg))
     try:
         key, record = store.create(tenant, user=user, name=name, groups=group, scopes=scope,
                                    models=model or None, admin=admin,
@@ -159,7 +164,7 @@ def keys_revoke(key_id: str, config: Path | None = ConfigOption) -> None:
     from ridgeline.platform.keys import KeyStore
 
     cfg = _load(config)
-    store = KeyStore.from_config(cfg.keys.model_copy(update={"path": cfg.path(cfg.keys.path)}))
+    store = KeyStore.from_config(_keys_config(cfg))
     try:
         store.revoke(key_id)
     finally:
@@ -175,7 +180,7 @@ def keys_list(config: Path | None = ConfigOption,
     from ridgeline.platform.keys import KeyStore
 
     cfg = _load(config)
-    store = KeyStore.from_config(cfg.keys.model_copy(update={"path": cfg.path(cfg.keys.path)}))
+    store = KeyStore.from_config(_keys_config(cfg))
     try:
         for k in store.list(tenant=tenant, include_revoked=all_keys):
             print(json.dumps({"key_id": k.key_id, "tenant": k.tenant, "user": k.user,

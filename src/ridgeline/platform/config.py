@@ -1,9 +1,9 @@
 """The platform's configuration: one YAML file for the API server and its workers.
 
 Every section has defaults that run on one machine with nothing else installed (SQLite
-files and an embedded Qdrant under `data_dir`); pointing `store` (and `webhooks_url`) at
-PostgreSQL, `queue` at Redis and `rag` at a Qdrant server scales the same code out.
-Relative paths are taken relative to `data_dir`.
+files and an embedded Qdrant under `data_dir`); pointing `store` (and `webhooks_url`,
+`tools_url`, `keys.path`) at PostgreSQL, `queue` at Redis and `rag` at a Qdrant server
+scales the same code out. Relative paths are taken relative to `data_dir`.
 
     data_dir: platform-data
     gateway: {upstreams: [{name: local, base_url: "http://127.0.0.1:8000/v1"}]}
@@ -92,12 +92,15 @@ class PlatformConfig(BaseModel):
                                      "overriding webhooks_path: sqlite:///path or "
                                      "postgresql://... (it may share the store's database)")
     tools_path: str = Field("tools.db", description="recorded results of side-effect tools")
+    tools_url: str | None = Field(None, description="those results as a URL, overriding "
+                                  "tools_path: sqlite:///path or postgresql://... (it may "
+                                  "share the store's database)")
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
-    @field_validator("webhooks_url")
+    @field_validator("webhooks_url", "tools_url")
     @classmethod
-    def _check_webhooks_url(cls, value: str | None) -> str | None:
+    def _check_database_urls(cls, value: str | None) -> str | None:
         try:
             return _database_url(value)
         except ConfigError as e:

@@ -1,6 +1,6 @@
-"""API keys and usage accounting, in SQLite.
+"""API keys and usage accounting, in SQLite or PostgreSQL (`ridgeline.platform.db`).
 
-    store = KeyStore("platform.db")
+    store = KeyStore("platform.db")       # or "postgresql://user:pw@db:5432/ridgeline"
     key, info = store.create("acme", user="ci", models=["default"], limits=KeyLimits(rpm=60))
     store.authenticate(key).principal      # -> Principal(key_id=info.key_id, tenant="acme", ...)
     store.record_usage(info, "default", prompt_tokens=12, completion_tokens=30)
@@ -17,6 +17,8 @@ Authentication is on every request's path, so records are cached for `cache_ttl_
 process (another gateway replica on the same database) within the TTL. Usage is added
 up in memory and written in one transaction every `usage_flush_s` by a background
 thread, never on the request path; `usage()` flushes first, so it reads its own writes.
+The write adds to the stored counts (an upsert), so replicas flushing into one
+PostgreSQL database at once never lose each other's requests.
 
 The admin key comes from the config (`KeyStoreConfig.admin_key`) or the environment
 (`RIDGELINE_ADMIN_KEY`); it must have the key format (`generate_key()` makes one) and
@@ -32,7 +34,6 @@ import logging
 import os
 import re
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,9 +42,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from ridgeline.errors import AuthenticationError, ConfigError, NotFoundError
+from ridgeline.platform.db import Transaction, open_database, resolve_location
 from ridgeline.platform.limits import KeyLimits
 from ridgeline.platform.principal import Principal
 
@@ -127,13 +129,25 @@ class UsageRow:
 class KeyStoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field("ridgeline-platform.db", description="SQLite file (':memory:' for none)")
+    path: str = Field("ridgeline-platform.db", description="the key and usage database: a "
+                      "SQLite file (a path or sqlite:///path; ':memory:' for none) on one "
+                      "machine, or postgresql://user:password@host:5432/dbname shared by "
+                      "gateway replicas on many")
     admin_key: SecretStr | None = Field(None, description="the admin key (rk-<id>-<secret>); "
                                         f"else ${ADMIN_KEY_ENV}; else no admin key")
     admin_tenant: str = "admin"
     cache_ttl_s: float = Field(1.0, ge=0, description="how long a key lookup is reused: "
                                "the longest a revocation elsewhere takes to apply here")
     usage_flush_s: float = Field(1.0, gt=0, description="how often usage is written")
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        try:
+            resolve_location(value)   # a typo'd scheme fails when the config loads
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return value
 
 
 _SCHEMA = """
@@ -168,23 +182,32 @@ CREATE TABLE IF NOT EXISTS usage (
 """
 _COLUMNS = ("key_id, secret_sha256, tenant, user_name, name, groups_json, scopes_json, "
             "models_json, admin, rpm, tpm, max_concurrency, created_at, revoked_at")
+# the whole row replaced under its id: what SQLite's INSERT OR REPLACE did, in SQL that
+# PostgreSQL accepts too
+_REPLACE_ALL = ", ".join(f"{c} = excluded.{c}" for c in _COLUMNS.split(", ")
+                         if c != "key_id")
+# the columns qualified: on PostgreSQL a bare `requests` could be the table's or excluded's
+_ADD_USAGE = ("INSERT INTO usage (day, key_id, tenant, model, requests, prompt_tokens, "
+              "completion_tokens, errors) VALUES (?,?,?,?,?,?,?,?) "
+              "ON CONFLICT (day, key_id, model) DO UPDATE SET "
+              "requests = usage.requests + excluded.requests, "
+              "prompt_tokens = usage.prompt_tokens + excluded.prompt_tokens, "
+              "completion_tokens = usage.completion_tokens + excluded.completion_tokens, "
+              "errors = usage.errors + excluded.errors")
 
 
 class KeyStore:
+    """Keys and usage in one database: a SQLite file (a path or `sqlite:///path`),
+    `:memory:`, or `postgresql://...` (gateway replicas on many machines sharing it)."""
+
     def __init__(self, path: str | Path = ":memory:", *, cache_ttl_s: float = 1.0,
                  usage_flush_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pool_size: int = 4) -> None:
         self.path = str(path)
         self.cache_ttl_s = cache_ttl_s
         self._clock = clock
-        # One connection shared by the request path and the flusher thread, under a lock.
-        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._lock = threading.RLock()
-        with self._lock:
-            if self.path != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")  # readers in other processes
-                self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
+        self.db = open_database(path, pool_size=pool_size)
+        self.db.executescript(_SCHEMA)
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
         self._pending: dict[tuple[str, str, str, str], list[int]] = {}
         self._pending_lock = threading.Lock()
@@ -218,13 +241,12 @@ class KeyStore:
                         groups=frozenset(groups), scopes=frozenset(scopes),
                         models=None if models is None else frozenset(models), admin=admin,
                         limits=limits, created_at=time.time(), secret_sha256=_hash(secret))
-        with self._lock:
-            try:
-                self._db.execute(f"INSERT INTO api_keys ({_COLUMNS}) VALUES "
-                                 "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)", _row(record))
-            except sqlite3.IntegrityError:
-                raise ConfigError(f"an API key with id {kid!r} exists already",
-                                  hint="pick another id, or none for a random one") from None
+        inserted = self.db.execute(f"INSERT INTO api_keys ({_COLUMNS}) VALUES "
+                                   "(?,?,?,?,?,?,?,?,?,?,?,?,?,?) "
+                                   "ON CONFLICT (key_id) DO NOTHING", _row(record))
+        if not inserted:
+            raise ConfigError(f"an API key with id {kid!r} exists already",
+                              hint="pick another id, or none for a random one")
         self._cache.pop(kid, None)
         return key, record
 
@@ -241,28 +263,31 @@ class KeyStore:
         record = ApiKey(key_id=kid, tenant=tenant, name="admin (bootstrapped)", admin=True,
                         scopes=frozenset({"*"}), created_at=time.time(),
                         secret_sha256=_hash(secret))
-        with self._lock:
-            self._db.execute(f"INSERT OR REPLACE INTO api_keys ({_COLUMNS}) VALUES "
-                             "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)", _row(record))
+        self.db.execute(f"INSERT INTO api_keys ({_COLUMNS}) VALUES "
+                        "(?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (key_id) DO UPDATE SET "
+                        + _REPLACE_ALL, _row(record))
         self._cache.pop(kid, None)
         return record
 
     def revoke(self, key_id: str) -> ApiKey:
-        with self._lock:
-            cur = self._db.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND "
-                                   "revoked_at IS NULL", (time.time(), key_id))
-            record = self._load(key_id)
+        now = time.time()
+
+        def revoke(tx: Transaction) -> tuple[int, ApiKey | None]:
+            changed = tx.execute("UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND "
+                                 "revoked_at IS NULL", (now, key_id))
+            return changed, self._load(key_id)
+
+        changed, record = self.db.run(revoke)
         if record is None:
             raise NotFoundError(f"no API key with id {key_id!r}",
                                 hint="list the keys to see their ids")
-        if cur.rowcount:
+        if changed:
             log.info("API key %s revoked", key_id)
         self._cache.pop(key_id, None)  # this process stops accepting it now
         return record
 
     def get(self, key_id: str) -> ApiKey:
-        with self._lock:
-            record = self._load(key_id)
+        record = self._load(key_id)
         if record is None:
             raise NotFoundError(f"no API key with id {key_id!r}")
         return record
@@ -275,8 +300,7 @@ class KeyStore:
             args.append(tenant)
         if not include_revoked:
             sql += " AND revoked_at IS NULL"
-        with self._lock:
-            rows = self._db.execute(sql + " ORDER BY created_at, key_id", args).fetchall()
+        rows = self.db.fetchall(sql + " ORDER BY created_at, key_id", args)
         return [_record(r) for r in rows]
 
     def authenticate(self, key: str) -> ApiKey:
@@ -301,8 +325,7 @@ class KeyStore:
         hit = self._cache.get(key_id)
         if hit is not None and hit[0] > now:
             return hit[1]
-        with self._lock:
-            record = self._load(key_id)
+        record = self._load(key_id)
         if len(self._cache) >= _MAX_CACHED:  # unknown ids are cached too: bound them
             self._cache.clear()
         self._cache[key_id] = (now + self.cache_ttl_s, record)
@@ -313,8 +336,8 @@ class KeyStore:
         return record.limits if record is not None else KeyLimits()
 
     def _load(self, key_id: str) -> ApiKey | None:
-        row = self._db.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE key_id = ?",
-                               (key_id,)).fetchone()
+        # inside `revoke`'s transaction this joins it (db.fetchone uses the thread's one)
+        row = self.db.fetchone(f"SELECT {_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
         return _record(row) if row else None
 
     # -- usage ------------------------------------------------------------------------------
@@ -338,27 +361,17 @@ class KeyStore:
             pending, self._pending = self._pending, {}
         if not pending:
             return
-        rows = [(*slot, *counts) for slot, counts in pending.items()]
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany(
-                    "INSERT INTO usage (day, key_id, tenant, model, requests, prompt_tokens, "
-                    "completion_tokens, errors) VALUES (?,?,?,?,?,?,?,?) "
-                    "ON CONFLICT (day, key_id, model) DO UPDATE SET "
-                    "requests = requests + excluded.requests, "
-                    "prompt_tokens = prompt_tokens + excluded.prompt_tokens, "
-                    "completion_tokens = completion_tokens + excluded.completion_tokens, "
-                    "errors = errors + excluded.errors", rows)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                with self._pending_lock:  # keep the counts for the next flush
-                    for slot, counts in pending.items():
-                        mine = self._pending.setdefault(slot, [0, 0, 0, 0])
-                        for i, c in enumerate(counts):
-                            mine[i] += c
-                raise
+        # in key order: replicas upserting the same rows lock them in one order (no deadlock)
+        rows = [(*slot, *counts) for slot, counts in sorted(pending.items())]
+        try:
+            self.db.run(lambda tx: tx.executemany(_ADD_USAGE, rows))
+        except BaseException:
+            with self._pending_lock:  # keep the counts for the next flush
+                for slot, counts in pending.items():
+                    mine = self._pending.setdefault(slot, [0, 0, 0, 0])
+                    for i, c in enumerate(counts):
+                        mine[i] += c
+            raise
 
     def usage(self, *, key_id: str | None = None, tenant: str | None = None,
               day: str | None = None) -> list[UsageRow]:
@@ -370,8 +383,7 @@ class KeyStore:
             if value is not None:
                 sql += f" AND {column} = ?"
                 args.append(value)
-        with self._lock:
-            rows = self._db.execute(sql + " ORDER BY day, key_id, model", args).fetchall()
+        rows = self.db.fetchall(sql + " ORDER BY day, key_id, model", args)
         return [UsageRow(*r) for r in rows]
 
     def _flush_loop(self, every_s: float) -> None:
@@ -386,9 +398,10 @@ class KeyStore:
             return
         self._stop.set()
         self._flusher.join(timeout=5)
-        self.flush()
-        with self._lock:
-            self._db.close()
+        try:
+            self.flush()
+        finally:
+            self.db.close()
 
     def __enter__(self) -> KeyStore:
         return self

@@ -44,7 +44,7 @@ from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_pa
 from ridgeline.platform.tasks_api import AgentTaskRequest, RequestError, enqueue, tasks_router
 from ridgeline.platform.openapi_tools import load_openapi_tools
 from ridgeline.platform.tool_env import PlatformToolEnvironment
-from ridgeline.platform.tools import SQLiteIdempotencyStore, ToolCallContext, ToolRegistry
+from ridgeline.platform.tools import SQLIdempotencyStore, ToolCallContext, ToolRegistry
 from ridgeline.platform.urls import check_outbound_url
 from ridgeline.platform.webhooks import WebhookDispatcher, WebhookOutbox, new_secret
 from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
@@ -64,14 +64,14 @@ class Platform:
         self.queue = open_queue(config.queue.model_copy(
             update={"path": config.path(config.queue.path)}))
         self.keys = KeyStore.from_config(config.keys.model_copy(
-            update={"path": config.path(config.keys.path)}))
+            update={"path": store_path(config.keys.path, config.data_dir)}))
         self.outbox = WebhookOutbox(store_path(config.webhooks_url or config.webhooks_path,
                                                config.data_dir), config.webhooks)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
         self.model_factory = model_factory
         self.metrics = CollectorRegistry()
-        self.tools = ToolRegistry(self.metrics, idempotency_store=SQLiteIdempotencyStore(
-            config.path(config.tools_path)))
+        self.tools = ToolRegistry(self.metrics, idempotency_store=SQLIdempotencyStore(
+            store_path(config.tools_url or config.tools_path, config.data_dir)))
         self._register_tools()
         self.env_factory = env_factory or self.task_environment
         self._queue_depth = Gauge("ridgeline_queue_depth", "jobs by state",

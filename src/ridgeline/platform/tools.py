@@ -27,9 +27,9 @@ all are `Tool`s and are called the same way.
   Listing hides the tools a caller may not use; calling one raises `ToolPermissionError`
   (a 403 `PermissionDeniedError` that names the scope).
 - Side effects. A tool with `side_effects=True` is only called with an idempotency key;
-  its result is stored under (tenant, key) in an `IdempotencyStore` (SQLite on disk, or
-  memory), so a repeated call (a resumed agent task replaying its step) gets the stored
-  result back without acting twice. The same key with other arguments is a 409.
+  its result is stored under (tenant, key) in an `IdempotencyStore` (SQLite on disk,
+  PostgreSQL, or memory), so a repeated call (a resumed agent task replaying its step)
+  gets the stored result back without acting twice. The same key with other arguments is a 409.
 - Failures. A tool that raises gives `ToolResult(ok=False)`, never a crash: the model
   sees the error and can fix its call. Bad arguments come back the same way.
 - Telemetry. Prometheus `ridgeline_tool_calls_total{tool,outcome}` (ok, error, denied)
@@ -47,10 +47,10 @@ import asyncio
 import copy
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import re
-import sqlite3
 import threading
 import time
 import typing
@@ -70,6 +70,7 @@ from ridgeline.agent.observation import truncate_middle
 from ridgeline.errors import (
     ConfigError, ConflictError, NotFoundError, PermissionDeniedError, RidgelineError,
 )
+from ridgeline.platform.db import Transaction, is_postgres_url, open_database, resolve_location
 from ridgeline.platform.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -624,39 +625,32 @@ class MemoryIdempotencyStore:
                 del self._records[next(iter(self._records))]
 
 
-class SQLiteIdempotencyStore:
-    """Results in one SQLite file (WAL: several threads and processes on one machine),
-    kept for `ttl_s` seconds (None: forever); expired rows are purged as new ones come.
+class SQLIdempotencyStore:
+    """Results in one database (`ridgeline.platform.db`): a SQLite file (a path or
+    `sqlite:///path`; WAL: several threads and processes on one machine), `:memory:`, or
+    `postgresql://...` (workers on many machines). They are kept for `ttl_s` seconds
+    (None: forever); expired rows are purged as new ones come.
 
     The registry serialises calls with one key inside a process; across processes a key
     belongs to one task, which one worker runs at a time (the queue's lease), so two
-    processes never race on it."""
+    processes never race on it; if they did, the first result stored would win."""
 
     _PURGE_EVERY = 256
 
-    def __init__(self, path: str | Path, *, ttl_s: float | None = 7 * 24 * 3600.0) -> None:
+    def __init__(self, path: str | Path, *, ttl_s: float | None = 7 * 24 * 3600.0,
+                 pool_size: int = 4) -> None:
         self.path = str(path)
         self.ttl_s = ttl_s
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._puts = 0
-        try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=30.0,
-                                       isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA busy_timeout=30000")
-            self._db.execute("CREATE TABLE IF NOT EXISTS tool_idempotency ("
-                             "key TEXT PRIMARY KEY, record TEXT NOT NULL, "
-                             "created_at REAL NOT NULL)")
-        except sqlite3.Error as e:
-            raise ConfigError(f"cannot open the tool idempotency store {self.path}: {e}",
-                              hint="check that the directory exists and is writable") from None
+        location = resolve_location(path)
+        if not is_postgres_url(location) and location != ":memory:":
+            Path(location).parent.mkdir(parents=True, exist_ok=True)
+        self._puts = itertools.count(1)   # next() is atomic under the GIL
+        self.db = open_database(location, pool_size=pool_size)
+        self.db.executescript(_IDEMPOTENCY_SCHEMA)
 
     def get(self, key: str) -> IdempotencyRecord | None:
-        with self._lock:
-            row = self._db.execute("SELECT record, created_at FROM tool_idempotency "
-                                   "WHERE key = ?", (key,)).fetchone()
+        row = self.db.fetchone("SELECT record, created_at FROM tool_idempotency "
+                               "WHERE key = ?", (key,))
         if row is None:
             return None
         if self.ttl_s is not None and row[1] < time.time() - self.ttl_s:
@@ -664,21 +658,39 @@ class SQLiteIdempotencyStore:
         return IdempotencyRecord.model_validate_json(row[0])
 
     def put(self, key: str, record: IdempotencyRecord) -> None:
-        with self._lock:
-            self._puts += 1
-            if self.ttl_s is not None and self._puts % self._PURGE_EVERY == 0:
-                self._db.execute("DELETE FROM tool_idempotency WHERE created_at < ?",
-                                 (time.time() - self.ttl_s,))
-            if self.ttl_s is not None:  # an expired row gives way to the new result
-                self._db.execute("DELETE FROM tool_idempotency WHERE key = ? AND "
-                                 "created_at < ?", (key, time.time() - self.ttl_s))
-            self._db.execute("INSERT INTO tool_idempotency (key, record, created_at) "
-                             "VALUES (?, ?, ?) ON CONFLICT(key) DO NOTHING",
-                             (key, record.model_dump_json(), record.created_at))
+        ttl_s = self.ttl_s
+        purge = ttl_s is not None and next(self._puts) % self._PURGE_EVERY == 0
+        data = record.model_dump_json()
+
+        def store(tx: Transaction) -> None:
+            if ttl_s is not None:
+                expired = time.time() - ttl_s
+                if purge:
+                    tx.execute("DELETE FROM tool_idempotency WHERE created_at < ?", (expired,))
+                # an expired row gives way to the new result
+                tx.execute("DELETE FROM tool_idempotency WHERE key = ? AND created_at < ?",
+                           (key, expired))
+            tx.execute("INSERT INTO tool_idempotency (key, record, created_at) "
+                       "VALUES (?, ?, ?) ON CONFLICT (key) DO NOTHING",
+                       (key, data, record.created_at))
+
+        self.db.run(store)
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self.db.close()
+
+
+#: The name from when the store was SQLite only.
+SQLiteIdempotencyStore = SQLIdempotencyStore
+
+_IDEMPOTENCY_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tool_idempotency (
+    key TEXT PRIMARY KEY,
+    record TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tool_idempotency_created ON tool_idempotency (created_at);
+"""
 
 
 def arguments_fingerprint(tool: str, args: dict[str, Any]) -> str:

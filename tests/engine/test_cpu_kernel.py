@@ -1,7 +1,10 @@
-"""The C decode-attention kernel equals PyTorch attention over the same paged context."""
+"""The C decode-attention kernel equals PyTorch attention over the same paged context, in
+both of its builds: the AVX-512 path this machine compiles (when it has AVX-512) and the
+portable 8-wide path every other CPU compiles."""
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -14,42 +17,66 @@ from ridgeline.engine.kv_quant import dequantize, quantize
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")
 
+BUILDS = ["native", "portable"]
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32),
-    (2, 1, 8, 8), (4, 2, 40, 16)])
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
-def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads,
-                                  storage) -> None:
-    int8 = storage == "int8"
-    rng = random.Random(heads * 100 + block_size)
-    torch.manual_seed(0)
+
+def _lib(build: str) -> ctypes.CDLL:
+    lib = cpu_kernels.load() if build == "native" else cpu_kernels.portable_library()
+    assert lib is not None
+    return lib
+
+
+def _attend(heads: int, kv_heads: int, head_dim: int, block_size: int, ctx: list[int],
+            q_lens: list[int], storage: str, *, build: str = "native", threads: int = 1,
+            seed: int = 0, key_growth: float = 0.0, q_scale: float = 1.0,
+            poison_free_slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kernel output, reference) for sequences with these contexts and new-token counts.
+
+    key_growth: keys of later positions are scaled up by (1 + key_growth * position), so the
+    running max of the scores keeps rising (the rescaling path); poison_free_slots: every
+    slot no sequence owns (the null block, the tail of each last block) holds NaN, which
+    must never reach an output."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
     g = heads // kv_heads
-    n = 7
-    q_lens = [rng.randint(1, min(8, 64 // g)) for _ in range(n)]
-    ctx = [rng.randint(q, 120) for q in q_lens]
-    num_blocks = 1 + sum(-(-c // block_size) for c in ctx) + 10
+    n = len(ctx)
+    num_blocks = 1 + sum(-(-c // block_size) for c in ctx) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-    scales: dict[str, torch.Tensor] = {}
-    if int8:  # the kernel reads codes + scales; the reference their dequantized values
-        (kq, ks), (vq, vs) = quantize(k_cache, "int8"), quantize(v_cache, "int8")
-        k_cache, v_cache = (dequantize(kq, ks, "int8", torch.float32),
-                            dequantize(vq, vs, "int8", torch.float32))
-        scales = {"k_scale": ks, "v_scale": vs}
-    if storage == "bfloat16":  # the kernel reads bf16 blocks; the reference their values
-        kq, vq = k_cache.bfloat16(), v_cache.bfloat16()
-        k_cache, v_cache = kq.float(), vq.float()
     tables = []
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     for c in ctx:
-        nb = -(-c // block_size)
-        tables.append([free.pop() for _ in range(nb)])
+        tables.append([free.pop() for _ in range(-(-c // block_size))])
+    if key_growth:
+        for t, c in zip(tables, ctx):
+            pos = torch.arange(len(t) * block_size, dtype=torch.float32)
+            grow = (1 + key_growth * pos).view(len(t), block_size, 1, 1)
+            k_cache[t] *= grow
+    scales: dict[str, torch.Tensor] = {}
+    kq, vq = k_cache, v_cache  # what the kernel reads
+    if storage == "int8":  # the kernel reads codes + scales; the reference their values
+        (kq, ks), (vq, vs) = quantize(k_cache, "int8"), quantize(v_cache, "int8")
+        k_cache, v_cache = (dequantize(kq, ks, "int8", torch.float32),
+                            dequantize(vq, vs, "int8", torch.float32))
+        scales = {"k_scale": ks, "v_scale": vs}
+    elif storage == "bfloat16":  # the kernel reads bf16 blocks; the reference their values
+        kq, vq = k_cache.bfloat16(), v_cache.bfloat16()
+        k_cache, v_cache = kq.float(), vq.float()
+    if poison_free_slots:
+        owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+        for t, c in zip(tables, ctx):
+            owned.view(-1)[torch.tensor([t[p // block_size] * block_size + p % block_size
+                                         for p in range(c)])] = True
+        for cache in (kq, vq):
+            if cache.dtype == torch.int8:
+                scale = scales["k_scale" if cache is kq else "v_scale"]
+                scale[~owned] = float("nan")
+            else:
+                cache[~owned] = float("nan")
     total = sum(q_lens)
     # a strided q, as the model passes a slice of the fused qkv projection
-    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim)
+    qkv = torch.randn(total, heads + 2 * kv_heads, head_dim) * q_scale
     q = qkv[:, :heads]
     starts = [sum(q_lens[:i]) for i in range(n)]
     width = max(len(t) for t in tables)
@@ -58,23 +85,116 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        packed = storage != "float32"
-        cpu_kernels.paged_decode_attention(q, kq if packed else k_cache, vq if packed else v_cache,
-                                           table, torch.tensor(starts), torch.tensor(q_lens),
-                                           torch.tensor(ctx), out, **scales)
+        cpu_kernels.paged_decode_attention(q, kq, vq, table, torch.tensor(starts),
+                                           torch.tensor(q_lens), torch.tensor(ctx), out,
+                                           lib=_lib(build), **scales)
     finally:
         torch.set_num_threads(old)
+    ref = torch.empty_like(out)
     for i in range(n):
         kc = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:ctx[i]]
         vc = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:ctx[i]]
         ql = q_lens[i]
         mask = torch.arange(ctx[i])[None, :] <= torch.arange(ql)[:, None] + ctx[i] - ql
-        ref = F.scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             q[starts[i]:starts[i] + ql].transpose(0, 1)[None],
             kc.transpose(0, 1).repeat_interleave(g, 0)[None],
             vc.transpose(0, 1).repeat_interleave(g, 0)[None], attn_mask=mask[None, None])
-        got = out[starts[i]:starts[i] + ql]
-        assert torch.allclose(got, ref[0].transpose(0, 1), atol=2e-5), i
+        ref[starts[i]:starts[i] + ql] = o[0].transpose(0, 1)
+    return out, ref
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 128, 4), (6, 1, 16, 32),
+    (2, 1, 8, 8), (4, 2, 40, 16)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_kernel_matches_reference(heads, kv_heads, head_dim, block_size, threads, storage,
+                                  build) -> None:
+    rng = random.Random(heads * 100 + block_size)
+    g = heads // kv_heads
+    q_lens = [rng.randint(1, min(8, 64 // g)) for _ in range(7)]
+    ctx = [rng.randint(q, 120) for q in q_lens]
+    got, ref = _attend(heads, kv_heads, head_dim, block_size, ctx, q_lens, storage,
+                       build=build, threads=threads)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+# contexts around the kernel's 16-row chunks and its block boundaries, one long one
+CONTEXTS = [1, 2, 15, 16, 17, 31, 32, 33, 47, 100, 449]
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_grouped_query_ratios_and_chunk_edges(group, head_dim, storage, build) -> None:
+    """One new token per sequence (decode), GQA ratios 1-8 (8 = two tiles of 4 query
+    vectors in the wide path), contexts at and around multiples of 16, block size 16."""
+    got, ref = _attend(2 * group, 2, head_dim, 16, CONTEXTS, [1] * len(CONTEXTS), storage,
+                       build=build, seed=group)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("block_size", [3, 5, 24, 48])
+@pytest.mark.parametrize("build", BUILDS)
+def test_block_sizes_that_split_the_chunks(block_size, build) -> None:
+    """Blocks that are not a multiple of 16 rows: a chunk of rows spans several blocks."""
+    got, ref = _attend(6, 2, 64, block_size, CONTEXTS, [1] * len(CONTEXTS), "bfloat16",
+                       build=build, seed=block_size)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 136, 256])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+def test_head_dims_off_the_vector_width(head_dim, storage) -> None:
+    """head_dim a multiple of 8 but not of 16 or 64: masked channel tails, several tiles."""
+    got, ref = _attend(4, 2, head_dim, 16, [5, 16, 70, 200], [1, 1, 3, 1], storage,
+                       seed=head_dim)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_many_query_rows_per_kv_head(storage, build) -> None:
+    """Speculative verification: 8 query heads x 8 new tokens = 64 query vectors per KV
+    head (the limit), each row with its own causal limit inside the last chunk."""
+    ctx = [8, 9, 23, 64, 130]
+    got, ref = _attend(16, 2, 64, 16, ctx, [8] * len(ctx), storage, build=build)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_rising_and_large_scores(storage, build) -> None:
+    """Scores that keep passing the running max (keys growing along the context) and
+    scores in the hundreds (no overflow in the unnormalised sums) stay accurate."""
+    ctx = [40, 300, 517]
+    got, ref = _attend(6, 2, 64, 16, ctx, [1, 2, 1], storage, build=build, key_growth=0.05,
+                       q_scale=4.0)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_slots_outside_the_context_are_never_read(storage, build) -> None:
+    """NaN in every slot that no sequence owns (padding of each last block, the null
+    block) leaves every output finite and correct."""
+    got, ref = _attend(6, 2, 40, 16, [1, 17, 33, 95], [1, 1, 2, 1], storage, build=build,
+                       poison_free_slots=True)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_the_wide_path_is_built_where_the_cpu_has_avx512() -> None:
+    flags = cpu_kernels.cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    wide = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    assert cpu_kernels.vector_width() == (16 if wide else 8)
+    assert cpu_kernels.vector_width(cpu_kernels.portable_library()) == 8
 
 
 def test_split_work_balances_context_and_skips_tiny_batches() -> None:

@@ -1,0 +1,224 @@
+"""The C decode-attention kernel against its previous version, same run, same inputs.
+
+    .venv/bin/python benchmarks/attention_bench.py --json              # ~1 min
+    .venv/bin/python benchmarks/attention_bench.py --quick --json      # 2 contexts, 5 rounds
+    .venv/bin/python benchmarks/attention_bench.py --json --portable   # + the 8-wide build
+
+One call is one layer of a decode step: 48 sequences of one new token each attending to
+their paged context, with SmolLM2-135M's attention shape (9 query heads over 3 KV heads,
+head_dim 64, block_size 16). Contexts: a decode-like mix (uniform 300-600 tokens, mean
+~450) and uniform 128, 512 and 2048 tokens; KV stored as float32, bfloat16 and int8 (codes
+and per-token scales). Blocks are scattered over the pool as the block manager leaves
+them.
+
+The baseline is the kernel as of `BASELINE_COMMIT`, read with `git show` and compiled in
+this run (the same compiler and flags its own source asked for). Each configuration keeps
+enough distinct layers that one pass over them reads at least `--pool-mb` of KV, so, as
+in a real step where 30 layers each have their own KV, the blocks come from memory, not
+from a cache a single repeated layer would sit in. Old and new alternate round by round;
+a round times one pass over all layers; reported per call: the minimum (least disturbed
+by other processes on the machine) and the median over rounds, on one thread (the
+kernel alone) and on `--threads` threads (the engine's split). `kv_gbs` is the KV bytes
+one call reads over the minimum time, to set against the machine's read bandwidth
+(matmul_bench's `read_gbs`). `max_abs_diff` is between the two kernels' outputs.
+With `--portable`, the build CPUs without AVX-512 get (`cpu_kernels.portable_library()`)
+is timed too, on one thread (`portable_ms_min`). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+
+import torch  # noqa: E402
+
+from ridgeline.engine import cpu_kernels  # noqa: E402
+from ridgeline.engine.kv_quant import quantize  # noqa: E402
+
+#: The last commit with only the 8-wide kernel (a horizontal sum per row and query vector).
+BASELINE_COMMIT = "08ade13ce041da0f21bb3310b3998a81532d25f9"
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, SEQS = 9, 3, 64, 16, 48
+CONTEXTS: dict[str, tuple[int, int]] = {  # name: (min, max) context length
+    "mixed_300_600": (300, 600), "128": (128, 128), "512": (512, 512), "2048": (2048, 2048)}
+STORAGES = ("float32", "bfloat16", "int8")
+
+
+def baseline_module() -> types.ModuleType:
+    """cpu_kernels as of BASELINE_COMMIT, as a separate module (its own compiled .so)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{BASELINE_COMMIT}:src/ridgeline/engine/cpu_kernels.py"],
+            cwd=root, check=True, capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"attention_bench needs the git history for its baseline ({e}); run it "
+                 "from a clone of the repository")
+    module = types.ModuleType("ridgeline_attention_baseline")
+    exec(compile(source, f"{BASELINE_COMMIT[:7]}:cpu_kernels.py", "exec"),  # noqa: S102
+         module.__dict__)
+    return module
+
+
+class Layers:
+    """`count` layers of paged KV for one configuration, and one decode call's inputs."""
+
+    def __init__(self, storage: str, ctx: list[int], pool_mb: float, seed: int) -> None:
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.ctx = ctx
+        blocks = [-(-c // BLOCK_SIZE) for c in ctx]
+        num_blocks = 1 + sum(blocks)
+        elem = {"float32": 4, "bfloat16": 2, "int8": 1}[storage]
+        per_layer = 2 * num_blocks * BLOCK_SIZE * KV_HEADS * (HEAD_DIM * elem
+                                                             + (4 if storage == "int8" else 0))
+        self.count = max(2, int(pool_mb * 2 ** 20 / per_layer) + 1)
+        self.read_bytes = sum(2 * c * KV_HEADS * (HEAD_DIM * elem + (4 if storage == "int8"
+                                                                      else 0)) for c in ctx)
+        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.kv: list[tuple[torch.Tensor, ...]] = []
+        for _ in range(self.count):
+            k, v = torch.randn(shape), torch.randn(shape)
+            if storage == "int8":
+                (kq, ks), (vq, vs) = quantize(k, "int8"), quantize(v, "int8")
+                self.kv.append((kq, vq, ks, vs))
+            elif storage == "bfloat16":
+                self.kv.append((k.bfloat16(), v.bfloat16()))
+            else:
+                self.kv.append((k, v))
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        tables = [[free.pop() for _ in range(nb)] for nb in blocks]
+        width = max(blocks)
+        self.table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self.q_start = torch.arange(len(ctx))
+        self.q_len = torch.ones(len(ctx), dtype=torch.long)
+        self.ctx_len = torch.tensor(ctx)
+        qkv = torch.randn(len(ctx), HEADS + 2 * KV_HEADS, HEAD_DIM)
+        self.q = qkv[:, :HEADS]  # strided, as the model passes it
+        self.out = torch.empty(len(ctx), HEADS, HEAD_DIM)
+
+    def call(self, module: Any, layer: int, cuts: list[int]) -> None:
+        kv = self.kv[layer]
+        scales = {"k_scale": kv[2], "v_scale": kv[3]} if len(kv) == 4 else {}
+        module.paged_decode_attention(self.q, kv[0], kv[1], self.table, self.q_start,
+                                      self.q_len, self.ctx_len, self.out, cuts=cuts, **scales)
+
+    def output(self, module: types.ModuleType) -> torch.Tensor:
+        self.call(module, 0, [0, len(self.ctx) * KV_HEADS])
+        return self.out.clone()
+
+
+def time_rounds(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per round of each fn, the fns alternating round by round."""
+    for fn in fns.values():
+        fn()  # warm-up: first-touch of the output, the thread pool
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+class Portable:
+    """cpu_kernels called with the portable (8-wide) build, in the baseline's interface."""
+
+    @staticmethod
+    def paged_decode_attention(*args: Any, **kwargs: Any) -> None:
+        cpu_kernels.paged_decode_attention(*args, lib=cpu_kernels.portable_library(), **kwargs)
+
+
+def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: int,
+                 rounds: int, pool_mb: float, seed: int, portable: bool) -> dict[str, Any]:
+    layers = Layers(storage, ctx, pool_mb, seed)
+    items = len(ctx) * KV_HEADS
+    result: dict[str, Any] = {
+        "layers_cycled": layers.count, "kv_mb_per_call": round(layers.read_bytes / 2 ** 20, 2),
+        "max_abs_diff": float((layers.output(old) - layers.output(cpu_kernels)).abs().max())}
+    for n in sorted({1, threads}):
+        cuts = [0, items] if n == 1 else cpu_kernels.split_work(ctx, KV_HEADS, n)
+        kernels: list[tuple[str, Any]] = [("old", old), ("new", cpu_kernels)]
+        if portable and n == 1:
+            kernels.append(("portable", Portable))
+        fns = {name: (lambda m=module, c=cuts: [layers.call(m, i, c)
+                                                 for i in range(layers.count)])
+               for name, module in kernels}
+        times = time_rounds(fns, rounds)
+        row: dict[str, Any] = {}
+        for name, per_round in times.items():
+            per_call = [t / layers.count for t in per_round]
+            row[f"{name}_ms_min"] = round(min(per_call) * 1e3, 3)
+            row[f"{name}_ms_median"] = round(statistics.median(per_call) * 1e3, 3)
+            row[f"{name}_kv_gbs"] = round(layers.read_bytes / min(per_call) / 1e9, 2)
+        row["speedup_min"] = round(row["old_ms_min"] / row["new_ms_min"], 2)
+        row["speedup_median"] = round(row["old_ms_median"] / row["new_ms_median"], 2)
+        result[f"threads_{n}"] = row
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, fewer contexts")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=0, help="rounds per config (default 15)")
+    ap.add_argument("--pool-mb", type=float, default=192.0,
+                    help="KV read by one pass over a configuration's layers")
+    ap.add_argument("--portable", action="store_true",
+                    help="also time the build CPUs without AVX-512 get (one thread)")
+    ap.add_argument("--storage", nargs="*", default=list(STORAGES), choices=STORAGES)
+    ap.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
+    args = ap.parse_args()
+    say = progress_log(args.json)
+    rounds = args.rounds or (5 if args.quick else 15)
+    contexts = args.contexts if not args.quick else ["mixed_300_600", "2048"]
+    if not cpu_kernels.available():
+        sys.exit("the C kernel could not be compiled here (no C compiler?)")
+    old = baseline_module()
+    if not old.available():
+        sys.exit(f"the baseline kernel ({BASELINE_COMMIT[:7]}) could not be compiled")
+    torch.set_num_threads(args.threads)
+    results: dict[str, Any] = {}
+    for storage in args.storage:
+        for name in contexts:
+            lo, hi = CONTEXTS[name]
+            rng = random.Random(len(name))
+            ctx = [rng.randint(lo, hi) for _ in range(SEQS)]
+            say(f"{storage} ctx {name} ...")
+            results[f"{storage}/ctx_{name}"] = bench_config(
+                old, storage, ctx, args.threads, rounds, args.pool_mb, seed=7,
+                portable=args.portable)
+            say(json.dumps(results[f"{storage}/ctx_{name}"]))
+    report = {
+        "benchmark": "attention_bench",
+        "date": date.today().isoformat(),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "avx512": "avx512f" in cpu_kernels.cpu_flags(),
+                    "avx512_bf16": "avx512_bf16" in cpu_kernels.cpu_flags(),
+                    "threads": args.threads,
+                    "kernel_vector_width": cpu_kernels.vector_width()},
+        "shape": {"seqs": SEQS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE, "new_tokens_per_seq": 1},
+        "baseline": BASELINE_COMMIT[:7],
+        "rounds": rounds,
+        "results": results,
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,8 +7,9 @@ sequences, each with the cheapest kernel we found on CPU:
 - fresh: no KV before this step (a prompt, or its first chunk). Causal attention over the
   fresh keys/values themselves; the cache is only written.
 - short queries over cached context (decode: 1 token; speculative verification: a few).
-  With the C kernel (`cpu_kernels`, float32 model on CPU, float32 or int8 cache) all of
-  them in one call that reads the blocks in place. Otherwise batched in PyTorch:
+  With the C kernel (`cpu_kernels`, float32 or bfloat16 model on CPU, float32, bfloat16
+  or int8 cache; 16-wide AVX-512 where the CPU has it) all of them in one call that reads
+  the blocks in place. Otherwise batched in PyTorch:
   sequences of similar length are grouped, their blocks gathered into a padded [n, L]
   layout (padding reads the null block) and masked; grouped-query heads are folded into
   the query axis, so keys/values are never repeated per head.

@@ -218,3 +218,18 @@ def test_a_bfloat16_query_goes_through_a_float32_copy() -> None:
     got = torch.empty(3, 4, 64, dtype=torch.bfloat16)
     cpu_kernels.paged_decode_attention(q.bfloat16(), k, v, *args, got)
     assert torch.allclose(got.float(), ref, atol=0.03)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """Linking with -ffast-math would set flush-to-zero for the whole process when the
+    library loads; every float op afterwards (Python, numpy, torch) would lose subnormals."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ridgeline.engine import cpu_kernels as k; "
+            "tiny = sys.float_info.min; before = tiny / 2 > 0; "
+            "assert k.load() is not None; "
+            "print(before, tiny / 2 > 0, (tiny / 2) * 1.0 != 0.0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", "True", "True"]

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from standardwebhooks.webhooks import Webhook
 
 from ridgeline.platform.config import PlatformConfig
+from ridgeline.platform.limits import KeyLimits
 from ridgeline.platform.service import Platform
 from ridgeline.serve.app import ServerThread
 
@@ -66,8 +67,10 @@ def platform(tmp_path: Path):
     bob, _ = platform.keys.create("globex", user="bob")
     limited, _ = platform.keys.create("acme", user="carol", models=["other"])
     reader, _ = platform.keys.create("acme", user="dave", scopes=["rag:read"])
+    slow, _ = platform.keys.create("acme", user="erin", limits=KeyLimits(rpm=2))
     server = ServerThread(platform.app()).start()
-    yield platform, server, {"alice": alice, "bob": bob, "limited": limited, "reader": reader}
+    yield platform, server, {"alice": alice, "bob": bob, "limited": limited, "reader": reader,
+                            "slow": slow}
     server.stop()
     platform.close()
 
@@ -321,3 +324,14 @@ def test_a_thousand_concurrent_tasks_all_finish_once(platform) -> None:
         events = [e.type for e in plat.store.events(tid)]
         assert events.count("task.started") == 1 and events.count("task.completed") == 1
     assert {t.attempts for t in plat.store.list("acme", limit=2000)} == {1}
+
+
+def test_task_submissions_count_against_the_keys_rpm(platform) -> None:
+    plat, server, keys = platform
+    body = {"instruction": "x", "model": "replay", "replay": ["<finish>x</finish>"]}
+    with client(server, keys["slow"]) as c:
+        assert [c.post("/v1/agent/tasks", json=body).status_code for _ in range(2)] == [202, 202]
+        r = c.post("/v1/agent/tasks", json=body)
+        assert r.status_code == 429 and float(r.headers["retry-after"]) > 0
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    assert sum(plat.store.counts().values()) == 2

@@ -579,6 +579,9 @@ int paged_attention_vector_width(void) { return VECTOR_WIDTH; }
 
 # Tried in order: with fast math the reductions and expf vectorise (glibc's libmvec);
 # without it the kernel is slower but needs nothing beyond a C compiler and libm.
+#: Changes when the way the library is built changes (part of the cache key).
+_RECIPE = "compile, then link without -ffast-math"
+
 _FLAG_SETS = [
     ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-lmvec", "-lm"],
     ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-lm"],
@@ -612,7 +615,7 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         log.info("no C compiler found: decode attention uses the PyTorch path")
         return None
     flag_sets = [[*flags, *extra_flags] for flags in _FLAG_SETS]
-    key = hashlib.sha256((SOURCE + repr(flag_sets) + compiler + _cpu_signature())
+    key = hashlib.sha256((SOURCE + repr(flag_sets) + compiler + _cpu_signature() + _RECIPE)
                          .encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_attention-{key}.so"
     if not target.is_file():
@@ -623,11 +626,16 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                 with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                     src = Path(tmp) / "paged_attention.c"
                     src.write_text(SOURCE)
-                    so = Path(tmp) / "out.so"
+                    obj, so = Path(tmp) / "out.o", Path(tmp) / "out.so"
                     libs = [f for f in flags if f.startswith("-l")]
-                    cmd = [compiler, *[f for f in flags if not f.startswith("-l")], "-o",
-                           str(so), str(src), *libs]
-                    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+                    compile_flags = [f for f in flags if not f.startswith("-l") and f != "-shared"]
+                    # Compile and link apart: linking with -ffast-math adds crtfastmath.o,
+                    # whose constructor sets flush-to-zero for the whole process on load
+                    # (every later float op in Python, numpy and torch would lose subnormals).
+                    subprocess.run([compiler, *compile_flags, "-c", "-o", str(obj), str(src)],
+                                   check=True, capture_output=True, timeout=120)
+                    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(so), str(obj), *libs],
+                                   check=True, capture_output=True, timeout=120)
                     os.replace(so, target)  # atomic: concurrent builders race harmlessly
                 break
             except (OSError, subprocess.SubprocessError) as e:

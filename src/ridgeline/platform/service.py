@@ -68,6 +68,8 @@ class Platform:
         self.outbox = WebhookOutbox(store_path(config.webhooks_url or config.webhooks_path,
                                                config.data_dir), config.webhooks)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
+        # one gateway per platform: its rate limiter also meters task submissions
+        self.gateway = Gateway(config.gateway, self.keys)
         self.model_factory = model_factory
         self.metrics = CollectorRegistry()
         self.tools = ToolRegistry(self.metrics, idempotency_store=SQLIdempotencyStore(
@@ -151,6 +153,8 @@ class Platform:
                                    hint="it is for load tests: set worker.allow_replay_model")
         elif not who.may_use_model(base):
             raise PermissionDeniedError(f"this API key may not use model {base!r}")
+        # a submission counts against the key's requests per minute like a completion
+        self.gateway.limiter.admit(who.key_id, self.keys.limits(who.key_id)).release()
         for name in body.tools:  # 404 for an unknown tool, 403 outside the key's scopes
             self.tools.authorize(name, who)
         stored = body.model_dump(mode="json", exclude_none=True)
@@ -251,7 +255,7 @@ class Platform:
 
     # -- HTTP --------------------------------------------------------------------------
     def app(self, *, background: bool = True) -> FastAPI:
-        gateway = Gateway(self.config.gateway, self.keys)
+        gateway = self.gateway
         principal = principal_dependency(self.keys)
 
         @contextlib.asynccontextmanager

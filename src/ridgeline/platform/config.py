@@ -20,20 +20,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ridgeline.errors import ConfigError, NotFoundError
-from ridgeline.platform.db import resolve_location
+from ridgeline.platform.db import database_location
 from ridgeline.platform.gateway import GatewayConfig
 from ridgeline.platform.keys import KeyStoreConfig
 from ridgeline.platform.queue import QueueConfig
 from ridgeline.platform.rag import RagConfig
 from ridgeline.platform.webhooks import WebhookConfig
 from ridgeline.platform.worker import WorkerConfig
-
-
-def _database_url(value: str | None) -> str | None:
-    """A SQLite path or URL, or a PostgreSQL URL (checked here so a typo fails at load)."""
-    if value is not None:
-        resolve_location(value)   # ConfigError (a ValueError's message) for other schemes
-    return value
 
 
 class StoreConfig(BaseModel):
@@ -46,10 +39,7 @@ class StoreConfig(BaseModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        try:
-            return _database_url(value) or value
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        return database_location(value) or value
 
 
 class OpenAPIToolSource(BaseModel):
@@ -101,10 +91,7 @@ class PlatformConfig(BaseModel):
     @field_validator("webhooks_url", "tools_url")
     @classmethod
     def _check_database_urls(cls, value: str | None) -> str | None:
-        try:
-            return _database_url(value)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        return database_location(value)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None) -> "PlatformConfig":

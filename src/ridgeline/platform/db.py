@@ -56,6 +56,18 @@ def is_postgres_url(value: str) -> bool:
     return value.startswith(POSTGRES_SCHEMES)
 
 
+def database_location(value: str | None) -> str | None:
+    """A pydantic field validator's body for a database setting: the value unchanged, or
+    a ValueError (what pydantic reports) naming what is wrong with its scheme, so a typo
+    fails when the config loads rather than when the store opens."""
+    if value is not None:
+        try:
+            resolve_location(value)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+    return value
+
+
 def resolve_location(url_or_path: str | os.PathLike[str],
                      data_dir: str | os.PathLike[str] = ".") -> str:
     """Where a database lives: a `postgresql://` URL as it is, `:memory:`, or a SQLite

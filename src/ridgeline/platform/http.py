@@ -59,6 +59,25 @@ def request_id_of(request: Request) -> str:
     return request.scope.get("state", {}).get("request_id", "unknown")
 
 
+def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
+    """The OpenAI-style body for a request FastAPI could not validate: its first problem,
+    naming the field (`param`) without the body/query/path/header prefix."""
+    errors = exc.errors()
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]
+    param = ".".join(loc) or None
+    if err.get("type") == "missing":
+        return error_body(f"missing required field {param!r}", param=param,
+                          code="missing_required_parameter")
+    if err.get("type") == "json_invalid":
+        return error_body("invalid JSON in the request body", code="invalid_json")
+    where = f" for {param!r}" if param else ""
+    return error_body(f"invalid value{where}: {err.get('msg')}", param=param,
+                      code="invalid_value")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """OpenAI-style answers to every error the app's routes can raise (see the module)."""
 
@@ -68,22 +87,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        loc = [str(p) for p in err.get("loc", ())]
-        if loc and loc[0] in ("body", "query", "path", "header"):
-            loc = loc[1:]
-        param = ".".join(loc) or None
-        if err.get("type") == "missing":
-            body = error_body(f"missing required field {param!r}", param=param,
-                              code="missing_required_parameter")
-        elif err.get("type") == "json_invalid":
-            body = error_body("invalid JSON in the request body", code="invalid_json")
-        else:
-            where = f" for {param!r}" if param else ""
-            body = error_body(f"invalid value{where}: {err.get('msg')}", param=param,
-                              code="invalid_value")
-        return JSONResponse(body, status_code=400)
+        return JSONResponse(validation_error_body(exc), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -154,4 +158,4 @@ def principal_dependency(keystore: KeyStore) -> Callable[[Request], Awaitable[Pr
 
 
 __all__ = ["bearer_token", "error_response", "install_error_handlers", "internal_error_body",
-           "principal_dependency", "request_id_of"]
+           "principal_dependency", "request_id_of", "validation_error_body"]

@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from ridgeline.errors import AuthenticationError, ConfigError, NotFoundError
-from ridgeline.platform.db import Transaction, open_database, resolve_location
+from ridgeline.platform.db import Transaction, database_location, open_database
 from ridgeline.platform.limits import KeyLimits
 from ridgeline.platform.principal import Principal
 
@@ -143,11 +143,7 @@ class KeyStoreConfig(BaseModel):
     @field_validator("path")
     @classmethod
     def _check_path(cls, value: str) -> str:
-        try:
-            resolve_location(value)   # a typo'd scheme fails when the config loads
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return value
+        return database_location(value) or value
 
 
 _SCHEMA = """

@@ -29,26 +29,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ridgeline.errors import RidgelineError
+from ridgeline.platform.http import error_response, validation_error_body
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.rag import AgentMemory, Document, DocumentIndex
-from ridgeline.serve.protocol import error_body, error_for
-
-
-def validation_error_body(exc: RequestValidationError) -> dict[str, Any]:
-    """The first problem of a body FastAPI could not validate, naming its field."""
-    errors = exc.errors()
-    if not errors:
-        return error_body("invalid request body")
-    err = errors[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-    if err.get("type") == "missing":
-        return error_body(f"missing required field {loc!r}", param=loc or None,
-                          code="missing_required_parameter")
-    if err.get("type") == "json_invalid":
-        return error_body("the request body is not valid JSON", code="invalid_json")
-    what = f"invalid value for {loc!r}" if loc else "invalid request body"
-    return error_body(f"{what}: {err.get('msg', 'invalid')}", param=loc or None,
-                      code="invalid_value")
 
 
 class _ErrorBodyRoute(APIRoute):
@@ -66,8 +49,7 @@ class _ErrorBodyRoute(APIRoute):
             except RidgelineError as e:
                 if RidgelineError in request.app.exception_handlers:
                     raise       # the app's own answer (its headers, its request ids)
-                status, body = error_for(e)
-                return JSONResponse(body, status_code=status)
+                return error_response(e)
 
         return route
 

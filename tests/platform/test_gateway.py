@@ -649,3 +649,25 @@ def test_replicas_share_traffic_by_weight_and_cooling_ones_go_last() -> None:
     plan = gateway.plan(["m", "n"])
     assert [(t.model, t.upstream.name) for t in plan] == \
         [("m", "small"), ("n", "small"), ("m", "big")]
+
+
+def test_a_completion_gets_an_opentelemetry_genai_span(stubs: dict[str, Stub], deploy: Any) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    d = deploy([up(stubs["a"])])
+    d.gateway.tracer = provider.get_tracer("test")
+    with d.client(d.key()) as c:
+        assert c.post("/chat/completions", json=chat("a")).status_code == 200
+        assert c.post("/chat/completions", json=chat("nope")).status_code == 404
+    spans = exporter.get_finished_spans()
+    ok = next(s for s in spans if s.name == "chat a")
+    assert ok.attributes["gen_ai.operation.name"] == "chat"
+    assert ok.attributes["gen_ai.response.model"] == "a"
+    assert ok.attributes["gen_ai.usage.output_tokens"] > 0
+    assert ok.attributes["server.address"] == "a"
+    assert ok.attributes["http.response.status_code"] == 200

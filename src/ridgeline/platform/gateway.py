@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import httpx
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -307,8 +309,10 @@ T = TypeVar("T")
 
 class Gateway:
     def __init__(self, config: GatewayConfig, keystore: KeyStore | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tracer: Any = None) -> None:
         self.config = config
+        # OpenTelemetry GenAI spans ("chat <model>"); a no-op without a tracer provider
+        self.tracer = tracer if tracer is not None else trace.get_tracer("ridgeline.platform.gateway")
         self.keystore = keystore
         self.clock = clock
         self.limiter = RateLimiter(clock)
@@ -445,13 +449,29 @@ class Gateway:
         await self._ensure_known(call.names)
         limits = self.keystore.limits(principal.key_id) if self.keystore else KeyLimits()
         admission = self.limiter.admit(principal.key_id, limits, call.estimated_tokens)
-        try:
-            if call.stream:
-                return await self._stream(call, principal, admission)
-            return await self._whole(call, principal, admission)
-        finally:
-            if not call.stream:
-                admission.release()
+        operation = "chat" if kind == "chat" else "text_completion"
+        # A stream's span ends when its first bytes are relayed (the time to first token).
+        with self.tracer.start_as_current_span(
+                f"{operation} {call.names[0]}", kind=SpanKind.CLIENT,
+                attributes={"gen_ai.operation.name": operation,
+                            "gen_ai.request.model": call.names[0],
+                            "gen_ai.request.stream": call.stream,
+                            "ridgeline.tenant": principal.tenant}) as span:
+            try:
+                if call.stream:
+                    response = await self._stream(call, principal, admission)
+                else:
+                    response = await self._whole(call, principal, admission)
+            except Exception as e:
+                span.set_attribute("error.type", type(e).__name__)
+                raise
+            finally:
+                if not call.stream:
+                    admission.release()
+            span.set_attribute("http.response.status_code", response.status_code)
+            if "x-ridgeline-upstream" in response.headers:
+                span.set_attribute("server.address", response.headers["x-ridgeline-upstream"])
+            return response
 
     def _parse(self, raw: bytes, kind: Literal["chat", "completions"]) -> _Call:
         """Only what routing and quotas need is checked here; the upstream validates the
@@ -526,8 +546,13 @@ class Gateway:
         if r.status_code >= 400:  # the request's own fault
             self._account(principal, target.model, None, error=True, admission=admission)
             return _refusal(_Refused(r.status_code, r.content), target.headers())
-        self._account(principal, target.model, _usage_of(r.content), error=False,
-                      admission=admission)
+        usage = _usage_of(r.content)
+        self._account(principal, target.model, usage, error=False, admission=admission)
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.response.model", target.model)
+        if usage is not None:
+            span.set_attribute("gen_ai.usage.input_tokens", _int(usage, "prompt_tokens"))
+            span.set_attribute("gen_ai.usage.output_tokens", _int(usage, "completion_tokens"))
         return Response(r.content, status_code=r.status_code, headers=target.headers(),
                         media_type="application/json")
 

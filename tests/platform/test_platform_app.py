@@ -252,8 +252,13 @@ def test_dashboard_stats_and_metrics(platform) -> None:
     plat, server, keys = platform
     with client(server, keys["alice"]) as c:
         assert "Ridgeline platform" in c.get("/dashboard").text
+        c.post("/v1/agent/tasks", json={"instruction": "x", "model": "replay",
+                                        "replay": ["<finish>x</finish>"]}).raise_for_status()
         stats = c.get("/v1/platform/stats").json()
-        assert set(stats) >= {"tasks", "queue"}
+        assert set(stats) >= {"tasks", "queue"} and sum(stats["tasks"].values()) == 1
+    with client(server, keys["bob"]) as c:  # another tenant counts only its own tasks
+        assert sum(c.get("/v1/platform/stats").json()["tasks"].values()) == 0
+    with client(server, keys["alice"]) as c:
         metrics = c.get("/metrics").text
         assert "ridgeline_queue_depth" in metrics and "ridgeline_agent_tasks" in metrics
 

@@ -226,8 +226,13 @@ class TaskStore:
         args.append(int(limit))
         return [_record(r) for r in self.db.fetchall(sql, args)]
 
-    def counts(self) -> dict[str, int]:
-        rows = self.db.fetchall("SELECT status, COUNT(*) FROM tasks GROUP BY status")
+    def counts(self, tenant: str | None = None) -> dict[str, int]:
+        """Tasks by status (of one tenant, or all)."""
+        if tenant is None:
+            rows = self.db.fetchall("SELECT status, COUNT(*) FROM tasks GROUP BY status")
+        else:
+            rows = self.db.fetchall("SELECT status, COUNT(*) FROM tasks WHERE tenant = ? "
+                                    "GROUP BY status", (tenant,))
         out = {s.value: 0 for s in TaskStatus}
         out.update({s: int(n) for s, n in rows})
         return out

@@ -340,3 +340,10 @@ def test_task_submissions_count_against_the_keys_rpm(platform) -> None:
         assert r.status_code == 429 and float(r.headers["retry-after"]) > 0
         assert r.json()["error"]["type"] == "rate_limit_error"
     assert sum(plat.store.counts().values()) == 2
+
+
+def test_workers_default_to_the_gateways_first_upstream(platform) -> None:
+    plat, server, keys = platform
+    worker = plat.worker("w")
+    assert worker.config.base_url == plat.config.gateway.upstreams[0].base_url
+    assert plat.config.worker.base_url is None  # the config itself is left as written

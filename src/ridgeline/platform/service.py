@@ -183,7 +183,14 @@ class Platform:
             self.graphs.advance(task.parent_id)
 
     def worker(self, name: str | None = None) -> AgentWorker:
-        return AgentWorker(self.config.worker, self.store, self.queue,
+        config = self.config.worker
+        if config.base_url is None and self.config.gateway.upstreams:
+            # no model URL of its own: the agents call the gateway's first upstream
+            first = self.config.gateway.upstreams[0]
+            config = config.model_copy(update={
+                "base_url": first.base_url,
+                "api_key_env": first.api_key_env or config.api_key_env})
+        return AgentWorker(config, self.store, self.queue,
                            model_factory=self.model_factory, env_factory=self.env_factory,
                            on_finish=self.task_finished, name=name)
 

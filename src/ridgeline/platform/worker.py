@@ -56,7 +56,8 @@ class WorkerConfig(BaseModel):
     concurrency: int = Field(2, ge=1, le=256, description="tasks run at once per worker process")
     sandbox: str = Field("bwrap", description="sandbox backend: bwrap, local (no isolation), docker")
     base_url: str | None = Field(None, description="OpenAI-compatible URL the agents' model "
-                                 "calls go to (the gateway or a `ridgeline serve`)")
+                                 "calls go to (a `ridgeline serve`, vLLM, the gateway); "
+                                 "default: the gateway's first upstream")
     api_key_env: str = Field("RIDGELINE_WORKER_API_KEY",
                              description="environment variable holding the key for base_url")
     lease_s: float = Field(30.0, gt=0, description="a task whose worker is silent this long "

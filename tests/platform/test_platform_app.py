@@ -56,6 +56,7 @@ def platform(tmp_path: Path):
         "data_dir": str(tmp_path),
         "server": {"run_workers": 1, "maintenance_s": 0.5},
         "worker": {"sandbox": "local", "allow_replay_model": True, "concurrency": 2,
+                   "heartbeat_s": 0.1,
                    "poll_s": 0.1},
         "webhooks": {"allow_private_targets": True, "base_delay_s": 0.1},
         "rag": {"embedder": "hashing", "qdrant_path": ":memory:"},
@@ -347,3 +348,42 @@ def test_workers_default_to_the_gateways_first_upstream(platform) -> None:
     worker = plat.worker("w")
     assert worker.config.base_url == plat.config.gateway.upstreams[0].base_url
     assert plat.config.worker.base_url is None  # the config itself is left as written
+
+
+def test_cancel_a_running_task_over_http(platform) -> None:
+    """The API cancels the task and its job: the worker's lease then reads as lost, and
+    the task must still end cancelled (after its current step), not stay in progress."""
+    plat, server, keys = platform
+    with client(server, keys["alice"]) as c:
+        tid = c.post("/v1/agent/tasks", json={
+            "instruction": "loop", "model": "replay", "max_steps": 100,
+            "replay": [bash(f"echo {i}; sleep 0.3") for i in range(60)]}).json()["id"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                e.type == "task.step" for e in plat.store.events(tid)):
+            time.sleep(0.05)
+        r = c.post(f"/v1/agent/tasks/{tid}/cancel")
+        assert r.status_code == 200
+        done = wait_status(c, tid, timeout=30)
+    assert done["status"] == "cancelled"
+    steps = [e for e in plat.store.events(tid) if e.type == "task.step"]
+    assert 1 <= len(steps) < 60
+
+
+def test_maintenance_ends_a_cancelled_task_whose_worker_died(platform) -> None:
+    plat, server, keys = platform
+    plat.stop_background()
+    from ridgeline.platform.principal import Principal
+    from ridgeline.platform.tasks_api import enqueue
+
+    task, _ = plat.store.create_task(Principal(key_id="k", tenant="acme"),
+                                     {"instruction": "x", "model": "replay"})
+    enqueue(plat.store, plat.queue, task)
+    job = plat.queue.lease("dead-worker", lease_s=60)   # the worker that will "die"
+    plat.store.start_attempt(task.id)
+    plat.store.request_cancel(task.id, "acme")
+    plat.queue.cancel(task.id)
+    assert plat.store.get(task.id).status.value == "in_progress"
+    assert plat.maintenance()["cancelled"] == 1
+    assert plat.store.get(task.id).status.value == "cancelled"
+    assert job is not None

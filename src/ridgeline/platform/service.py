@@ -215,8 +215,17 @@ class Platform:
                               f"{letter.get('last_error')}"):
                     self.task_finished(self.store.get(task.id))
                     dead += 1
+        cancelled = 0
+        for task in self.store.list(None, status=TaskStatus.IN_PROGRESS.value, limit=10_000):
+            # cancelled while running, and no worker holds it any more (it died): end it
+            info = self.queue.info(task.id) if task.kind == "agent" else None
+            if task.kind == "agent" and task.cancel_requested and \
+                    (info is None or info["state"] != "leased"):
+                if self.store.finish(task.id, TaskStatus.CANCELLED, error="cancelled"):
+                    self.task_finished(self.store.get(task.id))
+                    cancelled += 1
         graphs = self.graphs.advance_all()
-        return {"requeued": requeued, "dead": dead, "graphs": graphs}
+        return {"requeued": requeued, "dead": dead, "cancelled": cancelled, "graphs": graphs}
 
     def stats(self) -> dict[str, Any]:
         return {"tasks": self.store.counts(), "queue": self.queue.depth(),

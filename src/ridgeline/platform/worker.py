@@ -198,14 +198,17 @@ class TaskRun:
 
     # -- the episode -------------------------------------------------------------------
     def on_step(self, episode: Episode, record: StepRecord) -> None:
-        if self.heartbeat.lost.is_set():
+        # A cancel also cancels the job, so the lease reads as lost: the cancel wins (the
+        # attempt fence below still stops a worker whose task another one has taken).
+        cancelled = self.store.cancel_requested(self.task.id)
+        if self.heartbeat.lost.is_set() and not cancelled:
             raise LeaseLost(self.task.id)
         state = episode.state()
         if not self.store.save_checkpoint(self.task.id, record.index, state, self.snapshot(),
                                           attempt=self.attempt):
             raise LeaseLost(self.task.id)
         self.store.append_event(self.task.id, "task.step", step_event(record))
-        if self.store.cancel_requested(self.task.id):
+        if cancelled:
             raise TaskCancelled(self.task.id)
         if self.worker.draining.is_set():
             raise WorkerDraining(self.task.id)
@@ -399,6 +402,11 @@ class AgentWorker:
         try:
             TaskRun(self, task, job).run()
         except LeaseLost:
+            if self.store.cancel_requested(job.id):  # the job was cancelled with the task
+                if self.store.finish(job.id, TaskStatus.CANCELLED, error="cancelled",
+                                     attempt=task.attempts):
+                    self._finished(job.id)
+                return
             log.warning("task %s: lease lost, another worker continues it", job.id)
             return
         except WorkerDraining:

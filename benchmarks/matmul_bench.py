@@ -6,7 +6,11 @@ For each projection of the model (fused QKV, o_proj, fused gate/up, down_proj, l
 and 1, 4, 16, 64 and 512 rows, the time of y = x W^T by:
 
 - fp32 `F.linear` (PyTorch's default CPU GEMM, MKL),
-- fp32 `engine.models.layers.linear` (the engine's (W x^T)^T for 2..64 rows),
+- fp32 `engine.models.layers.linear` (what the engine runs: the C kernel for
+  `KERNEL_MIN_ROWS..KERNEL_MAX_ROWS` rows, oneDNN from `ONEDNN_MIN_ROWS`, else (W x^T)^T
+  up to 64 rows),
+- fp32 `engine.linear_kernel.small_linear` (the AVX-512 C kernel, at every row count;
+  absent where it cannot be built),
 - fp32 oneDNN (`torch._C._nn.mkldnn_linear` on oneDNN tensors),
 - bf16 `F.linear` (oneDNN, AVX512_BF16 dot products where the CPU has them),
 - int8 weight-only `torch._weight_int8pack_mm` (per-output-channel scales; fp32 and bf16
@@ -32,6 +36,7 @@ from bench_common import median_seconds, progress_log  # noqa: I001  (sets the O
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from ridgeline.engine import linear_kernel  # noqa: E402
 from ridgeline.engine.models.layers import linear as engine_linear  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
@@ -76,6 +81,9 @@ def paths(w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], object], 
         "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, wq, scale.to(torch.bfloat16)),
                          torch.bfloat16, w.numel() + scale.numel() * 2),
     }
+    if linear_kernel.available():
+        out["fp32_kernel"] = (lambda x: linear_kernel.small_linear(x, w), torch.float32,
+                              w.numel() * 4)
     try:
         wm = w.to_mkldnn()
         torch._C._nn.mkldnn_linear(torch.randn(2, w.shape[1]).to_mkldnn(), wm, None)
@@ -108,7 +116,8 @@ def main() -> None:
                 x = torch.randn(m, n_in).to(dt)
                 if path == "fp32_onednn":
                     x = x.to_mkldnn()
-                t = median_seconds(lambda: fn(x))
+                with torch.inference_mode():  # as the engine runs (some paths need it)
+                    t = median_seconds(lambda: fn(x))
                 flops = 2 * m * n_out * n_in
                 results[name][path][str(m)] = {
                     "us": round(t * 1e6, 1), "gflops": round(flops / t / 1e9, 1),

@@ -609,41 +609,51 @@ def _cache_dir() -> Path:
     return (Path(env) if env else Path.home() / ".cache" / "ridgeline") / "kernels"
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def compile_library(name: str, source: str, flag_sets: list[list[str]],
+                    recipe: str = _RECIPE) -> Path | None:
+    """`source` compiled into a shared library under the kernel cache (built once per
+    source, flags, compiler and CPU; the first flag set that compiles wins), or None when
+    no compiler is found or none of the flag sets compiles. Shared by the C kernels."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler found: decode attention uses the PyTorch path")
+        log.info("no C compiler found: %s uses the PyTorch path", name)
         return None
-    flag_sets = [[*flags, *extra_flags] for flags in _FLAG_SETS]
-    key = hashlib.sha256((SOURCE + repr(flag_sets) + compiler + _cpu_signature() + _RECIPE)
+    key = hashlib.sha256((source + repr(flag_sets) + compiler + _cpu_signature() + recipe)
                          .encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
-    if not target.is_file():
-        errors = []
-        for flags in flag_sets:
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                    src = Path(tmp) / "paged_attention.c"
-                    src.write_text(SOURCE)
-                    obj, so = Path(tmp) / "out.o", Path(tmp) / "out.so"
-                    libs = [f for f in flags if f.startswith("-l")]
-                    compile_flags = [f for f in flags if not f.startswith("-l") and f != "-shared"]
-                    # Compile and link apart: linking with -ffast-math adds crtfastmath.o,
-                    # whose constructor sets flush-to-zero for the whole process on load
-                    # (every later float op in Python, numpy and torch would lose subnormals).
-                    subprocess.run([compiler, *compile_flags, "-c", "-o", str(obj), str(src)],
-                                   check=True, capture_output=True, timeout=120)
-                    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(so), str(obj), *libs],
-                                   check=True, capture_output=True, timeout=120)
-                    os.replace(so, target)  # atomic: concurrent builders race harmlessly
-                break
-            except (OSError, subprocess.SubprocessError) as e:
-                errors.append(str(e))
-        else:
-            log.warning("could not compile the decode attention kernel (%s); using the "
-                        "PyTorch path", "; ".join(errors))
-            return None
+    target = _cache_dir() / f"{name}-{key}.so"
+    if target.is_file():
+        return target
+    errors = []
+    for flags in flag_sets:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                src = Path(tmp) / f"{name}.c"
+                src.write_text(source)
+                obj, so = Path(tmp) / "out.o", Path(tmp) / "out.so"
+                libs = [f for f in flags if f.startswith("-l")]
+                compile_flags = [f for f in flags if not f.startswith("-l") and f != "-shared"]
+                # Compile and link apart: linking with -ffast-math adds crtfastmath.o,
+                # whose constructor sets flush-to-zero for the whole process on load
+                # (every later float op in Python, numpy and torch would lose subnormals).
+                subprocess.run([compiler, *compile_flags, "-c", "-o", str(obj), str(src)],
+                               check=True, capture_output=True, timeout=120)
+                subprocess.run([compiler, "-shared", "-fPIC", "-o", str(so), str(obj), *libs],
+                               check=True, capture_output=True, timeout=120)
+                os.replace(so, target)  # atomic: concurrent builders race harmlessly
+            return target
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+    log.warning("could not compile the %s kernel (%s); using the PyTorch path", name,
+                "; ".join(errors))
+    return None
+
+
+def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    target = compile_library("paged_attention", SOURCE,
+                             [[*flags, *extra_flags] for flags in _FLAG_SETS])
+    if target is None:
+        return None
     lib = ctypes.CDLL(str(target))
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ridgeline.engine import linear_kernel
+
 
 #: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
 #: kernel for a short x and a wide W runs at a fraction of memory bandwidth, while W x^T
@@ -48,12 +50,28 @@ def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 
+#: CPU float32 products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows go to the C kernel of
+#: `engine.linear_kernel` where it builds (AVX-512): it streams each weight once for all
+#: rows. SmolLM2-135M, all matmuls of a step, 2 cores (`benchmarks/matmul_bench.py`):
+#: 2 rows 22.1 -> 6.1 ms, 8 rows 42.3 -> 10.2 ms, 16 rows 36.2 -> 17.8 ms; 1 row 12.3 ->
+#: 4.7 ms (weights in cache; 31.4 -> 12.6 ms streamed from memory). One row goes here
+#: too: single-request decode doubles, and a row's result is the same whether it is
+#: computed alone (a standard step) or among a speculative verify's rows.
+KERNEL_MIN_ROWS = 1
+KERNEL_MAX_ROWS = 16
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear for a flat batch [T, in] -> [T, out], with the small-batch and the
+    """F.linear for a flat batch [T, in] -> [T, out], with the C kernel, small-batch and
     oneDNN CPU paths for float32."""
     rows = x.shape[0]
+    if (KERNEL_MIN_ROWS <= rows <= KERNEL_MAX_ROWS and x.dim() == 2
+            and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and not torch.is_grad_enabled() and linear_kernel.load() is not None):
+        return linear_kernel.small_linear(x, weight, bias)
     if (_ONEDNN and rows >= ONEDNN_MIN_ROWS and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_grad_enabled()):

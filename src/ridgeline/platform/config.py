@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ridgeline.errors import ConfigError, NotFoundError
+from ridgeline.config import load_config
+from ridgeline.errors import NotFoundError
 from ridgeline.platform.db import database_location
 from ridgeline.platform.gateway import GatewayConfig
 from ridgeline.platform.keys import KeyStoreConfig
@@ -102,19 +101,7 @@ class PlatformConfig(BaseModel):
             raise NotFoundError(f"platform config {p} does not exist",
                                 hint="pass --config with a YAML file (see deploy/compose/"
                                 "platform.yaml for one)")
-        try:
-            data: Any = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p} must hold a mapping of sections")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise ConfigError(f"{p}: {where}: {first['msg']}",
-                              hint=f"{e.error_count()} problem(s) in all") from None
+        return load_config(cls, p)  # YAML and field errors name the file, line and field
 
     def path(self, value: str) -> str:
         """A path from the config: relative ones live under data_dir."""

@@ -42,6 +42,7 @@ from ridgeline.errors import (
 from ridgeline.platform.chunking import chunk_text, looks_like_code
 from ridgeline.platform.embeddings import Embedder, make_embedder
 from ridgeline.platform.principal import Principal
+from ridgeline.serve.protocol import RequestError
 
 #: namespace of the point ids: uuid5 of tenant, document id and chunk position, so the
 #: same document re-added overwrites its own points and never another tenant's
@@ -53,14 +54,13 @@ RESERVED_FIELDS = frozenset({"tenant", "owner", "user", "scope", "acl", "acl_use
 MAX_METADATA_BYTES = 64 * 1024
 
 
-class RagRequestError(RidgelineError):
-    """A malformed RAG or memory request: an empty query, k out of range, a bad filter."""
+class RagRequestError(RequestError):
+    """A malformed RAG or memory request: an empty query, k out of range, a bad filter
+    (the server's 400 with `param`, code `invalid_value`)."""
 
     def __init__(self, message: str, *, param: str | None = None,
                  hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.param = param
-        self.code = "invalid_value"
+        super().__init__(message, param=param, code="invalid_value", hint=hint)
 
 
 # ---- configuration ---------------------------------------------------------------------------

@@ -41,12 +41,13 @@ from ridgeline.platform.rag import AgentMemory, DocumentIndex, open_index, open_
 from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
-from ridgeline.platform.tasks_api import AgentTaskRequest, RequestError, enqueue, tasks_router
+from ridgeline.platform.tasks_api import AgentTaskRequest, enqueue, tasks_router
 from ridgeline.platform.openapi_tools import load_openapi_tools
 from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.platform.tools import SQLIdempotencyStore, ToolCallContext, ToolRegistry
 from ridgeline.platform.urls import check_outbound_url
 from ridgeline.platform.webhooks import WebhookDispatcher, WebhookOutbox, new_secret
+from ridgeline.serve.protocol import RequestError
 from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
 
 log = logging.getLogger(__name__)

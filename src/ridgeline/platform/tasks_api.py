@@ -22,8 +22,9 @@ import posixpath
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ridgeline.errors import PayloadTooLargeError, RidgelineError
 from ridgeline.platform.dag import GraphRunner, TaskGraph
@@ -31,13 +32,10 @@ from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import JobQueue
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
 from ridgeline.platform.worker import AGENT_TASK
+from ridgeline.serve.protocol import RequestError
 
 MAX_FILES_BYTES = 8 << 20
 MAX_INSTRUCTION_CHARS = 100_000
-
-
-class RequestError(RidgelineError):
-    """A malformed task request (400)."""
 
 
 class WebhookSpec(BaseModel):
@@ -107,8 +105,8 @@ def tasks_router(store: TaskStore, queue: JobQueue, principal: Callable[..., Any
                                        hint="send fewer or smaller files")
         try:
             body = AgentTaskRequest.model_validate_json(raw)
-        except ValueError as e:
-            raise RequestError(f"invalid agent task request: {_first_error(e)}") from None
+        except ValidationError as e:  # the app's handler names the first bad field
+            raise RequestValidationError(e.errors()) from None
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
             raise RequestError("Idempotency-Key must be 1 to 255 characters")
         stored = prepare(body, who) if prepare else body.model_dump(mode="json")
@@ -229,14 +227,3 @@ def _event_id(value: str | None) -> int:
     if seq < 0:
         raise RequestError("Last-Event-ID must be >= 0")
     return seq
-
-
-def _first_error(e: ValueError) -> str:
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        items = errors()
-        if items:
-            first = items[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-    return str(e)

@@ -148,10 +148,9 @@ class GraphRunner:
     def advance_all(self) -> int:
         """Advance every unfinished graph (repairs a crash between a child finishing and
         its graph moving on). Returns how many were looked at."""
-        graphs = [t for t in self.store.list(None, status=TaskStatus.IN_PROGRESS.value,
-                                             limit=10_000) if t.kind == "dag"]
-        graphs += [t for t in self.store.list(None, status=TaskStatus.QUEUED.value,
-                                              limit=10_000) if t.kind == "dag"]
+        graphs = [t for status in (TaskStatus.IN_PROGRESS, TaskStatus.QUEUED)
+                  for t in self.store.list(None, status=status.value, kind="dag",
+                                           limit=10_000)]
         for g in graphs:
             try:
                 self.advance(g.id)

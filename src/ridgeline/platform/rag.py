@@ -37,7 +37,7 @@ from qdrant_client import QdrantClient
 from qdrant_client import models as qm
 
 from ridgeline.errors import (
-    ConfigError, ConflictError, NotFoundError, PayloadTooLargeError, RidgelineError,
+    ConfigError, ConflictError, NotFoundError, PayloadTooLargeError,
 )
 from ridgeline.platform.chunking import chunk_text, looks_like_code
 from ridgeline.platform.embeddings import Embedder, make_embedder

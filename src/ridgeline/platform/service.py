@@ -200,9 +200,9 @@ class Platform:
         number of times: every step is idempotent)."""
         now = time.time() if now is None else now
         requeued = dead = 0
-        for task in self.store.list(None, status=TaskStatus.QUEUED.value, limit=10_000):
-            if task.kind == "agent" and now - task.created_at > ORPHAN_AFTER_S \
-                    and self.queue.info(task.id) is None:
+        for task in self.store.list(None, status=TaskStatus.QUEUED.value, kind="agent",
+                                    limit=10_000):
+            if now - task.created_at > ORPHAN_AFTER_S and self.queue.info(task.id) is None:
                 enqueue(self.store, self.queue, task)
                 requeued += 1
         for letter in self.queue.dead_letters(limit=1000):
@@ -217,11 +217,11 @@ class Platform:
                     self.task_finished(self.store.get(task.id))
                     dead += 1
         cancelled = 0
-        for task in self.store.list(None, status=TaskStatus.IN_PROGRESS.value, limit=10_000):
+        for task in self.store.list(None, status=TaskStatus.IN_PROGRESS.value, kind="agent",
+                                    cancel_requested=True, limit=10_000):
             # cancelled while running, and no worker holds it any more (it died): end it
-            info = self.queue.info(task.id) if task.kind == "agent" else None
-            if task.kind == "agent" and task.cancel_requested and \
-                    (info is None or info["state"] != "leased"):
+            info = self.queue.info(task.id)
+            if info is None or info["state"] != "leased":
                 if self.store.finish(task.id, TaskStatus.CANCELLED, error="cancelled"):
                     self.task_finished(self.store.get(task.id))
                     cancelled += 1

@@ -211,8 +211,15 @@ class TaskStore:
         return _record(row)
 
     def list(self, tenant: str | None, *, status: str | None = None, parent_id: str | None = None,
+             kind: str | None = None, cancel_requested: bool | None = None,
              limit: int = 50) -> list[TaskRecord]:
         sql, args = f"SELECT {_COLUMNS} FROM tasks WHERE 1=1", []
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        if cancel_requested is not None:
+            sql += " AND cancel_requested = ?"
+            args.append(int(cancel_requested))
         if tenant is not None:
             sql += " AND tenant = ?"
             args.append(tenant)

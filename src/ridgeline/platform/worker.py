@@ -306,6 +306,11 @@ def restore_workspace(sandbox: Sandbox, data: bytes) -> None:
 
 
 def default_model_factory(config: WorkerConfig) -> ModelFactory:
+    # one client per model name for the worker's life: its connections and the model's
+    # context window (a GET /models) are reused by every task, not fetched per task
+    clients: dict[str, ChatModel] = {}
+    lock = threading.Lock()
+
     def make(task: TaskRecord) -> ChatModel:
         name = task.request.get("model") or "default"
         if name == REPLAY_MODEL:
@@ -317,8 +322,11 @@ def default_model_factory(config: WorkerConfig) -> ModelFactory:
             raise ConfigError("worker.base_url is not set: agents have no model to call",
                               hint="point it at the gateway or a `ridgeline serve` /v1 URL")
         from ridgeline.llm.openai_client import OpenAIClient
-        return OpenAIClient(config.base_url, model=name,
-                            api_key=os.environ.get(config.api_key_env))
+        with lock:
+            if name not in clients:
+                clients[name] = OpenAIClient(config.base_url, model=name,
+                                             api_key=os.environ.get(config.api_key_env))
+            return clients[name]
     return make
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,8 +22,7 @@ import pytest
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ridgeline.engine import LLMEngine
 from ridgeline.platform.gateway import (
@@ -31,6 +31,9 @@ from ridgeline.platform.gateway import (
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.limits import KeyLimits
 from ridgeline.serve.app import ServerThread, create_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_fixtures import char_tokenizer  # noqa: E402  (the engine tests' tokenizer)
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 
@@ -256,25 +259,11 @@ def up(stub: Stub | None, name: str | None = None, **kw: Any) -> UpstreamConfig:
 # ---- a real `ridgeline serve` upstream -----------------------------------------------------------
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
-    return fast
-
-
 @pytest.fixture(scope="module")
 def serve_upstream() -> Iterator[ServerThread]:
     """`ridgeline serve`'s app with "tiny" and "tiny:fast" (n-gram speculation), a random
     two-layer Llama."""
-    tok = tiny_tokenizer()
+    tok = char_tokenizer()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

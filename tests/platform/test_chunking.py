@@ -181,3 +181,10 @@ def test_invariants_hold_for_any_text(pieces: list[str], size: int, frac: float,
     chunks = chunk_text(text, size=size, overlap=overlap, code=code)
     _check_invariants(text, chunks, size, overlap)
     assert bool(chunks) == bool(re.search(r"\S", text))
+
+
+def test_an_overlap_never_swallows_the_previous_chunk() -> None:
+    # found by hypothesis: a short chunk "ce." was followed by "ce. a" from the same start
+    text = "a" * 10 + "Sentence. a"
+    chunks = chunk_text(text, size=8, overlap=4)
+    _check_invariants(text, chunks, 8, 4)

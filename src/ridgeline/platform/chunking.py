@@ -186,9 +186,10 @@ def chunk_text(text: str, *, size: int = 800, overlap: int = 100, code: bool = F
     units = _units(text, code, size, length)
     chunks: list[Chunk] = []
     for s, e in _groups(text, units, size, overlap, length):
-        # take whole units from the previous group while they fit the overlap and the size
+        # take whole units from the previous group while they fit the overlap and the size,
+        # never back to where the previous chunk starts (it would hold that whole chunk)
         o = s
-        while (o > 0 and chunks
+        while (o > 0 and chunks and units[o - 1].start > chunks[-1].start
                and length(text[units[o - 1].start:units[s].start]) <= overlap
                and length(text[units[o - 1].start:units[e - 1].end]) <= size):
             o -= 1

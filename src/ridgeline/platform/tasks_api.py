@@ -109,7 +109,10 @@ def tasks_router(store: TaskStore, queue: JobQueue, principal: Callable[..., Any
             raise RequestValidationError(e.errors()) from None
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
             raise RequestError("Idempotency-Key must be 1 to 255 characters")
-        stored = prepare(body, who) if prepare else body.model_dump(mode="json")
+        # on a worker thread: the webhook URL check resolves its host (DNS must not stall
+        # the event loop) and the key's limits may be read from the database
+        stored = (await asyncio.to_thread(prepare, body, who) if prepare
+                  else body.model_dump(mode="json"))
         secret = (stored.get("webhook") or {}).get("secret")
         kind = "dag" if body.graph is not None else "agent"
         if kind == "dag" and graphs is None:

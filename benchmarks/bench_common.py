@@ -36,6 +36,25 @@ def progress_log(json_only: bool) -> Callable[..., None]:
     return (lambda *a: print(*a, file=sys.stderr, flush=True)) if json_only else print
 
 
+def machine(threads: int) -> str:
+    """The CPU's model name, its widest vector ISA and the thread count: numbers measured
+    on an AVX-512 CPU and on an AVX2 one are not comparable (the C kernels differ)."""
+    import platform
+
+    from ridgeline.engine.cpu_kernels import cpu_flags
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.partition(":")[2].strip() for ln in f
+                         if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    flags = cpu_flags()
+    isa = next((i for i in ("avx512_bf16", "avx512f", "avx2") if i in flags), "no avx2")
+    return f"{name} ({isa}), {threads} threads"
+
+
 def on_worker_thread(fn: Callable[[], T], name: str) -> T:
     """fn() on a new thread, its exception re-raised here. On this machine torch's matmuls
     issued from the main thread have been measured several times slower than from another

@@ -26,14 +26,13 @@ import contextlib
 import io
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from datetime import date
 
 # before torch: idle OpenMP workers sleep, the same for both engines
-from bench_common import engine_arg_parser, median_seconds, progress_log  # noqa: I001
+from bench_common import engine_arg_parser, machine, median_seconds, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -194,6 +193,22 @@ def single_request(llm, model, prompt: list[int], n: int) -> dict:
     return {"ridgeline": ours, "hf": hf}
 
 
+def llama_cpp_decode(args, engine, depth: int) -> dict[str, float]:
+    """llama.cpp's decode on the model's GGUF file as shipped and requantized to the
+    numbers we run (llama_cpp_baseline.py), same thread count, same context depth."""
+    from llama_cpp_baseline import single_request as llama_single
+
+    from ridgeline.engine.registry import resolve_model
+
+    entry = resolve_model(args.model)
+    if entry.format != "gguf":
+        raise SystemExit("--llama-cpp needs a GGUF model")
+    settings = [args.dtype] + (["int8"] if args.weight_quant == "int8" else [])
+    tok_s = llama_single(args.llama_cpp, entry.path, settings, threads=args.threads,
+                         depth=depth, n=32 if args.quick else 128)
+    return {f"llama_cpp_{t}": v for t, v in tok_s.items()}
+
+
 def ttft(llm, vocab: int, prefix_len: int, repeats: int = 3) -> tuple[float, float]:
     """Median time to first token (ms) of a prompt = prefix + 16 new tokens, with the prefix
     cached by an earlier request versus never seen."""
@@ -223,6 +238,9 @@ def main() -> None:
                     help="both engines' weights and activations")
     ap.add_argument("--weight-quant", choices=["none", "int8"], default="none",
                     help="ours only: weight-only int8 (transformers stays in --dtype)")
+    ap.add_argument("--llama-cpp", metavar="DIR", default=None,
+                    help="folder with llama.cpp's llama-bench and llama-quantize: adds its "
+                         "single-request decode on the same weights (GGUF models only)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(args.threads)
@@ -264,8 +282,7 @@ def main() -> None:
                     "weight_quant": args.weight_quant, "threads": args.threads,
                     "requests": n, "prompt_tokens": sum(len(p) for p, _ in reqs),
                     "output_tokens": sum(o for _, o in reqs), "quick": args.quick,
-                    "machine": f"{platform.processor() or platform.machine()}, "
-                               f"{torch.get_num_threads()} threads",
+                    "machine": machine(torch.get_num_threads()),
                     "date": date.today().isoformat(), "torch": torch.__version__}
     forwards = ForwardLog(engine.runner)
     ours = run_ridgeline(llm, reqs)
@@ -309,6 +326,8 @@ def main() -> None:
     if "single" not in skip:
         single = single_request(llm, hf_model, reqs[0][0][:128], 32 if args.quick else 128)
         log("single request decode", single)
+        if args.llama_cpp:
+            single.update(llama_cpp_decode(args, engine, 128))
         result["single_request_tok_s"] = {k: round(v, 2) for k, v in single.items()}
     if "ttft" not in skip:
         cached, uncached = ttft(llm, vocab, 512)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ridgeline.engine import decode_ops
 from ridgeline.engine.attention import AttentionMetadata, paged_attention
 from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
@@ -42,17 +43,27 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> the layer's output; x itself may be updated in place."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # a few tokens: the small ops as one C call each (decode_ops), same numerics
+        few = decode_ops.usable(x)
         qkv = self.qkv_proj(self.input_norm(x))
         v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, :h * d].view(t, h, d)), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)), cos, sin)
+        elif few and d <= decode_ops.MAX_HEAD_DIM:  # in place in the fresh qkv rows
+            qk = decode_ops.rotary_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
         else:  # rotate queries and keys in one go
             qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
-        x = x + self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
+        attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
+        if few:
+            gate_up = self.gate_up_proj(self.post_norm(x, attn))  # x += attn, then norm
+            return x.add_(self.down_proj(decode_ops.silu_mul(gate_up)))
+        x = x + attn
         gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 

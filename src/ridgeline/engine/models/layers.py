@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgeline.engine import linear_kernel
+from ridgeline.engine import decode_ops, linear_kernel
 
 
 #: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
@@ -134,7 +134,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm of x; with `delta`, of x + delta, and x itself becomes x + delta (the
+        residual add before the norm, fused where `decode_ops` takes x)."""
+        if x.dim() == 2 and x.stride(1) == 1 and decode_ops.usable(x):
+            return decode_ops.rms_norm(x, self.weight, self.eps, delta)
+        if delta is not None:
+            x.add_(delta)
         if x.dtype == torch.float32:  # one kernel, bit-identical to the formula below
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # same order of operations as transformers' LlamaRMSNorm (compute in float32)

@@ -1,0 +1,250 @@
+"""The small per-layer operations of a decode step (RMSNorm, residual add + RMSNorm,
+SwiGLU's silu(gate) * up, rotary embedding) as one C call each, for a handful of rows.
+
+At 1..16 tokens a decoder layer's matmuls are fast (`linear_kernel`) and what is left is
+PyTorch's per-op cost: F.rms_norm is five ops (~16 us for one 576-wide row), rotary
+four, SwiGLU three, each a dispatch and a fresh tensor, and above ~32K elements an
+OpenMP hand-off to a sleeping thread. Over SmolLM2's 30 layers that is several ms per
+step, a third of a single-request step once the matmuls stream at memory speed.
+
+The numerics are PyTorch's (and so transformers'): the same formulas, the same order
+and rounding of every multiply and add (compiled with -ffp-contract=off, so no FMA
+contracts two roundings into one), bfloat16 rounded where PyTorch rounds it. Two places
+can differ in the last bit: the sum of squares of RMSNorm (summed in 16 lanes, then
+folded) and the exp of SiLU (libm's expf against PyTorch's vectorised one).
+
+Single-threaded: at these sizes a second thread's wake-up costs more than the work.
+Callers fall back to PyTorch where `available()` is False, for more rows than
+`MAX_ROWS`, or for other dtypes and devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import threading
+
+import torch
+
+from ridgeline.engine import cpu_kernels
+
+log = logging.getLogger(__name__)
+
+#: Above this many rows PyTorch's ops (threaded, vectorised exp) are at least as fast.
+MAX_ROWS = 16
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* bfloat16 <-> float32 as PyTorch does it (round to nearest even; NaN stays NaN) */
+static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f;
+  memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) { uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16); }
+
+#define LANES 16
+/* 1/sqrt(mean(x^2) + eps) of one row: lane-wise partial sums, then folded */
+static inline float inv_rms(const float* x, int64_t d, float eps) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= d; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += x[i + l] * x[i + l];
+  for (int l = 0; i < d; ++i, ++l) acc[l] += x[i] * x[i];
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return 1.0f / sqrtf(acc[0] / (float)d + eps);
+}
+
+/* out = rms_norm(x (+ delta)) * w; with delta, x is updated in place to x + delta first */
+void rms_norm_f32(float* x, int64_t ldx, const float* delta, int64_t ldd, const float* w,
+                  float eps, float* out, int64_t ldo, int64_t rows, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * ldx;
+    if (delta) { const float* dr = delta + r * ldd; for (int64_t i = 0; i < d; ++i) xr[i] += dr[i]; }
+    float s = inv_rms(xr, d, eps);
+    float* o = out + r * ldo;
+    for (int64_t i = 0; i < d; ++i) o[i] = (xr[i] * s) * w[i];
+  }
+}
+
+void rms_norm_bf16(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd,
+                   const uint16_t* w, float eps, uint16_t* out, int64_t ldo, int64_t rows,
+                   int64_t d, float* scratch) {
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* xr = x + r * ldx;
+    if (delta) {
+      const uint16_t* dr = delta + r * ldd;
+      for (int64_t i = 0; i < d; ++i) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
+    }
+    for (int64_t i = 0; i < d; ++i) scratch[i] = bf2f(xr[i]);
+    float s = inv_rms(scratch, d, eps);
+    uint16_t* o = out + r * ldo;
+    /* transformers: weight * (x_f32 * s).to(bf16), the product rounded to bf16 */
+    for (int64_t i = 0; i < d; ++i) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(scratch[i] * s)));
+  }
+}
+
+/* out[r, :n] = silu(gu[r, :n]) * gu[r, n:2n] */
+void silu_mul_f32(const float* gu, int64_t ldg, float* out, int64_t ldo, int64_t rows,
+                  int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * ldg; const float* u = g + n; float* o = out + r * ldo;
+    for (int64_t i = 0; i < n; ++i) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+  }
+}
+
+void silu_mul_bf16(const uint16_t* gu, int64_t ldg, uint16_t* out, int64_t ldo,
+                   int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gu + r * ldg; const uint16_t* u = g + n; uint16_t* o = out + r * ldo;
+    for (int64_t i = 0; i < n; ++i) {
+      float gi = bf2f(g[i]);
+      o[i] = f2bf(bf2f(f2bf(gi / (1.0f + expf(-gi)))) * bf2f(u[i]));
+    }
+  }
+}
+
+/* In place on heads [rows, heads, d] (row stride ldx, head stride d):
+   x = x * cos + swap_halves(x) * signed_sin, cos/sin rows [rows, d] */
+void rotary_f32(float* x, int64_t ldx, int64_t heads, int64_t d, const float* cos_,
+                const float* sin_, int64_t ldc, int64_t rows) {
+  float tmp[512];
+  int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos_ + r * ldc; const float* s = sin_ + r * ldc;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + r * ldx + h * d;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = v[i];
+      for (int64_t i = 0; i < half; ++i) v[i] = tmp[i] * c[i] + tmp[i + half] * s[i];
+      for (int64_t i = half; i < d; ++i) v[i] = tmp[i] * c[i] + tmp[i - half] * s[i];
+    }
+  }
+}
+
+void rotary_bf16(uint16_t* x, int64_t ldx, int64_t heads, int64_t d, const uint16_t* cos_,
+                 const uint16_t* sin_, int64_t ldc, int64_t rows) {
+  float tmp[512];
+  int64_t half = d / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* c = cos_ + r * ldc; const uint16_t* s = sin_ + r * ldc;
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* v = x + r * ldx + h * d;
+      for (int64_t i = 0; i < d; ++i) tmp[i] = bf2f(v[i]);
+      /* PyTorch: (x * cos) rounded, (swapped * sin) rounded, their sum rounded */
+      for (int64_t i = 0; i < d; ++i) {
+        float sw = i < half ? tmp[i + half] : tmp[i - half];
+        v[i] = f2bf(bf2f(f2bf(tmp[i] * bf2f(c[i]))) + bf2f(f2bf(sw * bf2f(s[i]))));
+      }
+    }
+  }
+}
+"""
+
+#: no FMA contraction: every product and sum rounds as in PyTorch's separate ops
+_FLAGS = [["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC",
+           "-lm"],
+          ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-lm"]]
+MAX_HEAD_DIM = 512
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _build() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    target = cpu_kernels.compile_library("decode_ops", SOURCE, _FLAGS)
+    if target is None:
+        return None
+    lib = ctypes.CDLL(str(target))
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
+    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64, ptr]
+    for fn in (lib.silu_mul_f32, lib.silu_mul_bf16):
+        fn.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    for fn in (lib.rotary_f32, lib.rotary_bf16):
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64]
+    for fn in (lib.rms_norm_f32, lib.rms_norm_bf16, lib.silu_mul_f32, lib.silu_mul_bf16,
+               lib.rotary_f32, lib.rotary_bf16):
+        fn.restype = None
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot be built (not Linux, no compiler)."""
+    global _lib, _tried
+    if _tried:  # read without the lock: this runs several times per layer and step
+        return _lib
+    with _lock:
+        if not _tried:
+            _tried = True
+            _lib = _build()
+    return _lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether `x` ([rows, ...] on CPU, float32 or bfloat16, few rows, no autograd) goes
+    through these kernels."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and 0 < x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
+            and load() is not None)
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [rows, d] times weight; with `delta`, first x += delta in place (the
+    residual add before a norm). Callers check `usable(x)`; x must be rows of unit stride
+    and writable, weight contiguous in x's dtype."""
+    lib = load()
+    assert lib is not None and _rows_ok(x) and weight.dtype == x.dtype
+    rows, d = x.shape
+    out = torch.empty(rows, d, dtype=x.dtype)
+    if delta is not None:
+        if not _rows_ok(delta) or delta.dtype != x.dtype:
+            delta = delta.reshape(rows, d).to(x.dtype).contiguous()
+        dptr, ldd = delta.data_ptr(), delta.stride(0)
+    else:
+        dptr, ldd = None, 0
+    if x.dtype == torch.float32:
+        lib.rms_norm_f32(x.data_ptr(), x.stride(0), dptr, ldd, weight.data_ptr(), eps,
+                         out.data_ptr(), d, rows, d)
+    else:
+        scratch = torch.empty(d, dtype=torch.float32)
+        lib.rms_norm_bf16(x.data_ptr(), x.stride(0), dptr, ldd, weight.data_ptr(), eps,
+                          out.data_ptr(), d, rows, d, scratch.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [rows, 2n] projection (gate first) -> [rows, n]."""
+    lib = load()
+    assert lib is not None and _rows_ok(gate_up)
+    rows, n2 = gate_up.shape
+    n = n2 // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
+    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), n, rows, n)
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """In place: x [rows, heads, d] (heads contiguous within a row) becomes
+    x * cos + rotate_half(x) * sin, as `layers.apply_rotary` computes it; cos and
+    signed_sin [rows, d] (or [rows, 1, d]) contiguous in x's dtype. Returns x."""
+    lib = load()
+    rows, heads, d = x.shape
+    assert lib is not None and x.stride(2) == 1 and x.stride(1) == d and d <= MAX_HEAD_DIM
+    cos, signed_sin = cos.reshape(rows, d), signed_sin.reshape(rows, d)
+    assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype
+    fn = lib.rotary_f32 if x.dtype == torch.float32 else lib.rotary_bf16
+    fn(x.data_ptr(), x.stride(0), heads, d, cos.data_ptr(), signed_sin.data_ptr(), d, rows)
+    return x

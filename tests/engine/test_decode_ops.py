@@ -1,0 +1,102 @@
+"""The decode step's small ops in C (`engine.decode_ops`) against PyTorch's formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ridgeline.engine import decode_ops
+from ridgeline.engine.models.layers import RMSNorm, apply_rotary
+
+pytestmark = pytest.mark.skipif(decode_ops.load() is None, reason="no C compiler here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 576), (3, 64), (16, 100), (5, 7)])
+def test_rms_norm_matches_the_formula(dtype, rows, d):
+    g = torch.Generator().manual_seed(rows * d)
+    x = torch.randn(rows, d, generator=g).to(dtype) * 3
+    w = torch.randn(d, generator=g).to(dtype)
+    got = decode_ops.rms_norm(x.clone(), w, 1e-5)
+    want = reference_rms_norm(x, w, 1e-5)
+    assert got.dtype == dtype and got.shape == want.shape
+    # only the sum of squares is summed in another order: at most an ulp of the scale
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # rounding mismatches are rare single ulps
+        assert (got != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_delta_adds_the_residual_in_place(dtype):
+    x = torch.randn(4, 96).to(dtype)
+    delta = torch.randn(4, 96).to(dtype)
+    w = torch.rand(96).to(dtype)
+    want_x = x + delta
+    want = reference_rms_norm(want_x, w, 1e-6)
+    got = decode_ops.rms_norm(x, w, 1e-6, delta)
+    assert torch.equal(x, want_x)  # the residual stream, bit for bit
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_rms_norm_reads_strided_rows():
+    base = torch.randn(3, 200)
+    x = base[:, :128]  # rows of stride 200
+    w = torch.rand(128)
+    got = decode_ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, reference_rms_norm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_module_takes_the_kernel_only_for_few_rows():
+    norm = RMSNorm(64, 1e-5, torch.float32, "cpu")
+    norm.weight.data.uniform_(0.5, 1.5)
+    for rows in (1, decode_ops.MAX_ROWS, decode_ops.MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got = norm(x)
+        torch.testing.assert_close(got, reference_rms_norm(x, norm.weight, 1e-5),
+                                   rtol=1e-6, atol=1e-6)
+    assert not decode_ops.usable(torch.randn(decode_ops.MAX_ROWS + 1, 64))
+    with torch.enable_grad():  # autograd needs PyTorch's ops
+        assert not decode_ops.usable(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1536), (7, 40), (16, 3)])
+def test_silu_mul_matches_pytorch(dtype, rows, n):
+    gu = (torch.randn(rows, 2 * n) * 4).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = decode_ops.silu_mul(gu)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if dtype == torch.float32:  # libm's expf against PyTorch's: a few ulps
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+        assert (got != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,heads,d", [(1, 12, 64), (5, 3, 32), (2, 4, 128)])
+def test_rotary_is_bit_identical_to_apply_rotary(dtype, rows, heads, d):
+    """Separate roundings of each product and the sum, as PyTorch's three ops."""
+    qkv = torch.randn(rows, (heads + 2) * d).to(dtype)
+    cos = torch.randn(rows, 1, d).to(dtype)
+    sin = torch.randn(rows, 1, d).to(dtype)
+    view = qkv[:, :heads * d].view(rows, heads, d)  # strided rows, as in the layer
+    want = apply_rotary(view.clone(), cos, sin)
+    rest = qkv[:, heads * d:].clone()
+    got = decode_ops.rotary_(view, cos, sin)
+    assert got.data_ptr() == view.data_ptr()
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, heads * d:], rest)  # the V part is untouched

@@ -21,8 +21,11 @@ by other processes on the machine) and the median over rounds, on one thread (th
 kernel alone) and on `--threads` threads (the engine's split). `kv_gbs` is the KV bytes
 one call reads over the minimum time, to set against the machine's read bandwidth
 (matmul_bench's `read_gbs`). `max_abs_diff` is between the two kernels' outputs.
-With `--portable`, the build CPUs without AVX-512 get (`cpu_kernels.portable_library()`)
-is timed too, on one thread (`portable_ms_min`). Prints one JSON object.
+With `--portable`, the kernel's portable path (`cpu_kernels.portable_library()`, what CPUs
+with neither AVX-512 nor AVX2 + FMA build) is timed too (`portable_ms_min`,
+`speedup_vs_portable_min`), and so is the AVX2 path (`cpu_kernels.avx2_library()`,
+`avx2_ms_min`) where this CPU runs it but builds another natively (AVX-512); `new` is the
+native build, whose path `machine.kernel_path` names. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -134,12 +137,25 @@ def time_rounds(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, li
     return times
 
 
-class Portable:
-    """cpu_kernels called with the portable (8-wide) build, in the baseline's interface."""
+class Build:
+    """cpu_kernels called with one of its builds, in the baseline's interface."""
 
-    @staticmethod
-    def paged_decode_attention(*args: Any, **kwargs: Any) -> None:
-        cpu_kernels.paged_decode_attention(*args, lib=cpu_kernels.portable_library(), **kwargs)
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    def paged_decode_attention(self, *args: Any, **kwargs: Any) -> None:
+        cpu_kernels.paged_decode_attention(*args, lib=self.lib, **kwargs)
+
+
+def extra_builds(portable: bool) -> list[tuple[str, Any]]:
+    """With --portable: the portable build, and the AVX2 one where it is not native."""
+    if not portable:
+        return []
+    builds = [("portable", Build(cpu_kernels.portable_library()))]
+    avx2 = cpu_kernels.avx2_library()
+    if cpu_kernels.kernel_path() != "avx2" and cpu_kernels.kernel_path(avx2) == "avx2":
+        builds.append(("avx2", Build(avx2)))
+    return builds
 
 
 def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: int,
@@ -151,9 +167,8 @@ def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: i
         "max_abs_diff": float((layers.output(old) - layers.output(cpu_kernels)).abs().max())}
     for n in sorted({1, threads}):
         cuts = [0, items] if n == 1 else cpu_kernels.split_work(ctx, KV_HEADS, n)
-        kernels: list[tuple[str, Any]] = [("old", old), ("new", cpu_kernels)]
-        if portable and n == 1:
-            kernels.append(("portable", Portable))
+        kernels: list[tuple[str, Any]] = [("old", old), ("new", cpu_kernels),
+                                          *extra_builds(portable)]
         fns = {name: (lambda m=module, c=cuts: [layers.call(m, i, c)
                                                  for i in range(layers.count)])
                for name, module in kernels}
@@ -166,6 +181,8 @@ def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: i
             row[f"{name}_kv_gbs"] = round(layers.read_bytes / min(per_call) / 1e9, 2)
         row["speedup_min"] = round(row["old_ms_min"] / row["new_ms_min"], 2)
         row["speedup_median"] = round(row["old_ms_median"] / row["new_ms_median"], 2)
+        if portable:
+            row["speedup_vs_portable_min"] = round(row["portable_ms_min"] / row["new_ms_min"], 2)
         result[f"threads_{n}"] = row
     return result
 
@@ -179,7 +196,7 @@ def main() -> None:
     ap.add_argument("--pool-mb", type=float, default=192.0,
                     help="KV read by one pass over a configuration's layers")
     ap.add_argument("--portable", action="store_true",
-                    help="also time the build CPUs without AVX-512 get (one thread)")
+                    help="also time the portable build (and the AVX2 one if not native)")
     ap.add_argument("--storage", nargs="*", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
     args = ap.parse_args()
@@ -210,7 +227,8 @@ def main() -> None:
                     "avx512": "avx512f" in cpu_kernels.cpu_flags(),
                     "avx512_bf16": "avx512_bf16" in cpu_kernels.cpu_flags(),
                     "threads": args.threads,
-                    "kernel_vector_width": cpu_kernels.vector_width()},
+                    "kernel_vector_width": cpu_kernels.vector_width(),
+                    "kernel_path": cpu_kernels.kernel_path()},
         "shape": {"seqs": SEQS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "new_tokens_per_seq": 1},
         "baseline": BASELINE_COMMIT[:7],

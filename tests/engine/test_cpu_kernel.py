@@ -1,6 +1,6 @@
 """The C decode-attention kernel equals PyTorch attention over the same paged context, in
-both of its builds: the AVX-512 path this machine compiles (when it has AVX-512) and the
-portable 8-wide path every other CPU compiles."""
+each of its paths this CPU runs: the one it compiles natively (AVX-512, AVX2 + FMA or
+portable), the AVX2 path (built without AVX-512) and the portable 8-wide path."""
 
 from __future__ import annotations
 
@@ -17,25 +17,30 @@ from ridgeline.engine.kv_quant import dequantize, quantize
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")
 
-BUILDS = ["native", "portable"]
+BUILDS = ["native", "avx2", "portable"]
 
 
 def _lib(build: str) -> ctypes.CDLL:
-    lib = cpu_kernels.load() if build == "native" else cpu_kernels.portable_library()
+    lib = {"native": cpu_kernels.load, "avx2": cpu_kernels.avx2_library,
+           "portable": cpu_kernels.portable_library}[build]()
     assert lib is not None
+    if build == "avx2" and cpu_kernels.kernel_path(lib) != "avx2":
+        pytest.skip("this CPU has no AVX2 + FMA")
     return lib
 
 
 def _attend(heads: int, kv_heads: int, head_dim: int, block_size: int, ctx: list[int],
             q_lens: list[int], storage: str, *, build: str = "native", threads: int = 1,
             seed: int = 0, key_growth: float = 0.0, q_scale: float = 1.0,
-            poison_free_slots: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            poison_free_slots: bool = False,
+            cuts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel output, reference) for sequences with these contexts and new-token counts.
 
     key_growth: keys of later positions are scaled up by (1 + key_growth * position), so the
     running max of the scores keeps rising (the rescaling path); poison_free_slots: every
     slot no sequence owns (the null block, the tail of each last block) holds NaN, which
-    must never reach an output."""
+    must never reach an output; cuts: the work items' split over threads (default
+    `split_work`'s)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     g = heads // kv_heads
@@ -87,7 +92,7 @@ def _attend(heads: int, kv_heads: int, head_dim: int, block_size: int, ctx: list
     try:
         cpu_kernels.paged_decode_attention(q, kq, vq, table, torch.tensor(starts),
                                            torch.tensor(q_lens), torch.tensor(ctx), out,
-                                           lib=_lib(build), **scales)
+                                           cuts=cuts, lib=_lib(build), **scales)
     finally:
         torch.set_num_threads(old)
     ref = torch.empty_like(out)
@@ -148,10 +153,24 @@ def test_block_sizes_that_split_the_chunks(block_size, build) -> None:
 
 @pytest.mark.parametrize("head_dim", [8, 24, 40, 136, 256])
 @pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
-def test_head_dims_off_the_vector_width(head_dim, storage) -> None:
-    """head_dim a multiple of 8 but not of 16 or 64: masked channel tails, several tiles."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_head_dims_off_the_vector_width(head_dim, storage, build) -> None:
+    """head_dim a multiple of 8 but not of 16 or 64: masked channel tails (AVX-512), last
+    channel tiles of every length (AVX2), several tiles."""
     got, ref = _attend(4, 2, head_dim, 16, [5, 16, 70, 200], [1, 1, 3, 1], storage,
-                       seed=head_dim)
+                       build=build, seed=head_dim)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 40, 56, 72])
+@pytest.mark.parametrize("build", BUILDS)
+def test_every_channel_tail_per_query_tile(heads, kv_heads, head_dim, build) -> None:
+    """Each tile of 1-4 query vectors with head_dims that leave every possible number of
+    channel vectors after the last full tile (the AVX2 path's tiles are 8, 4 or 2 vectors
+    wide, by the number of query vectors)."""
+    got, ref = _attend(heads, kv_heads, head_dim, 16, [3, 25, 61], [1, 2, 1], "bfloat16",
+                       build=build, seed=head_dim + heads)
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 
 
@@ -162,6 +181,44 @@ def test_many_query_rows_per_kv_head(storage, build) -> None:
     head (the limit), each row with its own causal limit inside the last chunk."""
     ctx = [8, 9, 23, 64, 130]
     got, ref = _attend(16, 2, 64, 16, ctx, [8] * len(ctx), storage, build=build)
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_shares_that_split_a_sequences_kv_heads(storage, build) -> None:
+    """Work items are (sequence, KV head); a share of them may start or end inside a
+    sequence's heads (the AVX2 path walks the heads of one sequence in a share together)."""
+    ctx = [7, 40, 100, 3]  # 4 sequences x 3 KV heads = 12 items
+    got, ref = _attend(9, 3, 64, 16, ctx, [1, 2, 1, 1], storage, build=build, threads=4,
+                       cuts=[0, 1, 5, 6, 12])
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_a_share_writes_only_its_own_items(build) -> None:
+    """Items 1-4 only (sequence 0's KV heads 1-2, sequence 1's heads 0-1): every other
+    head's output is left as it was (NaN here)."""
+    got, ref = _attend(9, 3, 64, 16, [20, 33, 9], [1, 2, 1], "float32", build=build,
+                       cuts=[1, 5])
+    done = torch.zeros(got.shape[:2], dtype=torch.bool)
+    done[0, 3:] = True  # sequence 0 (row 0): query heads of KV heads 1 and 2
+    done[1:3, :6] = True  # sequence 1 (rows 1-2): query heads of KV heads 0 and 1
+    assert torch.allclose(got[done], ref[done], atol=2e-5)
+    assert torch.isnan(got[~done]).all()
+
+
+@pytest.mark.parametrize("heads,kv_heads,q_len", [(16, 4, 5), (16, 8, 8), (12, 6, 11)])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_more_query_vectors_than_one_pass_holds(heads, kv_heads, q_len, storage,
+                                                build) -> None:
+    """A sequence's KV heads together have more query vectors than the kernel's limit per
+    KV head (64): 4 x 4 x 5 = 80, 2 x 8 x 8 = 128, 2 x 6 x 11 = 132, so the heads go in
+    several passes over the context."""
+    ctx = [q_len, 30, 77]
+    got, ref = _attend(heads, kv_heads, 32, 16, ctx, [q_len] * 3, storage, build=build,
+                       seed=heads + q_len)
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 
 
@@ -188,12 +245,17 @@ def test_slots_outside_the_context_are_never_read(storage, build) -> None:
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
 
 
-def test_the_wide_path_is_built_where_the_cpu_has_avx512() -> None:
+def test_each_cpu_builds_its_widest_path() -> None:
     flags = cpu_kernels.cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
     wide = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    avx2 = {"avx2", "fma"} <= flags
+    assert cpu_kernels.kernel_path() == ("avx512" if wide else "avx2" if avx2 else "portable")
     assert cpu_kernels.vector_width() == (16 if wide else 8)
+    assert cpu_kernels.kernel_path(cpu_kernels.avx2_library()) == (
+        "avx2" if avx2 else "portable")
+    assert cpu_kernels.kernel_path(cpu_kernels.portable_library()) == "portable"
     assert cpu_kernels.vector_width(cpu_kernels.portable_library()) == 8
 
 

@@ -7,12 +7,25 @@ attention kernel is built for long queries, not for one token per sequence. This
 reads each block once, where it lies, with an online softmax; one work item is one
 (sequence, KV head) pair, so grouped-query heads share each key and value they load.
 
-Two paths in one source, chosen at compile time by `-march=native`: with AVX-512 (F, BW,
-VL) a 16-wide one that scores 16 context rows as one vector (one vectorised exp per 16
-rows and query vector) and prefetches the scattered blocks ahead, since memory bandwidth
-is what bounds it (`benchmarks/attention_bench.py`, one thread: 2.1x the 8-wide kernel
-with float32 KV, 3.4x with bfloat16, 7x with int8); on every other CPU the portable
-8-wide one (GCC/Clang vector extensions).
+Three paths in one source, chosen at compile time by `-march=native`
+(`benchmarks/attention_bench.py`: 48 sequences of 300-600 tokens, SmolLM2's 9/3 heads):
+
+- AVX-512 (F, BW, VL): 16 wide. It scores 16 context rows as one vector (one vectorised
+  exp per 16 rows and query vector), widens bfloat16/int8 K/V as it loads them and
+  prefetches the scattered blocks ahead, since memory bandwidth is what bounds it (on a
+  Zen 4, one thread: 2.1x the 8-wide kernel with float32 KV, 3.4x with bfloat16, 7x with
+  int8).
+- AVX2 + FMA without AVX-512: the same plan 8 wide, and it walks the KV heads of one
+  sequence together so that its reads are contiguous (on a Zen 3 EPYC, 2-core VM shared
+  with other jobs, against the portable path in the same run, best of 5 runs: one thread
+  1.5x with float32 KV (10 GB/s of KV read), 2.9x with bfloat16 (8.7 GB/s), 7.9x with int8
+  (5.8 GB/s, bound by compute); two threads, in the one run that had both cores to itself:
+  1.6x / 2.8x / 7.3x at 17 / 15 / 10 GB/s, where a sequential read ran at 15-21 GB/s that
+  hour, ~24 GB/s quiet).
+- any other CPU: the portable 8-wide path (GCC/Clang vector extensions).
+
+`avx2_library()` and `portable_library()` build the narrower paths on CPUs that compile a
+wider one, for tests and benchmarks; `kernel_path()` says which path a build has.
 
 It is compiled on first use with the system C compiler (a few seconds) into
 `~/.cache/ridgeline/kernels/`, keyed by source, flags, compiler and CPU flags, and called
@@ -54,7 +67,8 @@ SOURCE = r"""
 #define MAXD %(maxd)d
 #define MAXBS %(maxbs)d
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if !defined(RIDGELINE_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__)
 /* AVX-512: 16 floats per register. A work item walks its context in chunks of RB = 16
    rows. Per chunk: each K row is loaded once for a tile of up to HT query vectors (the
    grouped-query heads of one KV head, times the new tokens); each query vector's 16 dot
@@ -69,6 +83,7 @@ SOURCE = r"""
    float32 KV 1.5x faster than the burst alone, which suggests that prefetches issued
    while the fill buffers are full get dropped). */
 #include <immintrin.h>
+#define KERNEL_PATH 2
 #define VECTOR_WIDTH 16
 #define RB 16
 #define HT 4
@@ -367,6 +382,345 @@ static inline __attribute__((always_inline)) int attention_body(
   return 0;
 }
 
+#elif !defined(RIDGELINE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+/* AVX2 + FMA: the AVX-512 path's plan with 8 floats per register and 16 registers. A work
+   item walks its context in chunks of RB = 8 rows. Scores: two rows at a time (t, t + 4),
+   each K vector loaded once for a tile of up to HT query vectors (q read from L1: 16
+   registers do not hold a q tile and its sums), the two rows' sums folded into one vector
+   when their channels are done, the 4 folds of a chunk into one vector of 8 scores; one
+   vectorised exp per chunk and query vector; V accumulated in registers, VCT(NH) vectors
+   of channels at a time. head_dim is a multiple of 8, so every vector is whole: no masks,
+   channel tiles end where head_dim does (the count is a compile-time constant per tile).
+   Unlike the AVX-512 path, the consecutive work items of one sequence (its KV heads) walk
+   the context together, chunk by chunk, head after head: a slot's rows of those heads lie
+   side by side, so the reads are contiguous runs, not one head's rows at a stride of
+   kv_heads rows (on a Zen 3 core a pure read of SmolLM2-shaped float32 KV ran at 13.7
+   GB/s against 8.7; the kernel got 5-15%% faster per call).
+   Rows are listed and prefetched AHEAD chunks in advance, then prefetched again, head by
+   head, over the loads of the chunk before them, as in the AVX-512 path (on the Zen 3:
+   without the second prefetch float32 and bfloat16 KV were 1.4x slower; listing 2-8
+   chunks ahead instead of 1 was no faster). */
+#include <immintrin.h>
+#define KERNEL_PATH 1
+#define VECTOR_WIDTH 8
+#define RB 8
+#define HT 4
+#define VCT(nh) ((nh) == 1 ? 8 : (nh) <= 3 ? 4 : 2)  /* V channel vectors per tile */
+#define AHEAD 1
+#define RING 2  /* chunks listed: the current one and AHEAD more (a power of 2) */
+#define RESCALE_SLACK 8.f  /* see the AVX-512 path */
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* 8 channels of a K/V row as floats */
+static inline __attribute__((always_inline)) __m256 load8(const int MODE, const char* p) {
+  if (MODE == 0) return _mm256_loadu_ps((const float*)p);
+  if (MODE == 2)  /* bfloat16 is the top half of a float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static inline __attribute__((always_inline)) void prefetch2(const char* a, const char* b,
+                                                            int64_t n) {
+  for (int64_t x = 0; x < n; x += 64) {
+    __builtin_prefetch(a + x);
+    __builtin_prefetch(b + x);
+  }
+}
+
+/* e^x for x <= RESCALE_SLACK, as exp16 in the AVX-512 path (same reduction and
+   polynomial); 2^n is built in the exponent bits (n >= -126 after the clamp: normal). */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hmax8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* 8 row vectors -> one vector, lane t = the sum of row t's lanes, in three rounds that
+   each fold two vectors into one holding half of each one's partial sums: fold1 (rows t
+   and t + 4, lanes 0-3 and 4-7), then reduce4 over its 4 results (blend + shuffle + add
+   into lane pairs, then one horizontal add puts the rows in order). */
+static inline __m256 fold1(__m256 x, __m256 y) {
+  return _mm256_add_ps(_mm256_blend_ps(x, y, 0xF0), _mm256_permute2f128_ps(x, y, 0x21));
+}
+static inline __m256 reduce4(const float (*F)[8]) {
+  const __m256 b0 = _mm256_load_ps(F[0]), b1 = _mm256_load_ps(F[1]);
+  const __m256 b2 = _mm256_load_ps(F[2]), b3 = _mm256_load_ps(F[3]);
+  /* lanes 0-1: row r, 2-3: row r + 1 (4-7: rows r + 4, r + 5) */
+  const __m256 c0 = _mm256_add_ps(_mm256_blend_ps(b0, b1, 0xCC),
+                                  _mm256_shuffle_ps(b0, b1, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m256 c1 = _mm256_add_ps(_mm256_blend_ps(b2, b3, 0xCC),
+                                  _mm256_shuffle_ps(b2, b3, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_hadd_ps(c0, c1);
+}
+
+#define QROW MAXD  /* floats per query vector / accumulator */
+
+/* S[h] = q[h] . K row t, lane t < RB, for h < NH (a compile-time constant); row t starts
+   at kr[t] + off. Prefetches rows pf[] + off (pf_bytes each) on the way when pf is given */
+static inline __attribute__((always_inline)) void scores_tile(
+    const int MODE, const int NH, const char* const* kr, int64_t off, const float (*q)[QROW],
+    int nvec, __m256* S, const char* const* pf, int pf_bytes) {
+  const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
+  float F[HT][RB / 2][8] __attribute__((aligned(32)));
+  for (int t = 0; t < RB / 2; ++t) {
+    if (pf) prefetch2(pf[t] + off, pf[t + RB / 2] + off, pf_bytes);
+    const char* k0p = kr[t] + off;
+    const char* k1p = kr[t + RB / 2] + off;
+    __m256 s0[HT], s1[HT];
+    UNROLL for (int h = 0; h < NH; ++h) s0[h] = s1[h] = _mm256_setzero_ps();
+    _Pragma("GCC unroll 2") for (int c = 0; c < nvec; ++c) {
+      const __m256 k0 = load8(MODE, k0p + 8 * c * esize);
+      const __m256 k1 = load8(MODE, k1p + 8 * c * esize);
+      UNROLL for (int h = 0; h < NH; ++h) {
+        const __m256 qv = _mm256_load_ps(q[h] + 8 * c);
+        s0[h] = _mm256_fmadd_ps(qv, k0, s0[h]);
+        s1[h] = _mm256_fmadd_ps(qv, k1, s1[h]);
+      }
+    }
+    UNROLL for (int h = 0; h < NH; ++h) _mm256_store_ps(F[h][t], fold1(s0[h], s1[h]));
+  }
+  UNROLL for (int h = 0; h < NH; ++h) S[h] = reduce4((const float (*)[8])F[h]);
+}
+
+/* acc[h][c0, c0 + NC vectors) = acc[h] * corr[h] + sum over rows t < nr of p[h][t] * V row
+   t (at vr[t] + off), for h < NH; prefetches rows pf[] + off on the way when pf is given */
+static inline __attribute__((always_inline)) void values_tile(
+    const int MODE, const int NH, const int NC, const char* const* vr, int64_t off, int nr,
+    const float (*p)[RB], const float* corr, float (*acc)[QROW], int c0,
+    const char* const* pf, int pf_bytes) {
+  const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
+  __m256 ac[HT][8];
+  UNROLL for (int h = 0; h < NH; ++h)
+    UNROLL for (int c = 0; c < NC; ++c)
+      ac[h][c] = _mm256_mul_ps(_mm256_load_ps(acc[h] + 8 * (c0 + c)),
+                               _mm256_set1_ps(corr[h]));
+  for (int t = 0; t < nr; ++t) {
+    if (pf)
+      for (int x = 0; x < pf_bytes; x += 64) __builtin_prefetch(pf[t] + off + x);
+    const char* v = vr[t] + off + 8 * c0 * esize;
+    __m256 w[HT];
+    UNROLL for (int h = 0; h < NH; ++h) w[h] = _mm256_broadcast_ss(&p[h][t]);
+    UNROLL for (int c = 0; c < NC; ++c) {
+      const __m256 vv = load8(MODE, v + 8 * c * esize);
+      UNROLL for (int h = 0; h < NH; ++h) ac[h][c] = _mm256_fmadd_ps(w[h], vv, ac[h][c]);
+    }
+  }
+  UNROLL for (int h = 0; h < NH; ++h)
+    UNROLL for (int c = 0; c < NC; ++c) _mm256_store_ps(acc[h] + 8 * (c0 + c), ac[h][c]);
+}
+
+#define TILE_SWITCH(nh, call)                  \
+  switch (nh) {                                \
+    case 1: { const int NH = 1; call; } break; \
+    case 2: { const int NH = 2; call; } break; \
+    case 3: { const int NH = 3; call; } break; \
+    default: { const int NH = 4; call; } break; \
+  }
+
+/* every V channel tile of the chunk for query vectors [a0, a0 + NH): full tiles of
+   VCT(NH) vectors, then one of the vectors left, each count a compile-time constant */
+static inline __attribute__((always_inline)) void values_all(
+    const int MODE, const int NH, const char* const* vr, int64_t off, int nr,
+    const float (*p)[RB], const float* corr, float (*acc)[QROW], int nvec,
+    const char* const* pf, int pf_bytes) {
+  const int ct = VCT(NH);
+  int c0 = 0;
+  for (; c0 + ct <= nvec; c0 += ct)
+    values_tile(MODE, NH, VCT(NH), vr, off, nr, p, corr, acc, c0, c0 ? 0 : pf, pf_bytes);
+  switch (nvec - c0) {
+#define VTAIL(n) \
+    case n: if (n < ct) values_tile(MODE, NH, n < ct ? n : 1, vr, off, nr, p, corr, acc, c0, \
+                                    c0 ? 0 : pf, pf_bytes); break;
+    VTAIL(1) VTAIL(2) VTAIL(3) VTAIL(4) VTAIL(5) VTAIL(6) VTAIL(7)
+#undef VTAIL
+    default: break;
+  }
+}
+
+/* Items [item_begin, item_end): as in the AVX-512 path (same arguments, same MODE), taken
+   a sequence's heads at a time: a group is the items of one sequence in the range, as many
+   heads as MAXQV query vectors hold. */
+static inline __attribute__((always_inline)) int attention_body(
+    const int MODE,
+    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
+    const int64_t* block_table, int64_t table_stride,
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
+    float* out, int64_t out_row_stride,
+    int64_t item_begin, int64_t item_end,
+    int kvh, int g, int d, int bs, float scale) {
+  const int QUANT = MODE == 1;
+  const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
+  if (d > MAXD || bs > MAXBS || d %% 8 != 0) return -1;
+  const int nvec = d / 8;
+  const int row_read = (int)(d * esize);  /* bytes of one head's K (or V) row */
+  const int64_t row_bytes = (int64_t)kvh * row_read;  /* between rows of one head */
+  float qs[MAXQV][QROW] __attribute__((aligned(32)));
+  float acc[MAXQV][QROW] __attribute__((aligned(32)));
+  float p[MAXQV][RB] __attribute__((aligned(32)));
+  __m256 lsum[MAXQV];
+  float m[MAXQV], corr[MAXQV];
+  int64_t lim[MAXQV];
+  /* the listed chunks' rows: K/V addresses of the group's first head, int8 scales */
+  const char* kr[RING][RB];
+  const char* vr[RING][RB];
+  float ks[RING][MAXQV][RB] __attribute__((aligned(32)));
+  float vs[RING][MAXQV][RB] __attribute__((aligned(32)));
+  const __m256 iota = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  for (int64_t item = item_begin; item < item_end;) {
+    const int64_t i = item / kvh, j0 = item %% kvh;
+    const int ql = (int)q_len[i];
+    const int nq = g * ql;  /* query vectors per head */
+    if (nq > MAXQV) return -2;
+    int ng = kvh - (int)j0;  /* heads in this group */
+    if (ng > item_end - item) ng = (int)(item_end - item);
+    if (ng > MAXQV / nq) ng = MAXQV / nq;
+    const int64_t ctx = ctx_len[i];
+    for (int a = 0; a < ng * nq; ++a) {  /* a = head in group * nq + query head * ql + row */
+      const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
+      const float* src = q + (q_start[i] + r) * q_row_stride
+                         + ((j0 + jj) * g + gi) * q_head_stride;
+      for (int x = 0; x < d; ++x) { qs[a][x] = src[x] * scale; acc[a][x] = 0.f; }
+      lsum[a] = _mm256_setzero_ps();
+      lim[a] = ctx - (ql - 1 - r);
+      m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
+    }
+    const int span = ng * row_read;  /* bytes of the group's heads in one slot */
+    const char* kc = (const char*)k_cache + j0 * row_read;
+    const char* vc = (const char*)v_cache + j0 * row_read;
+    const int64_t* table = block_table + i * table_stride;
+    const int64_t nchunks = (ctx + RB - 1) / RB;
+    const int64_t nblocks = (ctx + bs - 1) / bs;
+    const int64_t sahead = (2 * RB + bs - 1) / bs;  /* blocks whose scales are prefetched */
+    int64_t listed = 0;  /* chunks listed so far */
+    int64_t blk = 0;  /* where the next row to list lies: block index, offset */
+    int off = 0;
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      for (; listed < nchunks && listed <= ch + AHEAD; ++listed) {
+        const int e = (int)(listed & (RING - 1));
+        const int n = (int)(ctx - listed * RB < RB ? ctx - listed * RB : RB);
+        for (int t = 0; t < n; ++t) {
+          const int64_t slot = table[blk] * bs + off;
+          kr[e][t] = kc + slot * row_bytes;
+          vr[e][t] = vc + slot * row_bytes;
+          if (QUANT) {
+            if (off == 0 && blk + sahead < nblocks) {  /* scales are read as rows are listed */
+              const int64_t at = table[blk + sahead] * bs * kvh + j0;
+              prefetch2((const char*)(k_scale + at), (const char*)(v_scale + at),
+                        (int64_t)((bs - 1) * kvh + ng) * 4);
+            }
+            for (int jj = 0; jj < ng; ++jj) {
+              ks[e][jj][t] = k_scale[slot * kvh + j0 + jj];
+              vs[e][jj][t] = v_scale[slot * kvh + j0 + jj];
+            }
+          }
+          prefetch2(kr[e][t], vr[e][t], span);
+          if (++off == bs) { off = 0; ++blk; }
+        }
+        for (int t = n; t < RB; ++t) {  /* padding rows repeat the last: scored, masked */
+          kr[e][t] = kr[e][n - 1];
+          vr[e][t] = vr[e][n - 1];
+          for (int jj = 0; jj < ng; ++jj) ks[e][jj][t] = vs[e][jj][t] = 0.f;
+        }
+      }
+      if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end) {
+        /* the next group's first rows, so that it does not start on cold misses */
+        const int64_t i2 = (item + ng) / kvh, j2 = (item + ng) %% kvh;
+        const int64_t heads2 = kvh - j2 < item_end - item - ng ? kvh - j2
+                                                                : item_end - item - ng;
+        const int64_t* table2 = block_table + i2 * table_stride;
+        const int64_t rows = ctx_len[i2] < 2 * RB ? ctx_len[i2] : 2 * RB;
+        for (int64_t t = 0; t < rows; ++t) {
+          const int64_t at = (table2[t / bs] * bs + t %% bs) * row_bytes + j2 * row_read;
+          prefetch2((const char*)k_cache + at, (const char*)v_cache + at,
+                    heads2 * row_read);
+        }
+      }
+      const int cur = (int)(ch & (RING - 1));
+      const int nxt = ch + 1 < nchunks ? (int)((ch + 1) & (RING - 1)) : -1;
+      const int64_t t0 = ch * RB;
+      const int nr = (int)(ctx - t0 < RB ? ctx - t0 : RB);
+      for (int jj = 0; jj < ng; ++jj) {
+        const int64_t hoff = (int64_t)jj * row_read;
+        const int ab = jj * nq, ae = ab + nq;  /* this head's query vectors */
+        for (int a0 = ab; a0 < ae; a0 += HT) {
+          const int nh = ae - a0 < HT ? ae - a0 : HT;
+          __m256 S[HT];
+          TILE_SWITCH(nh, scores_tile(MODE, NH, kr[cur], hoff,
+                                      (const float (*)[QROW])qs + a0, nvec, S,
+                                      a0 == ab && nxt >= 0 ? kr[nxt] : 0, row_read))
+          for (int h = 0; h < nh; ++h) {
+            const int a = a0 + h;
+            const int64_t lv = lim[a] - t0;
+            const int valid = (int)(lv > nr ? nr : lv);
+            if (valid <= 0) {  /* this query row sees none of the chunk */
+              corr[a] = 1.f;
+              _mm256_store_ps(p[a], _mm256_setzero_ps());
+              continue;
+            }
+            const __m256 vm = _mm256_cmp_ps(iota, _mm256_set1_ps((float)valid), _CMP_LT_OQ);
+            __m256 s = S[h];
+            if (QUANT) s = _mm256_mul_ps(s, _mm256_load_ps(ks[cur][jj]));
+            float cr = 1.f;
+            const __m256 over = _mm256_and_ps(
+                vm, _mm256_cmp_ps(s, _mm256_set1_ps(m[a] + RESCALE_SLACK), _CMP_GT_OQ));
+            if (!_mm256_testz_ps(over, over)) {
+              const float bm = hmax8(_mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), s, vm));
+              cr = _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[a] - bm)));  /* ~0 the 1st time */
+              m[a] = bm;
+            }
+            __m256 e = _mm256_and_ps(vm, exp8(_mm256_sub_ps(s, _mm256_set1_ps(m[a]))));
+            lsum[a] = _mm256_fmadd_ps(lsum[a], _mm256_set1_ps(cr), e);
+            if (QUANT) e = _mm256_mul_ps(e, _mm256_load_ps(vs[cur][jj]));  /* V row scales */
+            _mm256_store_ps(p[a], e);
+            corr[a] = cr;
+          }
+        }
+        for (int a0 = ab; a0 < ae; a0 += HT) {
+          const int nh = ae - a0 < HT ? ae - a0 : HT;
+          TILE_SWITCH(nh, values_all(MODE, NH, vr[cur], hoff, nr,
+                                     (const float (*)[RB])p + a0, corr + a0, acc + a0, nvec,
+                                     a0 == ab && nxt >= 0 ? vr[nxt] : 0, row_read))
+        }
+      }
+    }
+    for (int a = 0; a < ng * nq; ++a) {
+      const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
+      float* o = out + (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
+      const __m256 inv = _mm256_set1_ps(1.f / hsum8(lsum[a]));
+      for (int c = 0; c < nvec; ++c)
+        _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[a] + 8 * c), inv));
+    }
+    item += ng;
+  }
+  return 0;
+}
+
 #else
 
 /* Without AVX-512: 8 floats in one register on AVX (two on SSE/NEON): GCC and Clang vector
@@ -404,6 +758,7 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
    MODE (a compile-time constant after inlining) is how K/V are stored: 0 float32;
    1 int8 codes with a float scale per (slot, head), dequantized as they are loaded (scale
    folded into score and weight); 2 bfloat16, widened as loaded. */
+#define KERNEL_PATH 0
 #define VECTOR_WIDTH 8
 #define LOADK(ptr, x) \
   (MODE == 1 ? ldq8((const signed char*)(ptr) + (x)) \
@@ -575,6 +930,7 @@ int paged_attention_i8(
 }
 
 int paged_attention_vector_width(void) { return VECTOR_WIDTH; }
+int paged_attention_path(void) { return KERNEL_PATH; }  /* 0 portable, 1 AVX2, 2 AVX-512 */
 """ % {"maxqv": MAX_QUERY_VECTORS, "maxd": MAX_HEAD_DIM, "maxbs": MAX_BLOCK_SIZE}
 
 # Tried in order: with fast math the reductions and expf vectorise (glibc's libmvec);
@@ -664,17 +1020,31 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
                    i64, c_int, c_int, c_int, c_int, ctypes.c_float]
     fn.restype = ctypes.c_int
-    lib.paged_attention_vector_width.argtypes = []
-    lib.paged_attention_vector_width.restype = c_int
+    for fn in (lib.paged_attention_vector_width, lib.paged_attention_path):
+        fn.argtypes = []
+        fn.restype = c_int
     return lib
+
+
+# x86 compilers only know the flag; elsewhere there is no AVX-512 to turn off
+_NO_AVX512 = ("-mno-avx512f",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 
 
 @functools.cache
 def portable_library() -> ctypes.CDLL | None:
-    """The kernel as CPUs without AVX-512 build it (`-mno-avx512f`: the 8-wide vector
-    path), for tests and benchmarks on a machine that has AVX-512; None without a C
-    compiler. The engine always uses `load()`."""
-    return _build(("-mno-avx512f",))
+    """The kernel's portable path (GCC vector extensions), as CPUs with neither AVX-512 nor
+    AVX2 + FMA build it, compiled for this CPU without AVX-512: for tests and benchmarks
+    on machines that build a faster path. None without a C compiler. The engine always
+    uses `load()`."""
+    return _build((*_NO_AVX512, "-DRIDGELINE_PORTABLE"))
+
+
+@functools.cache
+def avx2_library() -> ctypes.CDLL | None:
+    """The kernel as CPUs with AVX2 + FMA and no AVX-512 build it (`-mno-avx512f`), for
+    tests and benchmarks on a machine that has AVX-512; on a CPU without AVX2 it is the
+    portable path (see `kernel_path`). None without a C compiler."""
+    return _build(_NO_AVX512)
 
 
 def vector_width(lib: ctypes.CDLL | None = None) -> int:
@@ -682,6 +1052,15 @@ def vector_width(lib: ctypes.CDLL | None = None) -> int:
     0 when it cannot be built)."""
     lib = lib if lib is not None else load()
     return lib.paged_attention_vector_width() if lib is not None else 0
+
+
+def kernel_path(lib: ctypes.CDLL | None = None) -> str:
+    """Which of the kernel's paths `lib` (default `load()`) was compiled with: "avx512",
+    "avx2" or "portable"; "" when it cannot be built."""
+    lib = lib if lib is not None else load()
+    if lib is None:
+        return ""
+    return {2: "avx512", 1: "avx2"}.get(lib.paged_attention_path(), "portable")
 
 
 _lock = threading.Lock()

@@ -4,6 +4,7 @@ one, on SmolLM2-135M-Instruct, one request at a time.
 
     .venv/bin/python benchmarks/spec_bench.py --json            # the full run (~10 min)
     .venv/bin/python benchmarks/spec_bench.py --quick --json    # a smoke run
+    .venv/bin/python benchmarks/spec_bench.py --replay --json   # proposers offline (~3 min)
 
 Workloads (chat-templated, greedy, up to --max-tokens new tokens, EOS ends a reply):
 - repetitive: code edits ("here is a file, rewrite it with one change") and agent traces
@@ -19,6 +20,20 @@ engines so that load on this shared machine hits both alike, and all engines run
 worker thread (torch matmuls issued from the main thread have been measured much slower
 here). Output speed is tokens per second after the first token (as "output speed" is
 usually quoted); end-to-end numbers include prefill.
+
+Load-independent numbers, per workload, for the speculating engines: tokens per forward
+pass (output tokens / passes, the prefill pass included; standard: 1.0), rejected
+proposals per output token (verification work wasted) and the acceptance rate.
+
+`--replay`: decode each prompt once with the standard engine (or read those outputs from
+`--replay-cache`, written there otherwise), then replay the n-gram proposers on them
+(`speculative.replay_greedy`: exact for greedy, milliseconds per request) at fixed step
+costs `a + b * tokens` with b/a in `--cost-ratios` (0.4: about this CPU; near 0: a verify
+pass costs what a one-token step does), for `ngram_mode` "lookup" (the most recent
+occurrence, k from recent acceptance) and "suffix" (the default). Reports the same
+per-workload numbers, a modelled speed-up (output tokens per unit of step cost against
+plain decoding's a + b per token) and the proposer's microseconds per call at 2k and 8k
+tokens of context.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import time
 from datetime import date
 from typing import Any
@@ -186,6 +202,7 @@ def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     rid = f"r{time.monotonic_ns()}"
+    before = engine.stats()
     start = time.perf_counter()
     engine.add_request(rid, prompt_token_ids=ids, params=params)
     first = None
@@ -197,33 +214,61 @@ def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
             final = out
     end = time.perf_counter()
     tokens = list(final.outputs[0].token_ids)
-    return {"tokens": tokens, "seconds": end - start, "decode_seconds": end - (first or end)}
+    after = engine.stats()
+    return {"tokens": tokens, "seconds": end - start, "decode_seconds": end - (first or end),
+            # one request at a time: every step is one forward pass of this request
+            "passes": after.num_steps - before.num_steps,
+            "proposed": (after.spec_proposed_tokens or 0) - (before.spec_proposed_tokens or 0),
+            "accepted": (after.spec_accepted_tokens or 0) - (before.spec_accepted_tokens or 0)}
 
 
 def main() -> None:
     ap = engine_arg_parser(__doc__, kv_cache_mb=256)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--replay", action="store_true",
+                    help="replay the n-gram proposers on the standard engine's outputs")
+    ap.add_argument("--replay-cache", default=None,
+                    help="JSON file of the standard outputs for --replay (read if present)")
+    ap.add_argument("--cost-ratios", default="0.4,0.1,0.02",
+                    help="--replay: b/a of the step cost a + b * tokens, comma-separated")
     args = ap.parse_args()
     log = progress_log(args.json)
     max_tokens = args.max_tokens or (64 if args.quick else 160)
-    result = on_worker_thread(lambda: bench(args, max_tokens, log), "spec-bench")
+    work = replay if args.replay else bench
+    result = on_worker_thread(lambda: work(args, max_tokens, log), "spec-bench")
     print(json.dumps(result, indent=None if args.json else 2))
+
+
+def base_config(args: argparse.Namespace) -> Any:
+    from ridgeline.engine import EngineConfig
+
+    return EngineConfig.build(model=args.model, num_threads=args.threads,
+                              kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8)
+
+
+def tokenized(tok: Any, quick: bool) -> dict[str, list[list[int]]]:
+    return {kind: [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)) for m in msgs]
+            for kind, msgs in prompts(quick).items()}
+
+
+def pass_stats(passes: int, emitted: int, proposed: int, accepted: int) -> dict[str, Any]:
+    """The load-independent numbers of one workload."""
+    return {"tokens_per_pass": round(emitted / passes, 3) if passes else None,
+            "rejected_per_token": round((proposed - accepted) / emitted, 3) if emitted else None,
+            "acceptance": round(accepted / proposed, 3) if proposed else None}
 
 
 def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    from ridgeline.engine import EngineConfig, LLMEngine
+    from ridgeline.engine import LLMEngine
 
-    base = EngineConfig.build(model=args.model, num_threads=args.threads,
-                              kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8)
+    base = base_config(args)
     fast_cfg = base.fast_variant()
     fast_q_cfg = base.fast_q_variant()
     engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
                "fast_q": LLMEngine(fast_q_cfg)}
-    tok = engines["standard"].tokenizer
-    work = {kind: [list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)) for m in msgs]
-            for kind, msgs in prompts(args.quick).items()}
+    work = tokenized(engines["standard"].tokenizer, args.quick)
     for engine in engines.values():  # first-call overheads
         run_one(engine, work["chat"][0][:8], 4)
 
@@ -262,6 +307,11 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
             out[f"{name}_{kind}_output_tok_s"] = round(toks / dec, 2) if dec else None
             out[f"{name}_{kind}_e2e_tok_s"] = round(e2e_toks / sum(r["seconds"] for r in rs), 2)
             out[f"{name}_{kind}_output_tokens"] = e2e_toks
+            if name != "standard":
+                for key, val in pass_stats(sum(r["passes"] for r in rs), e2e_toks,
+                                           sum(r["proposed"] for r in rs),
+                                           sum(r["accepted"] for r in rs)).items():
+                    out[f"{name}_{kind}_{key}"] = val
         for name in identical:
             same = [a["tokens"] == b["tokens"] for a, b in zip(std, by_engine[name])]
             identical[name] = identical[name] and all(same)
@@ -279,6 +329,8 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
                               if fast_stats.spec_acceptance_rate is not None else None)
     out["proposed_tokens"] = fast_stats.spec_proposed_tokens
     out["accepted_tokens"] = fast_stats.spec_accepted_tokens
+    a, b = engines["fast"].speculator.cost.coefficients()
+    out["fast_step_cost_ms"] = {"a": round(a * 1e3, 2), "b_per_token": round(b * 1e3, 2)}
     out["greedy_identical"] = identical["fast"]
     out["greedy_identical_fast_q"] = identical["fast_q"]
     out["fast_q_vs_standard_token_agreement"] = round(agree / total, 4) if total else None
@@ -288,6 +340,103 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         out[f"{name}_kv_capacity_tokens"] = s.kv_capacity_tokens
     out["load_avg"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
     return out
+
+
+def replay(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]:
+    """The n-gram proposers replayed on the standard engine's greedy outputs."""
+    from ridgeline.engine import LLMEngine
+    from ridgeline.engine.config import SpeculativeConfig
+    from ridgeline.engine.speculative import (
+        NgramProposer,
+        ReplayStats,
+        StepCost,
+        replay_greedy,
+    )
+
+    torch.set_num_threads(args.threads)
+    cache = args.replay_cache
+    cached = None
+    if cache and os.path.exists(cache):
+        with open(cache) as f:
+            cached = json.load(f)
+        if cached.get("max_tokens") != max_tokens or cached.get("quick") != args.quick:
+            cached = None
+    if cached is None:
+        engine = LLMEngine(base_config(args))
+        work = tokenized(engine.tokenizer, args.quick)
+        outputs: dict[str, list[list[int]]] = {kind: [] for kind in work}
+        for kind, items in work.items():
+            for i, ids in enumerate(items):
+                outputs[kind].append(run_one(engine, ids, max_tokens)["tokens"])
+                log(f"{kind}[{i}] standard: {len(outputs[kind][-1])} tokens")
+        cached = {"max_tokens": max_tokens, "quick": args.quick, "prompts": work,
+                  "outputs": outputs}
+        if cache:
+            with open(cache, "w") as f:
+                json.dump(cached, f)
+    work, outputs = cached["prompts"], cached["outputs"]
+
+    modes = {"lookup": SpeculativeConfig(method="ngram", ngram_mode="lookup"),
+             "suffix": SpeculativeConfig(method="ngram")}
+    out: dict[str, Any] = {"model": args.model, "max_tokens": max_tokens, "quick": args.quick,
+                           "date": date.today().isoformat(),
+                           "configs": {m: c.model_dump() for m, c in modes.items()}}
+    for ratio in [float(r) for r in args.cost_ratios.split(",")]:
+        cost = StepCost(fixed=(1.0, ratio))
+        for mode, cfg in modes.items():
+            proposer = NgramProposer(cfg)  # one per replay: it learns as it goes
+            row: dict[str, Any] = {}
+            for kind, items in work.items():
+                st = ReplayStats()
+                for ids, toks in zip(items, outputs[kind]):
+                    replay_greedy(proposer, cfg, cost, ids, toks, max_tokens, st)
+                # plain decoding pays a + b per token; speculation a + b (1 + k) per pass
+                spent = st.passes * (1 + ratio) + ratio * st.proposed
+                row[kind] = dict(pass_stats(st.passes, st.emitted, st.proposed, st.accepted),
+                                 modelled_speedup=round(st.emitted * (1 + ratio) / spent, 3),
+                                 proposer_us_per_call=round(
+                                     1e6 * st.proposer_seconds / max(1, st.proposer_calls), 1))
+            out[f"ratio_{ratio}_{mode}"] = row
+            log(f"b/a={ratio} {mode}: {row}")
+    # "text": the workloads' prompts and outputs, repeated (matches everywhere); "novel":
+    # random tokens (nothing recurs: lookup scans every n-gram length)
+    text = [t for kind in work for ids, toks in zip(work[kind], outputs[kind])
+            for t in ids + toks]
+    rng = random.Random(0)
+    novel = [rng.randrange(1000, 40000) for _ in range(8192 + 400)]
+    out["proposer_us_per_call"] = {
+        mode: {f"{name}_{n}": proposer_cost(cfg, ctx, n) for name, ctx in
+               (("text", text), ("novel", novel)) for n in (2048, 8192)}
+        for mode, cfg in modes.items()}
+    return out
+
+
+def proposer_cost(cfg: Any, text: list[int], n_ctx: int, steps: int = 300) -> dict[str, float]:
+    """Microseconds per proposer call on a context of n_ctx tokens (`text`, repeated as
+    needed) as it grows by a token per call (median and mean), and the milliseconds of the
+    first call (which indexes the whole context in mode suffix)."""
+    from ridgeline.engine import SamplingParams
+    from ridgeline.engine.sequence import Sequence
+    from ridgeline.engine.speculative import NgramProposer, SpecState
+
+    proposer = NgramProposer(cfg)
+    toks = text * (n_ctx // len(text) + 2)
+    seq = Sequence("cost", 0, toks[:n_ctx], n_ctx // 2, SamplingParams(temperature=0))
+    states = {seq: SpecState()}
+    k = cfg.num_speculative_tokens
+    start = time.perf_counter()
+    proposer.propose([(seq, k)], states, None)
+    first = time.perf_counter() - start
+    times = []
+    for t in toks[n_ctx:n_ctx + steps]:
+        seq.token_ids.append(t)
+        start = time.perf_counter()
+        proposer.propose([(seq, k)], states, None)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"median_us": round(1e6 * times[len(times) // 2], 1),
+            "mean_us": round(1e6 * sum(times) / len(times), 1),
+            "first_call_ms": round(1e3 * first, 2)}
 
 
 if __name__ == "__main__":

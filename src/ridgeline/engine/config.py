@@ -25,21 +25,42 @@ def normalize_kv_cache_dtype(name: str) -> str:
     return "fp8_e4m3" if key == "fp8" else key
 
 
+#: (ngram_min, ngram_max) where they are not given, per `SpeculativeConfig.ngram_mode`:
+#: the best measured on SmolLM2 (benchmarks/spec_bench.py --replay).
+NGRAM_DEFAULTS = {"suffix": (1, 16), "lookup": (3, 8)}
+
+
 class SpeculativeConfig(BaseModel):
     """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens
     of a request, the model checks them all in one forward pass and keeps the longest
     prefix that rejection sampling accepts (outputs keep the model's distribution exactly;
     greedy outputs equal plain decoding).
 
-    `method`: "ngram" looks the last `ngram_max`..`ngram_min` tokens up earlier in the
-    prompt and output and proposes what followed (no extra model); "draft" runs
-    `draft_model`, a smaller model with the same tokenizer. With `adaptive`, each request's
-    k (at most `num_speculative_tokens`) is the one that maximizes the batch's expected
-    tokens per second, given the request's recent acceptance and the measured cost of a
-    forward pass per token; where that k is 0 (a large, compute-bound batch, or low
-    acceptance), or the acceptance is below `min_acceptance`, the request stops
-    speculating for `cooldown_steps` steps, then probes again. Steps with more than
-    `max_batch_size` sequences never speculate."""
+    `method`: "ngram" looks the request's last tokens (a match of `ngram_min` to
+    `ngram_max` tokens) up earlier in its prompt and output and proposes what followed (no
+    extra model); "draft" runs `draft_model`, a smaller model with the same tokenizer.
+
+    `ngram_mode` "suffix" (the default) indexes each request's tokens as they are appended
+    and follows all earlier occurrences of the longest match, taking the continuation
+    backed by the longest match, then by the most occurrences; it also looks in the
+    outputs of earlier requests (the newest `global_index_tokens` of them; only requests
+    that share the prefix cache, i.e. have no cache salt of their own, read and feed it:
+    a reused output is faster, a timing signal that must not cross that boundary). Each
+    proposed token carries the chance that it is accepted, from the evidence behind it
+    (match length, agreement, own context or earlier requests; learned from verification),
+    and with `adaptive` a proposal is cut where one more token no longer pays for its
+    verification: long when a long match is unambiguous, short or none when it is not.
+    `ngram_mode` "lookup" takes the most recent occurrence only, and with `adaptive` sizes
+    k from the request's recent acceptance: where that k is 0 or the acceptance is below
+    `min_acceptance`, the request stops speculating for `cooldown_steps` steps, then
+    probes again.
+
+    With `adaptive`, k (at most `num_speculative_tokens`) maximizes the batch's expected
+    tokens per second given the measured cost of a forward pass per token (a large,
+    compute-bound batch speculates little or not at all), and in mode "suffix" no proposed
+    token is less likely than `min_proposal_chance` to be accepted; without `adaptive`
+    every proposal is `num_speculative_tokens` long where the context allows. Steps with
+    more than `max_batch_size` sequences never speculate."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -47,9 +68,19 @@ class SpeculativeConfig(BaseModel):
     # 7 + the last token = 8 query rows, the most the batched decode attention takes
     num_speculative_tokens: int = Field(7, ge=1, le=16, description="most tokens proposed")
     draft_model: str | None = Field(None, description="registry name or path (method=draft)")
-    # matches of 1-2 tokens are mostly chance on SmolLM2 (measured: more rejected work)
-    ngram_min: int = Field(3, ge=1)
-    ngram_max: int = Field(8, ge=1)
+    ngram_mode: Literal["suffix", "lookup"] = "suffix"
+    # default per mode: "lookup" 3..8 (its matches of 1-2 tokens are mostly chance on
+    # SmolLM2), "suffix" 1..16 (it weighs short matches by their measured acceptance)
+    ngram_min: int | None = Field(None, ge=1, description="shortest match used")
+    ngram_max: int | None = Field(None, ge=1, description="longest match compared")
+    global_index_tokens: int = Field(
+        65536, ge=0, description="ngram_mode 'suffix': earlier requests' output tokens kept "
+        "for lookups (the newest; 0: only the request's own tokens)")
+    # measured (spec_bench --replay): at 0.1 half the rejected tokens of 0, 0-2% fewer
+    # tokens per unit of step cost; a margin where the measured step cost is off
+    min_proposal_chance: float = Field(
+        0.1, ge=0.0, le=1.0, description="ngram_mode 'suffix' with adaptive: a proposal ends "
+        "before its first token whose chance of being accepted (with all before it) is lower")
     adaptive: bool = True
     max_batch_size: int = Field(16, ge=1)
     min_acceptance: float = Field(0.2, ge=0.0, le=1.0)
@@ -61,9 +92,20 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeConfig:
+        lo, hi = NGRAM_DEFAULTS[self.ngram_mode]
+        if self.ngram_min is None:
+            self.ngram_min = min(lo, self.ngram_max) if self.ngram_max is not None else lo
+        if self.ngram_max is None:
+            self.ngram_max = max(hi, self.ngram_min)
         if self.ngram_min > self.ngram_max:
             raise ConfigError(f"speculative.ngram_min={self.ngram_min} exceeds "
-                              f"ngram_max={self.ngram_max}")
+                              f"ngram_max={self.ngram_max}",
+                              hint="set ngram_min <= ngram_max")
+        for name in ("global_index_tokens", "min_proposal_chance"):
+            if name in self.model_fields_set and self.ngram_mode != "suffix":
+                raise ConfigError(f"speculative.{name} applies to ngram_mode 'suffix', not "
+                                  f"{self.ngram_mode!r}",
+                                  hint=f"set ngram_mode: suffix, or remove {name}")
         if self.draft_model is not None and self.method != "draft":
             raise ConfigError("speculative.draft_model is set but method is "
                               f"{self.method!r}", hint="set method: draft")

@@ -3,13 +3,17 @@
 Each step, after the scheduler has picked the batch, the `Speculator`:
 
 1. plans: every decoding sequence (one new token, no penalties) gets the k that
-   maximizes the batch's expected tokens per second, from its own recent acceptance and
-   the measured cost of a forward pass (`StepCost`: seconds = a + b * tokens, fit over
-   recent steps). On a small batch a verified token costs a fraction of a step; on a
-   large, compute-bound one as much as a decoded token, so there k falls to 0 and
-   speculation switches itself off. Never more than `max_batch_size` sequences;
+   maximizes the batch's expected tokens per second, from the chance that its proposals
+   are accepted and the measured cost of a forward pass (`StepCost`: seconds = a + b *
+   tokens, fit over recent steps). On a small batch a verified token costs a fraction of
+   a step; on a large, compute-bound one as much as a decoded token, so there k falls to
+   0 and speculation switches itself off. Never more than `max_batch_size` sequences.
+   The chance is the sequence's recent acceptance (draft model, n-gram mode "lookup"),
+   or, n-gram mode "suffix", each proposed token's own from the evidence behind it: the
+   proposal is then cut after it is made (`cut_proposal`);
 2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
-   output, the draft proposer runs a small model k times;
+   output (mode "suffix": in an index kept per sequence, and in earlier requests'
+   outputs; see suffix_index.py), the draft proposer runs a small model k times;
 3. has the scheduler reserve look-ahead KV slots for the proposals
    (`Scheduler.reserve_lookahead`; when the pool is short the sequence just decodes);
 4. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
@@ -32,10 +36,12 @@ those blocks in the draft too.
 
 from __future__ import annotations
 
+import bisect
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,7 +51,15 @@ from ridgeline.engine.config import SpeculativeConfig
 from ridgeline.engine.model_runner import ForwardItem, ModelOutput, ModelRunner
 from ridgeline.engine.rejection_sampler import rejection_sample
 from ridgeline.engine.sampler import Sampler
-from ridgeline.engine.sequence import Sequence
+from ridgeline.engine.sampling_params import SamplingParams
+from ridgeline.engine.sequence import Sequence, SequenceStatus
+from ridgeline.engine.suffix_index import (
+    Evidence,
+    GlobalIndex,
+    Match,
+    SuffixIndex,
+    walk,
+)
 from ridgeline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -71,6 +85,8 @@ Emitted = list[tuple[int, float, "dict[int, float] | None"]]
 class Proposal:
     token_ids: list[int]
     probs: torch.Tensor | None = None  # q as [len(token_ids), vocab]; None for one-hot
+    # per token, the chance it is accepted if the ones before it are (None: not estimated)
+    confidence: list[float] | None = None
 
 
 @dataclass
@@ -87,6 +103,14 @@ class SpecState:
     draft_computed: int = 0  # leading tokens whose draft KV is in the draft cache
     draft_marked: int = 0  # leading blocks recorded as complete in the draft cache
     preemptions_seen: int = 0
+    index: SuffixIndex | None = None  # n-gram mode "suffix": the sequence's own tokens
+    evidence: list[int] = field(default_factory=list)  # buckets of the last proposal
+
+    def plan_k(self, cfg: SpeculativeConfig, sizes_proposals: bool,
+               best_k: Callable[[float, int], int] | None = None) -> int:
+        """The most tokens to ask for: all a proposer that weighs its own tokens may give
+        (its proposal is cut by `cut_proposal`), else `next_k`."""
+        return cfg.num_speculative_tokens if sizes_proposals else self.next_k(cfg, best_k)
 
     @property
     def acceptance(self) -> float:
@@ -122,8 +146,9 @@ class StepCost:
     load, its thread count, the batch size. Until steps of different sizes have been
     seen, `b / a` is PRIOR_TOKEN_COST."""
 
-    def __init__(self, decay: float = 0.97) -> None:
+    def __init__(self, decay: float = 0.97, fixed: tuple[float, float] | None = None) -> None:
         self.decay = decay
+        self.fixed = fixed  # (a, b) to use instead of measurements (replays, tests)
         self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, y, x^2, x*y
         self.draft_seconds = 0.0  # one draft forward pass (EMA), 0 without a draft model
 
@@ -139,6 +164,8 @@ class StepCost:
 
     def coefficients(self) -> tuple[float, float]:
         """(a, b): in seconds once anything was measured, else in units of a."""
+        if self.fixed is not None:
+            return self.fixed
         w, x, y, xx, xy = self._sums
         if w > 0:
             spread = w * xx - x * x
@@ -158,17 +185,40 @@ class StepCost:
         """The k that maximizes the batch's expected tokens per second when one of its
         `batch` sequences, accepting each proposal with chance `alpha`, proposes k more
         tokens on top of `planned` already proposed by others (0: do not speculate)."""
+        return self.best_len([alpha] * k_max, batch, planned)
+
+    def best_len(self, chances: list[float], batch: int = 1, planned: int = 0) -> int:
+        """`best_k` for a proposal whose j-th token is accepted with chance `chances[j]`
+        when the ones before it are: how many of its tokens to verify."""
         a, b = self.coefficients()
         d = self.draft_seconds if self._sums[0] > 0 else 0.0
         base = a + b * (batch + planned)
         best, best_rate = 0, batch / base
-        emitted = 1.0  # expected tokens this sequence emits: 1 + alpha + ... + alpha^k
-        for k in range(1, k_max + 1):
-            emitted += alpha ** k
+        emitted = reach = 1.0  # expected tokens this sequence emits; P(all so far kept)
+        for k, chance in enumerate(chances, 1):
+            reach *= chance
+            emitted += reach
             rate = (emitted + batch - 1) / (base + (b + d) * k)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+
+def cut_proposal(prop: Proposal, cfg: SpeculativeConfig, cost: StepCost, batch: int = 1,
+                 planned: int = 0) -> int:
+    """How many of the proposal's tokens to verify: where the proposer weighed them and k
+    is adaptive, the count that pays (`StepCost.best_len`), but none that is less likely
+    than `min_proposal_chance` to be accepted; else all."""
+    if prop.confidence is None or not cfg.adaptive:
+        return len(prop.token_ids)
+    chances = prop.confidence[:len(prop.token_ids)]
+    reach = 1.0
+    for n, chance in enumerate(chances):
+        reach *= chance
+        if reach < cfg.min_proposal_chance:
+            chances = chances[:n]
+            break
+    return cost.best_len(chances, batch, planned)
 
 
 # ---- proposers --------------------------------------------------------------------------
@@ -192,23 +242,131 @@ def ngram_lookup(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> l
     return []
 
 
+#: Match lengths that separate the buckets of `AcceptanceModel`: 1, 2, 3, 4-5, 6-8, 9-16, 17+.
+MATCH_BUCKETS = (1, 2, 3, 5, 8, 16)
+#: Prior chance that a proposed token is accepted, per match-length bucket, for matches in
+#: the request's own tokens and in earlier requests' outputs; where the occurrences in
+#: play disagree, SPLIT times that. Measured on SmolLM2-135M-Instruct (greedy, the
+#: prompts of benchmarks/spec_bench.py): matches of 1-3 tokens are right about half the
+#: time in the own context, long ones nearly always; earlier requests are weaker evidence.
+PRIOR_LOCAL = (0.3, 0.45, 0.5, 0.75, 0.8, 0.9, 0.95)
+PRIOR_GLOBAL = (0.1, 0.15, 0.25, 0.35, 0.5, 0.6, 0.7)
+SPLIT = 0.75
+#: The prior counts as this many verified tokens; a bucket's counts are halved when they
+#: pass MODEL_CAP, so the estimate keeps following the model and the workload.
+PRIOR_WEIGHT, MODEL_CAP = 32.0, 1024.0
+#: Occurrences of the matched suffix examined per lookup (the most recent ones).
+MAX_CANDIDATES = 16
+
+
+class AcceptanceModel:
+    """The chance that an n-gram proposal's token is accepted given the evidence behind it
+    (`Evidence`: match length, agreement of the occurrences, own context or not), per
+    bucket of evidence: a prior, updated with every verified token."""
+
+    def __init__(self) -> None:
+        self.kept: list[float] = []
+        self.seen: list[float] = []
+        for local in (False, True):
+            for prior in (PRIOR_LOCAL if local else PRIOR_GLOBAL):
+                for split in (False, True):
+                    self.kept.append(PRIOR_WEIGHT * prior * (SPLIT if split else 1.0))
+                    self.seen.append(PRIOR_WEIGHT)
+
+    @staticmethod
+    def bucket(e: Evidence) -> int:
+        m = bisect.bisect_left(MATCH_BUCKETS, e.match)
+        return (int(e.local) * (len(MATCH_BUCKETS) + 1) + m) * 2 + int(e.support < e.alive)
+
+    def chance(self, bucket: int) -> float:
+        return self.kept[bucket] / self.seen[bucket]
+
+    def update(self, bucket: int, accepted: bool) -> None:
+        self.kept[bucket] += accepted
+        self.seen[bucket] += 1
+        if self.seen[bucket] > MODEL_CAP:
+            self.kept[bucket] *= 0.5
+            self.seen[bucket] *= 0.5
+
+
 class NgramProposer:
-    """Prompt lookup: no model, so its q is one-hot (deterministic proposals)."""
+    """Prompt lookup: no model, so its q is one-hot (deterministic proposals).
+
+    Mode "suffix": each sequence's tokens are indexed as they grow (`SuffixIndex`, in its
+    `SpecState`), a bounded `GlobalIndex` holds finished sequences' outputs, and every
+    proposed token comes with its chance of acceptance (`AcceptanceModel`). Mode "lookup":
+    `ngram_lookup`, k planned from the sequence's recent acceptance."""
 
     allocates_first = False
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
+        assert cfg.ngram_min is not None and cfg.ngram_max is not None
         self.ngram_min = cfg.ngram_min
         self.ngram_max = cfg.ngram_max
+        self.sizes_proposals = cfg.ngram_mode == "suffix"
+        # anchor orders up to 3: longer matches are found by extending a trigram's
+        self.anchors = tuple(range(self.ngram_min, max(self.ngram_min,
+                                                       min(self.ngram_max, 3)) + 1))
+        self.global_index = (GlobalIndex(self.anchors, cfg.global_index_tokens)
+                             if self.sizes_proposals and cfg.global_index_tokens > 0 else None)
+        self.model = AcceptanceModel()
+        # sequences with an index, until they finish: (sequence, its index, prompt length,
+        # whether its output may feed the global index)
+        self._live: list[tuple[weakref.ref[Sequence], SuffixIndex, int, bool]] = []
 
     def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
-                sampler: Sampler) -> list[Proposal]:
-        return [Proposal(ngram_lookup(seq.token_ids, k, self.ngram_min, self.ngram_max))
-                for seq, k in items]
+                sampler: Sampler | None) -> list[Proposal]:
+        if not self.sizes_proposals:
+            return [Proposal(ngram_lookup(seq.token_ids, k, self.ngram_min, self.ngram_max))
+                    for seq, k in items]
+        self._retire_finished()
+        out = []
+        for seq, k in items:
+            st = states[seq]
+            index = st.index
+            if index is None or index.tokens is not seq.token_ids:
+                index = st.index = SuffixIndex(self.anchors, seq.token_ids)
+                self._live.append((weakref.ref(seq), index, seq.num_prompt_tokens,
+                                   _shares(seq)))
+            else:
+                index.sync()
+            found = self._matches(seq.token_ids, index, _shares(seq))
+            tokens, evidence = walk(found, k, seq.token_ids)
+            st.evidence = [self.model.bucket(e) for e in evidence]
+            out.append(Proposal(tokens, confidence=[self.model.chance(b) for b in st.evidence]))
+        return out
+
+    def _matches(self, context: list[int], index: SuffixIndex, shared: bool) -> list[Match]:
+        found = index.matches(context, self.ngram_max, MAX_CANDIDATES, local=True)
+        if self.global_index is not None and shared:
+            other = self.global_index.matches(context, self.ngram_max, MAX_CANDIDATES)
+            if other:  # longest first; the own context first among equals
+                found = sorted(found + other, key=lambda c: -c.length)
+        return found
+
+    def _retire_finished(self) -> None:
+        """Move the outputs of sequences that finished (or are gone) to the global index."""
+        live = []
+        for ref, index, num_prompt, shared in self._live:
+            seq = ref()
+            if seq is not None and not seq.is_finished:
+                live.append((ref, index, num_prompt, shared))
+            elif self.global_index is not None and shared:
+                self.global_index.add(index.tokens[num_prompt:])
+        self._live = live
 
     def on_verified(self, seq: Sequence, state: SpecState, num_tokens: int, k: int,
                     accepted: int) -> None:
-        pass
+        # tokens after the first rejected one were not judged: they teach nothing
+        for j, b in enumerate(state.evidence[:min(k, accepted + 1)]):
+            self.model.update(b, j < accepted)
+
+
+def _shares(seq: Sequence) -> bool:
+    """Whether a sequence reads and feeds the global index: only where it shares the
+    prefix cache (no salt of its own). Another request's output makes proposals faster,
+    a timing signal, so it crosses exactly the boundary that cached prefixes cross."""
+    return seq.cache_salt is None
 
 
 class DraftProposer:
@@ -216,6 +374,7 @@ class DraftProposer:
     own paged cache (same block ids as the target's)."""
 
     allocates_first = True  # the draft writes KV at the proposals' slots
+    sizes_proposals = False  # k comes from the sequence's recent acceptance
 
     def __init__(self, runner: ModelRunner, block_manager: BlockManager,
                  target_vocab: int) -> None:
@@ -360,8 +519,16 @@ class Speculator:
                 return {}
         states = {seq: self.state(seq) for seq, _ in items}
         proposals = self.proposer.propose(items, states, sampler)
+        batch = len(scheduled)
+        planned = sum(n for _, n in scheduled) - batch
         out: dict[Sequence, Proposal] = {}
         for (seq, _), prop in zip(items, proposals):
+            keep = cut_proposal(prop, self.cfg, self.cost, batch, planned)
+            if keep < len(prop.token_ids):
+                prop.token_ids = prop.token_ids[:keep]
+                if prop.probs is not None:
+                    prop.probs = prop.probs[:keep]
+            planned += keep
             if not prop.token_ids:
                 continue
             if self.proposer.allocates_first or sched.reserve_lookahead(seq,
@@ -386,8 +553,8 @@ class Speculator:
                 continue  # a prefill chunk: nothing to guess yet
             if seq.params.uses_penalties:
                 continue  # penalties change with every accepted token
-            k = self.state(seq).next_k(
-                cfg, lambda alpha, k_max: self.cost.best_k(alpha, k_max, batch, planned))
+            k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
+                                       partial(self.cost.best_k, batch=batch, planned=planned))
             if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
                 k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
             k = min(k, self.max_model_len - seq.num_tokens, budget)
@@ -438,6 +605,73 @@ class Speculator:
             accepted[seq] = a
             emitted[seq] = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
         return [emitted[s] for s in output.samplers], accepted
+
+
+@dataclass
+class ReplayStats:
+    """Counts of a replay (`replay_greedy`), summed over requests."""
+
+    passes: int = 0  # target forward passes, the prefill pass included
+    emitted: int = 0  # output tokens
+    proposed: int = 0
+    accepted: int = 0
+    proposer_calls: int = 0
+    proposer_seconds: float = 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.emitted / self.passes if self.passes else 0.0
+
+    @property
+    def rejected_per_token(self) -> float:
+        return (self.proposed - self.accepted) / self.emitted if self.emitted else 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+def replay_greedy(proposer: NgramProposer, cfg: SpeculativeConfig, cost: StepCost,
+                  prompt: list[int], output: list[int], max_tokens: int,
+                  stats: ReplayStats | None = None) -> ReplayStats:
+    """What the engine's speculation would do on one request decoded alone (a batch of one,
+    every step a decode step after the prefill) whose greedy output is known: with greedy
+    sampling the tokens a step keeps follow from the output alone, so this counts the
+    engine's forward passes, proposed and accepted tokens exactly, in microseconds per step
+    instead of a forward pass. `cost` stands in for the measured step cost (fixed
+    coefficients make it deterministic). The proposer keeps its state across calls (the
+    global index, the acceptance model), as an engine serving requests one by one does.
+    Proposals running past the end of `output` (after its EOS) count as rejected there."""
+    stats = stats if stats is not None else ReplayStats()
+    seq = Sequence("replay", 0, list(prompt) + list(output[:1]), len(prompt),
+                   SamplingParams(temperature=0, max_tokens=max_tokens))
+    st = SpecState()
+    stats.passes += 1  # the prefill pass emits the first token
+    i, end = 1, len(output)
+    while i < end:
+        k = min(st.plan_k(cfg, proposer.sizes_proposals, cost.best_k),
+                max_tokens - seq.num_output_tokens - 1)
+        a = n = 0
+        if k > 0:
+            start = time.perf_counter()
+            (prop,) = proposer.propose([(seq, k)], {seq: st}, None)
+            stats.proposer_seconds += time.perf_counter() - start
+            stats.proposer_calls += 1
+            n = cut_proposal(prop, cfg, cost)
+            while a < n and i + a < end and prop.token_ids[a] == output[i + a]:
+                a += 1
+            if n:
+                st.record(n, a)
+                proposer.on_verified(seq, st, seq.num_tokens, n, a)
+        step = min(a + 1, end - i)
+        seq.token_ids.extend(output[i:i + step])
+        i += step
+        stats.passes += 1
+        stats.proposed += n
+        stats.accepted += a
+    stats.emitted += len(output)
+    seq.status = SequenceStatus.FINISHED
+    return stats
 
 
 def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,

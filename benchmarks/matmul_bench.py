@@ -9,12 +9,17 @@ and 1, 4, 16, 64 and 512 rows, the time of y = x W^T by:
 - fp32 `engine.models.layers.linear` (what the engine runs: the C kernel for
   `KERNEL_MIN_ROWS..KERNEL_MAX_ROWS` rows, oneDNN from `ONEDNN_MIN_ROWS`, else (W x^T)^T
   up to 64 rows),
-- fp32 `engine.linear_kernel.small_linear` (the AVX-512 C kernel, at every row count;
-  absent where it cannot be built),
+- `engine.linear_kernel.small_linear` (the C kernel, AVX-512 or AVX2 + FMA, at every row
+  count; absent where it cannot be built) with fp32 weights (`fp32_kernel`), bf16 weights
+  and activations (`bf16_kernel`) and int8 weights with bf16 activations (`int8_kernel`),
 - fp32 oneDNN (`torch._C._nn.mkldnn_linear` on oneDNN tensors),
-- bf16 `F.linear` (oneDNN, AVX512_BF16 dot products where the CPU has them),
+- bf16 `F.linear` (oneDNN, AVX512_BF16 dot products where the CPU has them, emulated
+  elsewhere), bf16 `engine.models.layers.linear` (`bf16_engine`: the kernel or oneDNN or
+  a widened fp32 GEMM, by rows and CPU) and that fp32 GEMM of widened copies
+  (`bf16_widened`: `F.linear(x.float(), w.float()).bfloat16()`),
 - int8 weight-only `torch._weight_int8pack_mm` (per-output-channel scales; fp32 and bf16
-  activations).
+  activations) and `engine.models.layers.int8_linear` (`int8_engine`, bf16 activations:
+  the kernel for few rows).
 
 Each is reported as GFLOP/s and as GB/s of weight bytes streamed, against the machine's
 measured peaks: a 2048^3 GEMM in fp32 and bf16 (compute) and a 1 GiB reduction (memory
@@ -37,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ridgeline.engine import linear_kernel  # noqa: E402
+from ridgeline.engine.models.layers import int8_linear  # noqa: E402
 from ridgeline.engine.models.layers import linear as engine_linear  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
@@ -72,18 +78,28 @@ def paths(w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], object], 
     """name -> (fn(x), activation dtype, bytes of weights read per call)."""
     wb = w.to(torch.bfloat16)
     wq, scale = quantize(w)
+    sb = scale.to(torch.bfloat16)
     out: dict[str, tuple[Callable[[torch.Tensor], object], torch.dtype, int]] = {
         "fp32_mkl": (lambda x: F.linear(x, w), torch.float32, w.numel() * 4),
         "fp32_engine": (lambda x: engine_linear(x, w), torch.float32, w.numel() * 4),
         "bf16": (lambda x: F.linear(x, wb), torch.bfloat16, w.numel() * 2),
+        "bf16_engine": (lambda x: engine_linear(x, wb), torch.bfloat16, w.numel() * 2),
+        "bf16_widened": (lambda x: F.linear(x.float(), wb.float()).bfloat16(), torch.bfloat16,
+                         w.numel() * 2),
         "int8_fp32act": (lambda x: torch._weight_int8pack_mm(x, wq, scale), torch.float32,
                          w.numel() + scale.numel() * 4),
-        "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, wq, scale.to(torch.bfloat16)),
-                         torch.bfloat16, w.numel() + scale.numel() * 2),
+        "int8_bf16act": (lambda x: torch._weight_int8pack_mm(x, wq, sb), torch.bfloat16,
+                         w.numel() + scale.numel() * 2),
+        "int8_engine": (lambda x: int8_linear(x, wq, sb), torch.bfloat16,
+                        w.numel() + scale.numel() * 2),
     }
     if linear_kernel.available():
         out["fp32_kernel"] = (lambda x: linear_kernel.small_linear(x, w), torch.float32,
                               w.numel() * 4)
+        out["bf16_kernel"] = (lambda x: linear_kernel.small_linear(x, wb), torch.bfloat16,
+                              w.numel() * 2)
+        out["int8_kernel"] = (lambda x: linear_kernel.small_linear(x, wq, scales=sb),
+                              torch.bfloat16, w.numel() + scale.numel() * 2)
     try:
         wm = w.to_mkldnn()
         torch._C._nn.mkldnn_linear(torch.randn(2, w.shape[1]).to_mkldnn(), wm, None)

@@ -20,6 +20,24 @@ def test_linear_matches_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 128, 129, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_linear_is_the_exact_product_rounded_once(rows: int, bias: bool) -> None:
+    # every bf16 path (the C kernel, a widened float32 GEMM, oneDNN) accumulates in float32
+    # and rounds the output once: within half a bf16 step of the float64 product
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96).bfloat16()
+    w = torch.randn(200, 96).bfloat16()
+    b = torch.randn(200).bfloat16() if bias else None
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 200) and got.is_contiguous()
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    scale = x.double().abs() @ w.double().abs().T + (b.double().abs() if bias else 0)
+    err = (got.double() - exact).abs()
+    assert bool((err <= 2.0 ** -8 * exact.abs() + 1e-4 * scale).all())
+
+
 def test_the_onednn_path_follows_in_place_weight_updates():
     """From ONEDNN_MIN_ROWS rows float32 goes to oneDNN with a cached blocked copy of the
     weight; an in-place update (RL's update_weights) must not leave that copy stale."""

@@ -76,3 +76,17 @@ def test_int8_weights_with_float32_activations_are_refused_naming_the_alternativ
     ConfigError that names bfloat16, never a silent 10x slowdown."""
     with pytest.raises(ConfigError, match="bfloat16"):
         LLMEngine.from_hf_model(cached_model("llama"), num_kv_blocks=64, weight_quant="int8")
+
+
+def test_int8_weights_of_a_model_with_odd_inner_dimensions_are_refused():
+    """torch's int8 GEMM (more rows than the C kernel takes) crashes on an inner dimension
+    that is not a multiple of 8: a clear error up front instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=100,
+                                         num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2))
+    with pytest.raises(ConfigError, match="multiples of 8") as err:
+        LLMEngine.from_hf_model(model, num_kv_blocks=64, weight_quant="int8",
+                                dtype="bfloat16")
+    assert "weight_quant: none" in (err.value.hint or "")

@@ -1,18 +1,32 @@
-"""A C kernel for y = x W^T (+ b) in float32 on CPU when x has a handful of rows.
+"""A C kernel for y = x W^T (+ b) on CPU when x has a handful of rows.
 
 A decode step of one sequence multiplies 1 row by each weight; a speculative verify
 multiplies 2..8 rows. MKL's GEMM is built for the first (gemv) and for large
 batches: at 8 rows all of SmolLM2-135M's matmuls take ~3x as long as at 1 row, though
-memory bounds both (each weight is read once either way; 8 rows are only ~15 ms of
-arithmetic). This kernel streams each weight row once, in PyTorch's [out, in] layout
-as it is stored (no repacking, so in-place weight updates need nothing), and computes
-the dot products of up to 8 rows of x with 3 or 4 weight rows from registers, 16 lanes
-at a time (AVX-512 F). More than 8 rows go in tiles of at most 8 while the weight rows
-are still in L1.
+memory bounds both (each weight is read once either way). oneDNN's bfloat16 matmul is
+emulated on CPUs without AVX512_BF16 and slower still. This kernel streams each weight
+row once, in PyTorch's [out, in] layout as it is stored (no repacking, so in-place weight
+updates need nothing), and computes the dot products of a tile of rows of x with a few
+weight rows from registers, in float32 whatever the storage:
+
+- weights float32, bfloat16 (widened in registers: a 16-bit shift) or int8 with a float
+  scale per output channel (`layers.quantize_int8`'s layout; widened, the scale applied
+  once to the finished sum);
+- x float32 or bfloat16 (widened once per call); y in x's dtype (bfloat16 rounded to
+  nearest even, as `.to(torch.bfloat16)`); an optional bias in float32 or bfloat16.
+
+Two variants of one source, chosen by the compiler's target: AVX-512 F (16 lanes, tiles
+of up to 8 rows x 4 weight rows in 32 registers) and AVX2 + FMA (8 lanes, up to 4 x 3 in
+16; a 1-row call takes 6 weight rows at a time). More rows than a tile holds go in
+balanced tiles over the same weight rows while they are in L1. `load()` builds the one
+the CPU's flags allow; `portable_library()` builds the AVX2 one on an AVX-512 CPU too
+(-mno-avx512f), so that tests cover both.
 
 Every output is summed in the same order whatever the number of rows and the tile it
-lands in (16 lane-wise partial sums over k, then one fixed reduction), so a row's result
-does not depend on how many rows are multiplied with it.
+lands in (lane-wise partial sums over k, the last vector zero-padded, then one fixed
+reduction; built with -ffp-contract=off so the scale and bias are never fused into it),
+so a row's result does not depend on how many rows are multiplied with it. (The two
+variants sum in different orders: they agree to rounding, not bit for bit.)
 
 Threads: the output columns are cut into chunks that threads claim from a shared
 counter, so a helper that starts late takes less. The helpers are pthreads of the
@@ -22,13 +36,14 @@ that is already awake, and an idle engine does not hold the cores. A Python thre
 an option: its hand-off (~30-60 us) is as long as a whole call here.
 
 Built on first use like the attention kernel (`cpu_kernels.compile_library`: native flags,
-cached by CPU, no -ffast-math); without AVX-512, Linux or a compiler `available()` is
-False and callers keep their PyTorch path.
+cached by CPU, no -ffast-math); without AVX-512 or AVX2 + FMA, Linux or a compiler
+`available()` is False and callers keep their PyTorch path.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 import threading
@@ -50,87 +65,218 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-#if defined(__AVX512F__)
+/* dtype codes shared with Python */
+enum { F32 = 0, BF16 = 1, I8 = 2 };
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define UNROLL _Pragma("GCC unroll 16")
-#define MT_MAX 8      /* rows of x per tile */
-#define NB_WIDE 4     /* weight rows per tile for tiles of up to 6 rows of x */
-#define NB_TALL 3     /* for 7 and 8 rows: 24 accumulators + 3 weight vectors + x */
-#define CHUNK_UNIT 12 /* chunks are whole multiples of both tile widths */
+
+#if defined(__AVX512F__)
+/* 32 zmm registers: up to 8 rows of x by 4 weight rows (6 rows and less) or 3 (7, 8):
+   at most 24 accumulators + the weight vectors + one x vector */
+#define VW 16
+#define MT_MAX 8
+#define NB_MAX 4
+typedef __m512 vec;
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec vload_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline vec vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+static inline int nb_for(int mt) { return mt > 6 ? 3 : 4; }
+#else
+/* 16 ymm registers: MT x NB accumulators + NB weight vectors + one x vector <= 16 */
+#define VW 8
+#define MT_MAX 4
+#define NB_MAX 6
+typedef __m256 vec;
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec vload_bf16(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline vec vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline float vsum(vec v) {  /* one fixed order: halves, pairs, neighbours */
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline int nb_for(int mt) { return mt == 1 ? 6 : mt == 2 ? 4 : 3; }
+#endif
+#define CHUNK_UNIT 12 /* chunks are whole multiples of every tile width */
 
 typedef struct {
   const float* x; int64_t ldx;
-  const float* w; int64_t ldw;
-  const float* bias;
-  float* y; int64_t ldy;
+  const void* w; int64_t ldw; int wt;
+  const void* scale; int scale_t;  /* int8 weights: per output channel */
+  const void* bias; int bias_t;
+  void* y; int64_t ldy; int yt;
   int64_t m, n, k, chunk, nchunks;
 } job_t;
 
-/* y[m0 .. m0+MT, n0 .. n0+NB] = x rows . w rows (+ bias); MT and NB are compile-time
-   constants after inlining, so acc lives in registers */
-static inline __attribute__((always_inline)) void tile(const int MT, const int NB,
-                                                       const job_t* j, int64_t m0,
-                                                       int64_t n0) {
-  __m512 acc[MT_MAX][NB_WIDE];
-  UNROLL for (int a = 0; a < MT; ++a)
-    UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_setzero_ps();
-  const float* w = j->w + n0 * j->ldw;
-  const float* x = j->x + m0 * j->ldx;
-  const int64_t K = j->k, ldw = j->ldw, ldx = j->ldx;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m512 wv[NB_WIDE];
-    UNROLL for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + b * ldw + k);
-    UNROLL for (int a = 0; a < MT; ++a) {
-      const __m512 xv = _mm512_loadu_ps(x + a * ldx + k);
-      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
-    }
-  }
-  if (k < K) {  /* masked lanes read nothing and add 0 */
-    const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
-    __m512 wv[NB_WIDE];
-    UNROLL for (int b = 0; b < NB; ++b) wv[b] = _mm512_maskz_loadu_ps(mask, w + b * ldw + k);
-    UNROLL for (int a = 0; a < MT; ++a) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + a * ldx + k);
-      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
-    }
-  }
-  UNROLL for (int a = 0; a < MT; ++a) {
-    float* y = j->y + (m0 + a) * j->ldy + n0;
-    UNROLL for (int b = 0; b < NB; ++b) {
-      const float s = _mm512_reduce_add_ps(acc[a][b]);
-      y[b] = j->bias ? s + j->bias[n0 + b] : s;
-    }
-  }
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
 }
 
-/* nb is the tile width the caller picked for its largest tile (3 or 4), or 1 */
-#define CASE(MT)                                           \
-  case MT:                                                 \
-    if (nb == NB_WIDE) tile(MT, NB_WIDE, j, m0, n0);       \
-    else if (nb == NB_TALL) tile(MT, NB_TALL, j, m0, n0);  \
-    else tile(MT, 1, j, m0, n0);                           \
-    break;
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
+static inline float elem(int t, const void* p, int64_t i) {
+  return t == F32 ? ((const float*)p)[i]
+       : t == BF16 ? bf16_to_f32(((const uint16_t*)p)[i]) : (float)((const int8_t*)p)[i];
+}
+
+static inline __attribute__((always_inline)) vec wload(const int WT, const void* w,
+                                                       int64_t i) {
+  if (WT == F32) return vload((const float*)w + i);
+  if (WT == BF16) return vload_bf16((const uint16_t*)w + i);
+  return vload_i8((const int8_t*)w + i);
+}
+
+/* the sums s[a][b] of outputs (m0 + a, n0 + b), scaled, biased and stored (a call per
+   tile, not inlined: the same rounding steps for every tile shape) */
+static __attribute__((noinline)) void put(const job_t* j, int64_t m0, int64_t n0, int mt,
+                                          int nb, const float s[MT_MAX][NB_MAX]) {
+  float scale[NB_MAX], bias[NB_MAX];
+  for (int b = 0; b < nb; ++b) {
+    scale[b] = j->scale ? elem(j->scale_t, j->scale, n0 + b) : 1.f;
+    bias[b] = j->bias ? elem(j->bias_t, j->bias, n0 + b) : 0.f;
+  }
+  for (int a = 0; a < mt; ++a)
+    for (int b = 0; b < nb; ++b) {
+      float v = s[a][b];
+      if (j->scale) v = v * scale[b];
+      if (j->bias) v = v + bias[b];
+      const int64_t i = (m0 + a) * j->ldy + n0 + b;
+      if (j->yt == BF16) ((uint16_t*)j->y)[i] = f32_to_bf16(v);
+      else ((float*)j->y)[i] = v;
+    }
+}
+
+/* y[m0 .. m0+MT, n0 .. n0+NB] = x rows . w rows: MT, NB and WT are compile-time constants
+   after inlining, so acc lives in registers. Every output is VW lane-wise sums over k in
+   order (the last partial vector zero-padded), then one fixed reduction, whatever tile
+   it is in. */
+static inline __attribute__((always_inline)) void tile(const int MT, const int NB,
+                                                       const int WT, const job_t* j,
+                                                       int64_t m0, int64_t n0) {
+  vec acc[MT_MAX][NB_MAX];
+  UNROLL for (int a = 0; a < MT; ++a)
+    UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = vzero();
+  const float* x = j->x + m0 * j->ldx;
+  const int64_t K = j->k, ldw = j->ldw, ldx = j->ldx, w0 = n0 * ldw;
+  /* the first row tile fetches the next tile's weight rows a line at a time: rows of a
+     few KB are too short streams for the hardware prefetchers to ramp up (measured on
+     Zen 3, int8 weights, 1 row: 1.6x faster; fetching 2 or 4 tiles ahead is no better) */
+  const int ES = WT == F32 ? 4 : WT == BF16 ? 2 : 1, LINE = 64 / ES;
+  const char* pf = m0 == 0 && n0 + 2 * NB <= j->n
+                       ? (const char*)j->w + (w0 + NB * ldw) * ES : NULL;
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    if (pf && (k & (LINE - 1)) == 0)
+      UNROLL for (int b = 0; b < NB; ++b) _mm_prefetch(pf + (b * ldw + k) * ES, _MM_HINT_T0);
+    vec wv[NB_MAX];
+    UNROLL for (int b = 0; b < NB; ++b) wv[b] = wload(WT, j->w, w0 + b * ldw + k);
+    UNROLL for (int a = 0; a < MT; ++a) {
+      const vec xv = vload(x + a * ldx + k);
+      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = vfma(xv, wv[b], acc[a][b]);
+    }
+  }
+  if (k < K) {  /* zeros past K add nothing */
+    float buf[VW];
+    vec wv[NB_MAX];
+    UNROLL for (int b = 0; b < NB; ++b) {
+      for (int i = 0; i < VW; ++i) buf[i] = k + i < K ? elem(WT, j->w, w0 + b * ldw + k + i) : 0.f;
+      wv[b] = vload(buf);
+    }
+    UNROLL for (int a = 0; a < MT; ++a) {
+      for (int i = 0; i < VW; ++i) buf[i] = k + i < K ? x[a * ldx + k + i] : 0.f;
+      const vec xv = vload(buf);
+      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = vfma(xv, wv[b], acc[a][b]);
+    }
+  }
+  float sums[MT_MAX][NB_MAX];
+  UNROLL for (int a = 0; a < MT; ++a)
+    UNROLL for (int b = 0; b < NB; ++b) sums[a][b] = vsum(acc[a][b]);
+  put(j, m0, n0, MT, NB, sums);
+}
+
+#define TILE_WT(MT, NB)                               \
+  switch (j->wt) {                                    \
+    case F32: tile(MT, NB, F32, j, m0, n0); break;    \
+    case BF16: tile(MT, NB, BF16, j, m0, n0); break;  \
+    default: tile(MT, NB, I8, j, m0, n0); break;      \
+  }
+
+/* nb: nb_for(the call's tallest tile), or 1 for the columns left over */
+#if VW == 16
+#define CASE(MT)                                 \
+  case MT:                                       \
+    if (nb == 4) { TILE_WT(MT, 4) }              \
+    else if (nb == 3) { TILE_WT(MT, 3) }         \
+    else { TILE_WT(MT, 1) }                      \
+    break;
 static void tile_any(int mt, int nb, const job_t* j, int64_t m0, int64_t n0) {
   switch (mt) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 }
+#else
+static void tile_any(int mt, int nb, const job_t* j, int64_t m0, int64_t n0) {
+  if (nb == 1) {
+    switch (mt) {
+      case 1: TILE_WT(1, 1) break;
+      case 2: TILE_WT(2, 1) break;
+      case 3: TILE_WT(3, 1) break;
+      default: TILE_WT(4, 1) break;
+    }
+  } else if (nb == 6) {  /* only 1-row calls */
+    TILE_WT(1, 6)
+  } else if (nb == 4) {  /* 2-row tiles and the 1-row rest of 2k+1 rows */
+    if (mt == 1) { TILE_WT(1, 4) } else { TILE_WT(2, 4) }
+  } else {
+    switch (mt) {
+      case 1: TILE_WT(1, 3) break;
+      case 2: TILE_WT(2, 3) break;
+      case 3: TILE_WT(3, 3) break;
+      default: TILE_WT(4, 3) break;
+    }
+  }
+}
+#endif
 
 /* output columns [n0, n1) for every row of x: tiles of at most MT_MAX rows, balanced,
    each over the same weight rows while they are in L1 */
 static void columns(const job_t* j, int64_t n0, int64_t n1) {
   const int64_t tiles = (j->m + MT_MAX - 1) / MT_MAX;
   const int mt0 = (int)((j->m + tiles - 1) / tiles);
-  const int nb = mt0 > 6 ? NB_TALL : NB_WIDE;
+  const int nb = nb_for(mt0);
   int64_t n = n0;
   for (; n + nb <= n1; n += nb)
-    for (int64_t m0 = 0; m0 < j->m; m0 += mt0) {
-      const int mt = (int)(j->m - m0 < mt0 ? j->m - m0 : mt0);
-      tile_any(mt, nb, j, m0, n);
-    }
+    for (int64_t m0 = 0; m0 < j->m; m0 += mt0)
+      tile_any((int)(j->m - m0 < mt0 ? j->m - m0 : mt0), nb, j, m0, n);
   for (; n < n1; ++n)
     for (int64_t m0 = 0; m0 < j->m; m0 += mt0)
       tile_any((int)(j->m - m0 < mt0 ? j->m - m0 : mt0), 1, j, m0, n);
@@ -221,29 +367,22 @@ static int ensure_helpers(int want) {
   return started < want ? started : want;
 }
 
-/* y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]); rows of x, w, y at strides ldx, ldw,
-   ldy (elements, unit stride within a row); up to `threads` threads (the caller and
-   threads - 1 helpers). A call made while another is using the helpers runs on the
-   calling thread alone. Returns 0, or -1 for bad sizes. */
-int linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const float* bias,
-               float* y, int64_t ldy, int64_t m, int64_t n, int64_t k, int threads) {
-  if (m < 1 || n < 1 || k < 1) return -1;
-  job_t j = {x, ldx, w, ldw, bias, y, ldy, m, n, k, 0, 0};
+static void run(job_t* j, int threads) {
   if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
   /* below ~64K multiply-adds a hand-off costs more than it saves */
-  if (threads <= 1 || m * n * k < 65536 || pthread_mutex_trylock(&pool_mu) != 0) {
-    columns(&j, 0, n);
-    return 0;
+  if (threads <= 1 || j->m * j->n * j->k < 65536 || pthread_mutex_trylock(&pool_mu) != 0) {
+    columns(j, 0, j->n);
+    return;
   }
   const int nh = ensure_helpers(threads - 1);
   /* ~8 chunks a thread, so that a helper that starts late takes fewer; a multiple of
-     both tile widths; not so large that the last one leaves a thread idle for long */
-  int64_t chunk = (n + 8 * (nh + 1) - 1) / (8 * (nh + 1));
+     every tile width; not so large that the last one leaves a thread idle for long */
+  int64_t chunk = (j->n + 8 * (nh + 1) - 1) / (8 * (nh + 1));
   chunk = (chunk + CHUNK_UNIT - 1) / CHUNK_UNIT * CHUNK_UNIT;
   if (chunk > 16 * CHUNK_UNIT) chunk = 16 * CHUNK_UNIT;
-  j.chunk = chunk;
-  j.nchunks = (n + chunk - 1) / chunk;
-  cur = j;
+  j->chunk = chunk;
+  j->nchunks = (j->n + chunk - 1) / chunk;
+  cur = *j;
   atomic_store(&next_chunk, 0);
   for (int i = 0; i < nh; ++i) {
     atomic_store(&helpers[i].state, PENDING);
@@ -257,62 +396,119 @@ int linear_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, const f
     while (atomic_load_explicit(&helpers[i].state, memory_order_acquire) != IDLE) _mm_pause();
   }
   pthread_mutex_unlock(&pool_mu);
+}
+
+/* y[m, n] = (sum_k x[m, k] w[n, k]) (* scale[n]) (+ bias[n]) for rows of x, w, y at
+   strides ldx, ldw, ldy (elements, unit stride within a row). Dtypes: x F32 or BF16
+   (widened once), w F32, BF16 or I8 (then scale, F32 or BF16, is required), bias F32 or
+   BF16 or NULL, y F32 or BF16 (rounded to nearest even). Up to `threads` threads (the
+   caller and threads - 1 helpers); a call made while another is using the helpers runs
+   on the calling thread alone. Returns 0, -1 for bad arguments, -3 without memory. */
+int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, int wt,
+               const void* scale, int scale_t, const void* bias, int bias_t, void* y,
+               int64_t ldy, int yt, int64_t m, int64_t n, int64_t k, int threads) {
+  if (m < 1 || n < 1 || k < 1 || ldx < k || ldw < k || ldy < n || (xt != F32 && xt != BF16)
+      || (wt != F32 && wt != BF16 && wt != I8) || ((wt == I8) != (scale != NULL))
+      || (scale && scale_t != F32 && scale_t != BF16) || (yt != F32 && yt != BF16)
+      || (bias && bias_t != F32 && bias_t != BF16))
+    return -1;
+  float* wide = NULL;
+  if (xt == BF16) {
+    wide = (float*)malloc((size_t)(m * k) * sizeof(float));
+    if (!wide) return -3;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t i = 0; i < k; ++i)
+        wide[r * k + i] = bf16_to_f32(((const uint16_t*)x)[r * ldx + i]);
+  }
+  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, w, ldw, wt, scale, scale_t,
+             bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
+  run(&j, threads);
+  free(wide);
   return 0;
 }
 
 void linear_set_spin_us(int us) { atomic_store(&spin_ns, (int64_t)us * 1000); }
-int linear_kernel_supported(void) { return 1; }
+int linear_vector_width(void) { return VW; }
 
 #else
-int linear_f32(const float* x, long ldx, const float* w, long ldw, const float* bias,
-               float* y, long ldy, long m, long n, long k, int threads) { return -2; }
+int linear_run(const void* x, long ldx, int xt, const void* w, long ldw, int wt,
+               const void* scale, int scale_t, const void* bias, int bias_t, void* y,
+               long ldy, int yt, long m, long n, long k, int threads) { return -2; }
 void linear_set_spin_us(int us) {}
-int linear_kernel_supported(void) { return 0; }
+int linear_vector_width(void) { return 0; }
 #endif
 """
 
-_FLAGS = [["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-lpthread"]]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
+          "-lpthread"]
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _build() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux") or "avx512f" not in cpu_kernels.cpu_flags():
-        return None  # the helpers wait on futexes; the tiles need AVX-512
-    target = cpu_kernels.compile_library("small_linear", SOURCE, _FLAGS)
+def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    target = cpu_kernels.compile_library("small_linear", SOURCE, [[*_FLAGS, *extra_flags]])
     if target is None:
         return None
     lib = ctypes.CDLL(str(target))
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.linear_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-    lib.linear_f32.restype = ctypes.c_int
-    lib.linear_set_spin_us.argtypes = [ctypes.c_int]
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.linear_run.argtypes = [ptr, i64, c_int, ptr, i64, c_int, ptr, c_int, ptr, c_int, ptr,
+                               i64, c_int, i64, i64, i64, c_int]
+    lib.linear_run.restype = c_int
+    lib.linear_set_spin_us.argtypes = [c_int]
     lib.linear_set_spin_us.restype = None
-    lib.linear_kernel_supported.argtypes = []
-    lib.linear_kernel_supported.restype = ctypes.c_int
-    if not lib.linear_kernel_supported():
+    lib.linear_vector_width.argtypes = []
+    lib.linear_vector_width.restype = c_int
+    if not lib.linear_vector_width():
         return None
     lib.linear_set_spin_us(SPIN_US)
     return lib
 
 
+def _runs_avx2() -> bool:
+    flags = cpu_kernels.cpu_flags()
+    return sys.platform.startswith("linux") and "avx2" in flags and "fma" in flags
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot be built or run (no AVX-512, not
-    Linux, no C compiler)."""
+    """The compiled kernel for this CPU (the AVX-512 variant where it has AVX-512 F, else
+    the AVX2 one), or None where it cannot be built or run (neither ISA, not Linux, no C
+    compiler)."""
     global _lib, _tried
     if _tried:  # read without the lock: this runs on every small matmul
         return _lib
     with _lock:
         if not _tried:
+            # the helpers wait on futexes; the tiles need AVX-512 F or AVX2 + FMA
+            _lib = _build() if _runs_avx2() or (
+                sys.platform.startswith("linux") and "avx512f" in cpu_kernels.cpu_flags()
+            ) else None
             _tried = True
-            _lib = _build()
     return _lib
+
+
+@functools.cache
+def portable_library() -> ctypes.CDLL | None:
+    """The AVX2 variant (`-mno-avx512f`), for tests and benchmarks on a machine that has
+    AVX-512; the same library as `load()` on one that has not. None where the CPU lacks
+    AVX2 + FMA or nothing builds. The engine always uses `load()`."""
+    if not _runs_avx2():
+        return None
+    if "avx512f" not in cpu_kernels.cpu_flags():
+        return load()
+    return _build(("-mno-avx512f",))
 
 
 def available() -> bool:
     return load() is not None
+
+
+def vector_width(lib: ctypes.CDLL | None = None) -> int:
+    """Floats per vector in the kernel as compiled (16: AVX-512, 8: AVX2; 0: none)."""
+    lib = lib if lib is not None else load()
+    return lib.linear_vector_width() if lib is not None else 0
 
 
 def set_spin_us(us: int) -> None:
@@ -323,34 +519,50 @@ def set_spin_us(us: int) -> None:
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 threads: int | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias [N]) -> new contiguous [M, N], float32 on CPU.
+                 threads: int | None = None, *, scales: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (* scales [N]) (+ bias [N]) -> new contiguous [M, N] in
+    x's dtype, on CPU.
 
-    x may have any row stride (unit stride within rows; other layouts are copied);
-    weight and bias must be contiguous. threads: default torch.get_num_threads().
+    x: float32 or bfloat16, any row stride (unit stride within rows; other layouts are
+    copied). weight: contiguous float32, bfloat16 or int8; int8 needs `scales` (float32 or
+    bfloat16, one per output channel, as `layers.quantize_int8` makes them), the others
+    take none. bias: contiguous float32 or bfloat16. threads: default
+    torch.get_num_threads(). lib: a variant other than `load()`'s (`portable_library()`).
     Raises ValueError for shapes or dtypes it does not take (callers check first) and
     RuntimeError when the kernel is not available."""
-    lib = load()
+    lib = lib if lib is not None else load()
     if lib is None:
         raise RuntimeError("the small-batch linear kernel is not available here")
-    if (x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
-            or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or weight.device.type != "cpu"
-            or not weight.is_contiguous() or x.shape[0] < 1 or x.shape[1] < 1
-            or (bias is not None and (bias.dtype != torch.float32 or bias.dim() != 1
-                                      or bias.shape[0] != weight.shape[0]
-                                      or not bias.is_contiguous()))):
-        raise ValueError(f"small_linear takes float32 CPU x [M, K], contiguous weight [N, K] "
-                         f"and bias [N]; got x {tuple(x.shape)} {x.dtype}, weight "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    if x.stride(1) != 1 or x.stride(0) < x.shape[1]:
+    # checked in one expression: this runs ~120 times a decode step
+    xs, ws, xc, wc = x.shape, weight.shape, _CODES.get(x.dtype, 9), _CODES.get(weight.dtype, 9)
+    sc = 0 if scales is None else _CODES.get(scales.dtype, 9)
+    bc = 0 if bias is None else _CODES.get(bias.dtype, 9)
+    if not (len(xs) == 2 and len(ws) == 2 and xs[1] == ws[1] and xs[0] > 0 and xs[1] > 0
+            and ws[0] > 0 and xc < 2 and wc < 3 and sc < 2 and bc < 2 and x.is_cpu
+            and weight.is_cpu and weight.is_contiguous() and (wc == 2) == (scales is not None)
+            and (scales is None or (scales.shape == ws[:1] and scales.is_contiguous()
+                                    and scales.is_cpu))
+            and (bias is None or (bias.shape == ws[:1] and bias.is_contiguous()
+                                  and bias.is_cpu))):
+        raise ValueError(
+            "small_linear takes CPU x [M, K] (float32 or bfloat16), a contiguous weight "
+            "[N, K] (float32, bfloat16, or int8 with scales [N]) and a contiguous bias [N] "
+            f"(float32 or bfloat16); got x {tuple(xs)} {x.dtype}, weight {tuple(ws)} "
+            f"{weight.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}"
+            f", scales {None if scales is None else (tuple(scales.shape), scales.dtype)}")
+    m, k = xs
+    n = ws[0]
+    ldx = x.stride()
+    if ldx[1] != 1 or (m > 1 and ldx[0] < k):
         x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32)
-    rc = lib.linear_f32(x.data_ptr(), x.stride(0), weight.data_ptr(), k,
-                        bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
-                        m, n, k, torch.get_num_threads() if threads is None else threads)
+        ldx = (k, 1)
+    out = torch.empty(m, n, dtype=x.dtype)
+    rc = lib.linear_run(
+        x.data_ptr(), ldx[0] if m > 1 else k, xc, weight.data_ptr(), k, wc,
+        None if scales is None else scales.data_ptr(), sc,
+        None if bias is None else bias.data_ptr(), bc, out.data_ptr(), n, xc, m, n, k,
+        torch.get_num_threads() if threads is None else threads)
     if rc:
         raise RuntimeError(f"small_linear kernel failed ({rc})")
     return out

@@ -186,10 +186,15 @@ FEW_TOKENS = 4
 @contextlib.contextmanager
 def _few_token_threads(num_tokens: int, device: torch.device, dtype: torch.dtype
                        ) -> Iterator[None]:
+    from ridgeline.engine import linear_kernel
+
     threads = torch.get_num_threads()
-    # float32 keeps its threads: its small-batch matmuls (layers.linear) use them well
+    # float32 keeps its threads: its small-batch matmuls (layers.linear) use them well; so
+    # does bfloat16 where the C kernel takes its projections (no oneDNN matmul is left to
+    # wake the OpenMP threads, and the kernel reads its thread count from torch's). Zen 3,
+    # single-request decode: bf16 37.5 -> 32.4 ms a step, bf16 + int8 28.1 -> 23.8 ms.
     if (device.type != "cpu" or dtype == torch.float32 or num_tokens > FEW_TOKENS
-            or threads == 1):
+            or threads == 1 or (dtype == torch.bfloat16 and linear_kernel.available())):
         yield
         return
     torch.set_num_threads(1)

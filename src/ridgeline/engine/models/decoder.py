@@ -21,7 +21,7 @@ from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
 from ridgeline.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary,
                                             int8_linear, linear, quantize_int8)
-from ridgeline.errors import ModelLoadError
+from ridgeline.errors import ConfigError, ModelLoadError
 
 
 class DecoderLayer(nn.Module):
@@ -139,6 +139,15 @@ class DecoderForCausalLM(nn.Module):
         """Every projection and the LM head to int8 weights with a scale per output
         channel (embeddings and norms stay in the model dtype). Activations keep their
         dtype; the float projection weights are freed."""
+        # torch's int8 GEMM (batches above the C kernel's rows) crashes when the inner
+        # dimension is not a multiple of 8: refuse such a model before anything is changed
+        odd = sorted({w for w in (self.cfg.hidden_size, self.cfg.intermediate_size,
+                                  self.cfg.num_heads * self.cfg.head_dim) if w % 8})
+        if odd:
+            raise ConfigError(f"weight_quant='int8' needs the model's inner dimensions to be "
+                              f"multiples of 8; this {self.cfg.family} model has {odd}",
+                              hint="use weight_quant: none (dtype: bfloat16 also halves "
+                                   "the weight bytes)")
         for layer in self.layers:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 proj.quantize_int8()

@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgeline.engine import decode_ops, linear_kernel
-
+from ridgeline.engine import cpu_kernels, decode_ops, linear_kernel
 
 #: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
 #: kernel for a short x and a wide W runs at a fraction of memory bandwidth, while W x^T
@@ -50,28 +49,54 @@ def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 
-#: CPU float32 products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows go to the C kernel of
-#: `engine.linear_kernel` where it builds (AVX-512): it streams each weight once for all
-#: rows. SmolLM2-135M, all matmuls of a step, 2 cores (`benchmarks/matmul_bench.py`):
-#: 2 rows 22.1 -> 6.1 ms, 8 rows 42.3 -> 10.2 ms, 16 rows 36.2 -> 17.8 ms; 1 row 12.3 ->
-#: 4.7 ms (weights in cache; 31.4 -> 12.6 ms streamed from memory). One row goes here
-#: too: single-request decode doubles, and a row's result is the same whether it is
-#: computed alone (a standard step) or among a speculative verify's rows.
+#: CPU products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows with float32 or bfloat16 weights
+#: (and int8 ones: `int8_linear`) go to the C kernel of `engine.linear_kernel` where it
+#: builds (AVX-512 or AVX2 + FMA): it streams each weight once for all rows. One row goes
+#: here too: a row's result is the same whether it is computed alone (a standard step) or
+#: among a speculative verify's rows. SmolLM2-135M, all matmuls of a step, 2 cores
+#: (`benchmarks/matmul_bench.py`, step_floor_ms, before -> with the kernel):
+#: - AVX-512 (Zen 4), float32: 2 rows 22.1 -> 6.1 ms, 8 rows 42.3 -> 10.2 ms, 16 rows
+#:   36.2 -> 17.8 ms; 1 row 12.3 -> 4.7 ms (weights in cache; 31.4 -> 12.6 ms streamed).
+#: - AVX2 (Zen 3), float32: 1 row 32.5 -> 18.6 ms, 4 rows 52.6 -> 24.5, 16 rows 102 ->
+#:   69; bfloat16 (oneDNN emulates it here): 1 row 23.2 -> 12.5, 4 rows 73.7 -> 23.0, 16
+#:   rows 321 -> 66. Single-request decode (whole step): float32 67 -> 42 ms, bfloat16
+#:   46 -> 31 ms.
 KERNEL_MIN_ROWS = 1
 KERNEL_MAX_ROWS = 16
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+#: Without AVX512_BF16 or AMX oneDNN emulates bfloat16 matmuls, slowly: there bfloat16
+#: products of more than KERNEL_MAX_ROWS rows go to the kernel up to BF16_KERNEL_MAX_ROWS
+#: rows and from there to a float32 GEMM of widened copies (x and W widened per call).
+#: Zen 3, 2 cores, all matmuls of a SmolLM2 step, weights streamed from memory: oneDNN
+#: 16 rows 444 ms, 512 rows ~19 s; kernel vs widened 32 rows 94 vs 185 ms, 128 rows 311
+#: vs 361 ms, 256 rows 612 vs 599 ms, 512 rows 1322 vs 1052 ms.
+_BF16_NATIVE = bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
+BF16_KERNEL_MAX_ROWS = 128
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  max_rows: int) -> bool:
+    return (KERNEL_MIN_ROWS <= x.shape[0] <= max_rows and x.dim() == 2
+            and x.dtype in _KERNEL_DTYPES and x.is_cpu
+            and weight.is_contiguous()
+            and (bias is None or (bias.dtype in _KERNEL_DTYPES and bias.is_contiguous()))
+            and not torch.is_grad_enabled() and linear_kernel.load() is not None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """F.linear for a flat batch [T, in] -> [T, out], with the C kernel, small-batch and
-    oneDNN CPU paths for float32."""
+    oneDNN CPU paths for float32 and bfloat16."""
     rows = x.shape[0]
-    if (KERNEL_MIN_ROWS <= rows <= KERNEL_MAX_ROWS and x.dim() == 2
-            and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-            and not torch.is_grad_enabled() and linear_kernel.load() is not None):
+    if weight.dtype == x.dtype and _kernel_takes(
+            x, weight, bias, KERNEL_MAX_ROWS if x.dtype == torch.float32 or _BF16_NATIVE
+            else BF16_KERNEL_MAX_ROWS):
         return linear_kernel.small_linear(x, weight, bias)
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and not _BF16_NATIVE
+            and x.device.type == "cpu" and not torch.is_grad_enabled()):
+        return F.linear(x.float(), weight.float(),
+                        None if bias is None else bias.float()).to(torch.bfloat16)
     if (_ONEDNN and rows >= ONEDNN_MIN_ROWS and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not torch.is_grad_enabled()):
@@ -93,10 +118,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x W^T with W = qweight * scales (per output channel), in x's dtype: PyTorch's
-    weight-only int8 GEMM (reads a quarter of the fp32 weight bytes)."""
-    return torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias) with W = qweight * scales (per output channel), in x's dtype: the C
+    kernel for KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows where it builds, else PyTorch's
+    weight-only int8 GEMM (both read a quarter of the fp32 weight bytes). Zen 3 (AVX2), 2
+    cores, bfloat16 x, all matmuls of a SmolLM2 step (matmul_bench step_floor_ms): 1 row
+    18.1 -> 10.3 ms, 4 rows 26.8 -> 20.1, 16 rows 98 -> 66; single-request decode 39 ->
+    26 ms a step."""
+    if _kernel_takes(x, qweight, bias, KERNEL_MAX_ROWS):
+        return linear_kernel.small_linear(x, qweight, bias, scales=scales)
+    out = torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
+    return out if bias is None else out.add_(bias)
 
 
 class Linear(nn.Module):
@@ -122,8 +155,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
-            out = int8_linear(x, self.qweight, self.scales)
-            return out if self.bias is None else out.add_(self.bias)
+            return int8_linear(x, self.qweight, self.scales, self.bias)
         return linear(x, self.weight, self.bias)
 
 

@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1063,20 +1064,31 @@ def kernel_path(lib: ctypes.CDLL | None = None) -> str:
     return {2: "avx512", 1: "avx2"}.get(lib.paged_attention_path(), "portable")
 
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+class LazyLibrary:
+    """A kernel library built on first call, once per process; None where it cannot be
+    built. Once built it is read without the lock: the kernels run on every small op.
+    Every C kernel of the engine loads through one (`load` of each module)."""
+
+    def __init__(self, build: Callable[[], ctypes.CDLL | None]) -> None:
+        self._build = build
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self._built = False
+
+    def __call__(self) -> ctypes.CDLL | None:
+        if self._built:
+            return self._lib
+        with self._lock:
+            if not self._built:
+                self._lib = self._build()
+                self._built = True  # only now: no reader sees "built" before the library
+        return self._lib
+
+
 _pool: ThreadPoolExecutor | None = None
 
-
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None when it cannot be built here."""
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            _lib = _build()
-    return _lib
+#: The compiled attention kernel, or None when it cannot be built here.
+load = LazyLibrary(_build)
 
 
 def available() -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-import threading
 
 import torch
 
@@ -174,11 +173,6 @@ _FLAGS = [["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-sha
           ["-O3", "-ffp-contract=off", "-shared", "-fPIC", "-lm"]]
 MAX_HEAD_DIM = 512
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 def _build() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
@@ -199,16 +193,8 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled library, or None where it cannot be built (not Linux, no compiler)."""
-    global _lib, _tried
-    if _tried:  # read without the lock: this runs several times per layer and step
-        return _lib
-    with _lock:
-        if not _tried:
-            _tried = True
-            _lib = _build()
-    return _lib
+#: The compiled library, or None where it cannot be built (not Linux, no compiler).
+load = cpu_kernels.LazyLibrary(_build)
 
 
 def usable(x: torch.Tensor) -> bool:

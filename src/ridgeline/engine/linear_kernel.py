@@ -46,7 +46,6 @@ import ctypes
 import functools
 import logging
 import sys
-import threading
 
 import torch
 
@@ -443,11 +442,6 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-pthread", "-shared", "-
           "-lpthread"]
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
 def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     target = cpu_kernels.compile_library("small_linear", SOURCE, [[*_FLAGS, *extra_flags]])
     if target is None:
@@ -472,21 +466,18 @@ def _runs_avx2() -> bool:
     return sys.platform.startswith("linux") and "avx2" in flags and "fma" in flags
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel for this CPU (the AVX-512 variant where it has AVX-512 F, else
-    the AVX2 one), or None where it cannot be built or run (neither ISA, not Linux, no C
-    compiler)."""
-    global _lib, _tried
-    if _tried:  # read without the lock: this runs on every small matmul
-        return _lib
-    with _lock:
-        if not _tried:
-            # the helpers wait on futexes; the tiles need AVX-512 F or AVX2 + FMA
-            _lib = _build() if _runs_avx2() or (
-                sys.platform.startswith("linux") and "avx512f" in cpu_kernels.cpu_flags()
-            ) else None
-            _tried = True
-    return _lib
+def _build_for_this_cpu() -> ctypes.CDLL | None:
+    # the helpers wait on futexes; the tiles need AVX-512 F or AVX2 + FMA
+    if _runs_avx2() or (sys.platform.startswith("linux")
+                        and "avx512f" in cpu_kernels.cpu_flags()):
+        return _build()
+    return None
+
+
+#: The compiled kernel for this CPU (the AVX-512 variant where it has AVX-512 F, else the
+#: AVX2 one), or None where it cannot be built or run (neither ISA, not Linux, no C
+#: compiler).
+load = cpu_kernels.LazyLibrary(_build_for_this_cpu)
 
 
 @functools.cache

@@ -65,8 +65,15 @@ def _warn_slow_dtype(dtype: str) -> None:
                     if flags & {"avx512_bf16", "amx_bf16"} else
                     "dtype float16 has no fast matmul path on this CPU: use float32")
     if dtype == "bfloat16" and flags and not flags & {"avx512_bf16", "amx_bf16"}:
-        log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: matmuls are "
-                    "emulated and may be slower than float32")
+        from ridgeline.engine import linear_kernel
+
+        if linear_kernel.available():  # decode-sized products run at half fp32's bytes
+            log.info("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: products of "
+                     "more than 128 rows (prefill) run as float32 on widened copies")
+        else:
+            log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU and no C "
+                        "kernel: matmuls are emulated and may be slower than float32; "
+                        "use dtype: float32")
 
 
 class LLMEngine:

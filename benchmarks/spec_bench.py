@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import time
 from datetime import date
@@ -50,7 +49,7 @@ from typing import Any
 # before torch: idle OpenMP workers sleep (a spinning one that loses its core stalled
 # 2..8-token forward passes by a scheduler slice here, which would hide what speculation
 # does); the same for both sides
-from bench_common import engine_arg_parser, on_worker_thread, progress_log  # noqa: I001
+from bench_common import engine_arg_parser, machine, on_worker_thread, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -291,7 +290,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
                         "kv_cache_dtype": fast_cfg.kv_cache_dtype},
         "fast_q_config": {"kv_cache_dtype": fast_q_cfg.kv_cache_dtype,
                           "weight_quant": fast_q_cfg.weight_quant},
-        "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
+        "machine": machine(args.threads),
         "date": date.today().isoformat(), "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }

@@ -68,8 +68,9 @@ def _warn_slow_dtype(dtype: str) -> None:
         from ridgeline.engine import linear_kernel
 
         if linear_kernel.available():  # decode-sized products run at half fp32's bytes
-            log.info("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: products of "
-                     "more than 128 rows (prefill) run as float32 on widened copies")
+            log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: decode "
+                        "runs at bf16's bytes in the C kernel, but products of more than "
+                        "128 rows (prefill) run as float32 on widened copies")
         else:
             log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU and no C "
                         "kernel: matmuls are emulated and may be slower than float32; "

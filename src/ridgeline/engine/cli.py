@@ -43,7 +43,7 @@ def generate(
                               help="Wrap the prompt in the model's chat template."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads."),
     dtype: str = typer.Option("float32", "--dtype",
-                              help="float32, or bfloat16 (AVX512_BF16 on this CPU)."),
+                              help="float32, or bfloat16 (half the weight bytes)."),
     weight_quant: str = typer.Option("none", "--weight-quant",
                                      help="none, or int8 (weight-only; needs bfloat16)."),
 ) -> None:

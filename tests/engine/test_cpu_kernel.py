@@ -295,3 +295,27 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["True", "True", "True"]
+
+
+def test_a_lazy_library_is_built_once_and_no_concurrent_first_caller_sees_none():
+    """While the first caller builds, others wait for the library instead of reading
+    "not available" (which would send them down the slow PyTorch path)."""
+    import threading
+    import time
+
+    calls = []
+
+    def build():
+        calls.append(1)
+        time.sleep(0.2)  # a compile takes seconds
+        return "lib"
+
+    load = cpu_kernels.LazyLibrary(build)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(load())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == ["lib"] * 8 and calls == [1]
+    assert load() == "lib" and calls == [1]

@@ -16,21 +16,18 @@ folded) and the exp of SiLU (a polynomial of our own against PyTorch's vectorise
 
 Single-threaded: at these sizes a second thread's wake-up costs more than the work (the
 loops are written so that GCC vectorises them; SiLU's exp is a polynomial for that).
-Callers fall back to PyTorch where `available()` is False, for more rows than
-`MAX_ROWS`, or for other dtypes and devices.
+Callers fall back to PyTorch where `usable(x)` is False: no compiler, more rows than
+`MAX_ROWS`, other dtypes or devices, autograd.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 
 import torch
 
 from ridgeline.engine import cpu_kernels
-
-log = logging.getLogger(__name__)
 
 #: Up to this many rows (decode batches, speculative verification). Measured on 2 cores
 #: (Zen 3), float32, PyTorch -> C: RMSNorm of 64 x 576 88 -> 13 us, rotary of 64 x 12 x

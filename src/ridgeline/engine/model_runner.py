@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ridgeline.engine import linear_kernel
 from ridgeline.engine.attention import build_attention_metadata
 from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.kv_quant import kv_bytes_per_token, make_kv_cache
@@ -186,8 +187,6 @@ FEW_TOKENS = 4
 @contextlib.contextmanager
 def _few_token_threads(num_tokens: int, device: torch.device, dtype: torch.dtype
                        ) -> Iterator[None]:
-    from ridgeline.engine import linear_kernel
-
     threads = torch.get_num_threads()
     # float32 keeps its threads: its small-batch matmuls (layers.linear) use them well; so
     # does bfloat16 where the C kernel takes its projections (no oneDNN matmul is left to

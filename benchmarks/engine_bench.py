@@ -60,7 +60,6 @@ def run_ridgeline(llm, reqs) -> dict:
             "preemptions": llm.engine.num_preemptions}
 
 
-@torch.inference_mode()
 class ForwardLog:
     """Records (tokens in the pass, logit rows) of every forward the engine runs: what
     the matmul-only floor is computed from."""

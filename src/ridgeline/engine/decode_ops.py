@@ -117,13 +117,31 @@ VEC_EXP void silu_mul_f32(const float* gu, int64_t ldg, float* out, int64_t ldo,
   }
 }
 
+/* bf16 bits of a float's bits, as f2bf, on integers only (vectorises in a loop) */
+static inline uint32_t f2bf_bits(uint32_t u) {
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+}
+
+/* In blocks of widened floats, the bits reinterpreted through a union: a loop that
+   converts with memcpy, divides and rounds element by element stays scalar in GCC
+   (1.5 ms for 64 x 1536 on Zen 4, 30x PyTorch). */
+#define SILU_BLOCK 256
+typedef union { float f[SILU_BLOCK]; uint32_t u[SILU_BLOCK]; } block_t;
 VEC_EXP void silu_mul_bf16(const uint16_t* gu, int64_t ldg, uint16_t* out, int64_t ldo,
                    int64_t rows, int64_t n) {
+  block_t g, u;
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* g = gu + r * ldg; const uint16_t* u = g + n; uint16_t* o = out + r * ldo;
-    for (int64_t i = 0; i < n; ++i) {
-      float gi = bf2f(g[i]);
-      o[i] = f2bf(bf2f(f2bf(gi / (1.0f + exp_vec(-gi)))) * bf2f(u[i]));
+    const uint16_t* gr = gu + r * ldg; const uint16_t* ur = gr + n; uint16_t* o = out + r * ldo;
+    for (int64_t i0 = 0; i0 < n; i0 += SILU_BLOCK) {
+      const int64_t m = n - i0 < SILU_BLOCK ? n - i0 : SILU_BLOCK;
+      for (int64_t i = 0; i < m; ++i) g.u[i] = (uint32_t)gr[i0 + i] << 16;
+      for (int64_t i = 0; i < m; ++i) u.u[i] = (uint32_t)ur[i0 + i] << 16;
+      for (int64_t i = 0; i < m; ++i) g.f[i] = g.f[i] / (1.0f + exp_vec(-g.f[i]));
+      /* PyTorch: silu(gate) rounded to bf16, then the product rounded */
+      for (int64_t i = 0; i < m; ++i) g.u[i] = f2bf_bits(g.u[i]) << 16;
+      for (int64_t i = 0; i < m; ++i) g.f[i] = g.f[i] * u.f[i];
+      for (int64_t i = 0; i < m; ++i) o[i0 + i] = (uint16_t)f2bf_bits(g.u[i]);
     }
   }
 }

@@ -75,6 +75,16 @@ def on_worker_thread(fn: Callable[[], T], name: str) -> T:
     return box["result"]
 
 
+def read_bandwidth_gbs() -> float:
+    """Memory read bandwidth, GB/s: the median time to sum 1 GiB of float32 (far beyond
+    any cache), on torch's threads."""
+    import torch
+
+    big = torch.ones(2 ** 28)
+    t = median_seconds(lambda: big.sum(), reps=3)
+    return round(big.numel() * 4 / t / 1e9, 2)
+
+
 def median_seconds(fn: Callable[[], object], min_s: float = 0.15, reps: int = 5) -> float:
     """Median seconds per call of `fn` over `reps` rounds of at least `min_s` each
     (after one warm-up call)."""

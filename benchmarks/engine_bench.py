@@ -17,7 +17,9 @@ submitted at once. Baselines, in the same process, same weights, same thread cou
 Also: single-request decode speed of both engines, time to first token of a request
 whose 512-token prefix is cached versus one whose prefix is not, and the fraction of the
 matmul-only floor reached (the time the engine's own matmuls need for the forward passes
-it ran, measured on its weights afterwards, over its wall time). Prints one JSON object.
+it ran, measured on its weights afterwards, over its wall time), and of the floor that
+adds the KV reads of its attention (every cached K/V byte read once per pass at the
+measured memory bandwidth). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import time
 from datetime import date
 
 # before torch: idle OpenMP workers sleep, the same for both engines
-from bench_common import engine_arg_parser, machine, median_seconds, progress_log  # noqa: I001
+from bench_common import (engine_arg_parser, machine, median_seconds, progress_log,
+                          read_bandwidth_gbs)  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -62,15 +65,19 @@ def run_ridgeline(llm, reqs) -> dict:
 
 class ForwardLog:
     """Records (tokens in the pass, logit rows) of every forward the engine runs: what
-    the matmul-only floor is computed from."""
+    the matmul-only floor is computed from; and the cached tokens each pass's attention
+    reads (the context of every sequence that had some before the pass): the KV floor."""
 
     def __init__(self, runner) -> None:
         self.passes: list[tuple[int, int]] = []
+        self.kv_tokens_read = 0
         self._runner = runner
         self._execute = runner.execute
 
-        def execute(*args, **kwargs):
-            out = self._execute(*args, **kwargs)
+        def execute(scheduled, lookahead=None):
+            self.kv_tokens_read += sum(seq.num_computed_tokens + n for seq, n in scheduled
+                                       if seq.num_computed_tokens > 0)
+            out = self._execute(scheduled, lookahead)
             rows = 0 if out.logits is None else int(out.logits.shape[0])
             self.passes.append((out.num_tokens, rows))
             return out
@@ -290,6 +297,13 @@ def main() -> None:
     floor = matmul_floor(engine, forwards.passes)
     result["matmul_floor_seconds"] = round(floor, 2)
     result["fraction_of_matmul_floor"] = round(floor / ours["seconds"], 3)
+    # attention must read every cached K/V byte once per pass: at the measured memory
+    # bandwidth that is a floor of its own, beside the matmuls'
+    bandwidth = read_bandwidth_gbs()
+    kv_floor = forwards.kv_tokens_read * engine.stats().kv_bytes_per_token / bandwidth / 1e9
+    result["read_bandwidth_gbs"] = bandwidth
+    result["kv_read_floor_seconds"] = round(kv_floor, 2)
+    result["fraction_of_matmul_and_kv_floor"] = round((floor + kv_floor) / ours["seconds"], 3)
     result["forward_passes"] = len(forwards.passes)
     log("ridgeline", ours)
     result["ridgeline_output_tok_s"] = round(ours["tok_s"], 2)

@@ -36,7 +36,7 @@ import json
 import time
 from collections.abc import Callable
 
-from bench_common import median_seconds, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -63,9 +63,7 @@ def peaks() -> dict[str, float]:
         b = torch.randn(2048, 2048).to(dt)
         t = median_seconds(lambda: torch.mm(a, b), reps=3)
         out[f"{name}_gflops"] = round(2 * 2048 ** 3 / t / 1e9, 1)
-    big = torch.ones(2 ** 28)  # 1 GiB of fp32
-    t = median_seconds(lambda: big.sum(), reps=3)
-    out["read_gbs"] = round(big.numel() * 4 / t / 1e9, 2)
+    out["read_gbs"] = read_bandwidth_gbs()
     return out
 
 

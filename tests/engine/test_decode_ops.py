@@ -101,3 +101,29 @@ def test_rotary_is_bit_identical_to_apply_rotary(dtype, rows, heads, d):
     assert got.data_ptr() == view.data_ptr()
     assert torch.equal(got, want)
     assert torch.equal(qkv[:, heads * d:], rest)  # the V part is untouched
+
+
+@pytest.mark.parametrize("rows,n", [(1, 49152), (7, 1000), (64, 333), (3, 5)])
+def test_argmax_logsumexp_matches_pytorch(rows, n):
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, n, generator=g) * 6
+    x[0, n // 2] = x[0].max() + 1  # the largest value twice: the first index wins
+    x[0, n - 1] = x[0, n // 2]
+    if rows > 1:
+        x[1, : n // 3] = float("-inf")  # masked entries
+    idx, top, lse = decode_ops.argmax_logsumexp(x)
+    assert torch.equal(idx, x.argmax(dim=-1)) and idx[0] == n // 2
+    assert torch.equal(top, x.max(dim=-1).values)
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), rtol=2e-6, atol=2e-6)
+
+
+def test_argmax_logsumexp_leaves_nan_inf_and_other_layouts_to_pytorch():
+    x = torch.randn(3, 64)
+    assert decode_ops.argmax_logsumexp(x) is not None
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[2, 5] = bad
+        assert decode_ops.argmax_logsumexp(y) is None
+    assert decode_ops.argmax_logsumexp(torch.full((2, 8), float("-inf"))) is None
+    assert decode_ops.argmax_logsumexp(x.t()) is None  # columns are not rows
+    assert decode_ops.argmax_logsumexp(x.bfloat16()) is None

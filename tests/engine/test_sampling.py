@@ -59,6 +59,32 @@ def test_top_k_top_p_min_p_filters() -> None:
     assert _empirical(SamplingParams(top_k=1), LOGITS)[0] == 1.0
 
 
+def test_greedy_batch_takes_the_fused_pass_with_the_same_result(monkeypatch) -> None:
+    """All-greedy rows go through decode_ops.argmax_logsumexp: the same tokens, logprobs
+    and top logprobs as PyTorch's argmax and logsumexp."""
+    from ridgeline.engine import decode_ops
+
+    if decode_ops.load() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 4
+    seqs = [Sequence("r", 0, [1], 1, SamplingParams(temperature=0, logprobs=3))
+            for _ in range(5)]
+    calls = []
+    fused = decode_ops.argmax_logsumexp
+    monkeypatch.setattr(decode_ops, "argmax_logsumexp",
+                        lambda x: calls.append(1) or fused(x))
+    got = Sampler(torch.Generator())(logits, seqs)
+    assert calls
+    monkeypatch.setattr(decode_ops, "argmax_logsumexp", lambda x: None)
+    want = Sampler(torch.Generator())(logits, seqs)
+    assert got.token_ids == want.token_ids == logits.argmax(-1).tolist()
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    for a, b in zip(got.top_logprobs, want.top_logprobs):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()),
+                                                                         abs=1e-5)
+
+
 def test_repetition_penalty_matches_transformers_processor() -> None:
     from transformers import RepetitionPenaltyLogitsProcessor
 

@@ -146,6 +146,62 @@ VEC_EXP void silu_mul_bf16(const uint16_t* gu, int64_t ldg, uint16_t* out, int64
   }
 }
 
+/* Greedy sampling's two reductions of a logits row in two passes over it (the second
+   from cache): the first index of its largest value (torch.argmax's tie rule) with that
+   value, then log(sum(exp(x - max))) + max (torch.logsumexp's form). 16 lanes of running
+   maxima, so the loop vectorises without reordering NaN semantics; a row holding NaN or
+   +inf reports nonfinite[r] = 1 and the caller takes PyTorch's ops. */
+static float row_max(const float* x, int64_t n, int* bad) {
+  float lm[LANES]; int nan[LANES];
+  for (int l = 0; l < LANES; ++l) { lm[l] = -INFINITY; nan[l] = 0; }
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float v = x[i + l];
+      nan[l] |= (v != v) | (v == INFINITY);
+      lm[l] = v > lm[l] ? v : lm[l];
+    }
+  for (int l = 0; i < n; ++i, ++l) {
+    nan[l] |= (x[i] != x[i]) | (x[i] == INFINITY);
+    lm[l] = x[i] > lm[l] ? x[i] : lm[l];
+  }
+  float m = -INFINITY; int b = 0;
+  for (int l = 0; l < LANES; ++l) { m = lm[l] > m ? lm[l] : m; b |= nan[l]; }
+  *bad = b;
+  return m;
+}
+
+static VEC_EXP float sum_exp(const float* x, int64_t n, float m) {
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += exp_vec(x[i + l] - m);
+  for (int l = 0; i < n; ++i, ++l) acc[l] += exp_vec(x[i] - m);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+void argmax_logsumexp_f32(const float* x, int64_t ldx, int64_t rows, int64_t n,
+                          int64_t* idx, float* maxv, float* lse, int32_t* nonfinite) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * ldx;
+    int bad;
+    const float m = row_max(row, n, &bad);
+    nonfinite[r] = bad || m == -INFINITY;
+    if (nonfinite[r]) { idx[r] = 0; maxv[r] = m; lse[r] = m; continue; }
+    int64_t i = 0;  /* the first chunk holding m (a vector compare each), then in it */
+    for (; i + LANES <= n; i += LANES) {
+      int hit = 0;
+      for (int l = 0; l < LANES; ++l) hit |= row[i + l] == m;
+      if (hit) break;
+    }
+    while (row[i] != m) ++i;
+    idx[r] = i; maxv[r] = m;
+    lse[r] = m + logf(sum_exp(row, n, m));
+  }
+}
+
 /* In place on heads [rows, heads, d] (row stride ldx, head stride d):
    x = x * cos + swap_halves(x) * signed_sin, cos/sin rows [rows, d] */
 void rotary_f32(float* x, int64_t ldx, int64_t heads, int64_t d, const float* cos_,
@@ -202,8 +258,9 @@ def _build() -> ctypes.CDLL | None:
         fn.argtypes = [ptr, i64, ptr, i64, i64, i64]
     for fn in (lib.rotary_f32, lib.rotary_bf16):
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64]
+    lib.argmax_logsumexp_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     for fn in (lib.rms_norm_f32, lib.rms_norm_bf16, lib.silu_mul_f32, lib.silu_mul_bf16,
-               lib.rotary_f32, lib.rotary_bf16):
+               lib.rotary_f32, lib.rotary_bf16, lib.argmax_logsumexp_f32):
         fn.restype = None
     return lib
 
@@ -273,3 +330,28 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     fn = lib.rotary_f32 if x.dtype == torch.float32 else lib.rotary_bf16
     fn(x.data_ptr(), x.stride(0), heads, d, cos.data_ptr(), signed_sin.data_ptr(), d, rows)
     return x
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                    torch.Tensor] | None:
+    """(argmax, max, logsumexp) of each row of float32 logits [rows, vocab] in one C call
+    (greedy sampling with the sampled token's logprob = max - logsumexp), or None where
+    PyTorch's ops must do it: no library, not a CPU float32 matrix of unit-stride rows,
+    or a row holding NaN or +inf (their semantics are PyTorch's to keep)."""
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+            or logits.shape[0] == 0 or logits.shape[1] == 0 or logits.stride(1) != 1
+            or logits.requires_grad):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    rows, n = logits.shape
+    idx = torch.empty(rows, dtype=torch.int64)
+    top = torch.empty(rows, dtype=torch.float32)
+    lse = torch.empty(rows, dtype=torch.float32)
+    bad = torch.empty(rows, dtype=torch.int32)
+    lib.argmax_logsumexp_f32(logits.data_ptr(), logits.stride(0), rows, n, idx.data_ptr(),
+                             top.data_ptr(), lse.data_ptr(), bad.data_ptr())
+    if bool(bad.any()):
+        return None
+    return idx, top, lse

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ridgeline.engine import decode_ops
 from ridgeline.engine.sequence import Sequence
 
 
@@ -47,13 +48,18 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1)
         params = [s.params for s in seqs]
-        processed = logits
-        if any(p.uses_penalties for p in params):
-            processed = apply_penalties(logits.clone(), seqs)
-
         greedy = [p.greedy for p in params]
+        penalties = any(p.uses_penalties for p in params)
+        # all greedy on raw logits (a decode batch of evaluation or benchmark requests):
+        # argmax and logsumexp in one C pass per row, the token's logprob = max - lse
+        fused = decode_ops.argmax_logsumexp(logits) if all(greedy) and not penalties \
+            else None
+        if fused is not None:
+            tokens, top, lse = fused
+            return self._output(logits, tokens, lse, params, top - lse)
+        lse = torch.logsumexp(logits, dim=-1)
+        processed = apply_penalties(logits.clone(), seqs) if penalties else logits
         if all(greedy):
             tokens = processed.argmax(dim=-1)
         else:
@@ -67,8 +73,13 @@ class Sampler:
             probs = self.filtered_probs(processed[idx], [seqs[i] for i in r_rows])
             tokens[idx] = self.draw(probs, [seqs[i] for i in r_rows])
 
-        sampled_lp = recorded_logprobs(logits, tokens, params, lse)
-        top: list[dict[int, float] | None] = [None] * len(seqs)
+        return self._output(logits, tokens, lse, params,
+                            recorded_logprobs(logits, tokens, params, lse))
+
+    @staticmethod
+    def _output(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor,
+                params: list, sampled_lp: torch.Tensor) -> SamplerOutput:
+        top: list[dict[int, float] | None] = [None] * len(params)
         k_max = max((p.logprobs or 0) for p in params)
         if k_max > 0:
             vals, ids = torch.topk(logits, k_max, dim=-1)

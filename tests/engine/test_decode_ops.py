@@ -109,8 +109,6 @@ def test_argmax_logsumexp_matches_pytorch(rows, n):
     x = torch.randn(rows, n, generator=g) * 6
     x[0, n // 2] = x[0].max() + 1  # the largest value twice: the first index wins
     x[0, n - 1] = x[0, n // 2]
-    if rows > 1:
-        x[1, : n // 3] = float("-inf")  # masked entries
     idx, top, lse = decode_ops.argmax_logsumexp(x)
     assert torch.equal(idx, x.argmax(dim=-1)) and idx[0] == n // 2
     assert torch.equal(top, x.max(dim=-1).values)
@@ -120,10 +118,9 @@ def test_argmax_logsumexp_matches_pytorch(rows, n):
 def test_argmax_logsumexp_leaves_nan_inf_and_other_layouts_to_pytorch():
     x = torch.randn(3, 64)
     assert decode_ops.argmax_logsumexp(x) is not None
-    for bad in (float("nan"), float("inf")):
+    for bad in (float("nan"), float("inf"), float("-inf")):
         y = x.clone()
         y[2, 5] = bad
         assert decode_ops.argmax_logsumexp(y) is None
-    assert decode_ops.argmax_logsumexp(torch.full((2, 8), float("-inf"))) is None
     assert decode_ops.argmax_logsumexp(x.t()) is None  # columns are not rows
     assert decode_ops.argmax_logsumexp(x.bfloat16()) is None

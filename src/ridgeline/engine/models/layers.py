@@ -23,31 +23,45 @@ SMALL_BATCH_ROWS = 64
 
 
 #: From this many rows a CPU float32 matmul goes to oneDNN with the weight kept in its
-#: blocked layout (converted once, again only after the weight changes), the conversions
+#: blocked layout (packed once, again only after the weight changes), the conversions
 #: of x and y included: gate/up at 64 rows 1608 -> 872 us, LM head at 16 rows 14.7 ->
 #: 7.0 ms; a whole step of SmolLM2's matmuls at 8 rows 46.4 vs 45.3 ms (even), at 12
 #: rows 75.7 -> 37.1 ms, at 1-4 rows the (W x^T)^T path is faster (16.3 vs 22.8 ms at 1).
+#: The call is `mkldnn._linear_pointwise` (what inductor's frozen CPU graphs call): a
+#: dense x and y, so no conversion of either; Zen 4, 64 rows, against mkldnn_linear with
+#: x.to_mkldnn() / y.to_dense(): gate/up 1051 -> 689 us, down 826 -> 550, LM head
+#: 51 -> 14 ms. bfloat16 products above the C kernel's rows take it too where the CPU
+#: has native bf16 dot products (bit-identical to F.linear, LM head at 17 rows 5.9 ->
+#: 2.8 ms).
 ONEDNN_MIN_ROWS = 10
 _onednn_weights: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 _onednn_lock = threading.Lock()
 
 
 def _onednn_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in oneDNN's layout, cached per tensor and version (an in-place update,
-    e.g. RL's update_weights, bumps the version and the copy is made again)."""
+    """`weight` in oneDNN's packed layout, cached per tensor and version (an in-place
+    update, e.g. RL's update_weights, bumps the version and it is packed again)."""
     key = id(weight)
     with _onednn_lock:
         hit = _onednn_weights.get(key)
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
             return hit[2]
-        packed = weight.detach().to_mkldnn()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         for k in [k for k, (ref, _, _) in _onednn_weights.items() if ref() is None]:
             del _onednn_weights[k]
         _onednn_weights[key] = (weakref.ref(weight), weight._version, packed)
         return packed
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), _onednn_weight(weight), bias,
+                                              "none", [], "")
+
+
+_ONEDNN = (torch.backends.mkldnn.is_available()
+           and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 #: CPU products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows with float32 or bfloat16 weights
 #: (and int8 ones: `int8_linear`) go to the C kernel of `engine.linear_kernel` where it
@@ -98,11 +112,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     if (_ONEDNN and rows >= ONEDNN_MIN_ROWS and x.dim() == 2 and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_grad_enabled()):
-        out = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), _onednn_weight(weight),
-                                         None).to_dense()
-        return out if bias is None else out.add_(bias)
+            and weight.dtype == x.dtype and weight.dim() == 2
+            and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _BF16_NATIVE))
+            and (bias is None or bias.dtype == x.dtype) and not torch.is_grad_enabled()
+            and not weight.is_inference()):  # the packed copy is keyed by its version
+        return _onednn_linear(x, weight, bias)
     if (1 < rows <= SMALL_BATCH_ROWS and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32):
         out = torch.mm(weight, x.t()).t().contiguous()

@@ -42,6 +42,16 @@ def test_threads_sharing_one_llm_get_what_each_would_alone(model):
     assert alone[0] == hf_greedy(model, PROMPTS[0], 12)[0]
 
 
+def test_final_only_handles_get_just_the_last_output_streaming_ones_every_step(model):
+    llm = LLM.from_hf_model(model, num_kv_blocks=128, block_size=4)
+    streamed = list(llm.worker.submit("s", PROMPTS[0], GREEDY))
+    final = list(llm.worker.submit_many([("f", PROMPTS[0], GREEDY)], final_only=True)[0])
+    assert len(streamed) == GREEDY.max_tokens and len(final) == 1
+    assert final[0].finished
+    assert final[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+    assert final[0].outputs[0].text == streamed[-1].outputs[0].text
+
+
 def test_bad_request_in_a_batch_raises_and_aborts_the_rest(model):
     llm = LLM.from_hf_model(model, num_kv_blocks=128, block_size=4)
     with pytest.raises(EngineError, match="prompt_token_ids"):

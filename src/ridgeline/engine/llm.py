@@ -75,7 +75,8 @@ class LLM:
             raise EngineError(f"{len(params)} sampling params for {len(prompts)} prompts",
                               hint="pass one SamplingParams or one per prompt")
         handles = self.worker.submit_many([(self.new_request_id(), prompt, p)
-                                           for prompt, p in zip(prompts, params, strict=True)])
+                                           for prompt, p in zip(prompts, params, strict=True)],
+                                          final_only=True)
         return self._collect(handles, use_tqdm)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

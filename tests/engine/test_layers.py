@@ -64,3 +64,18 @@ def test_the_onednn_path_follows_in_place_weight_updates():
         assert torch.allclose(layers.linear(x, w), F.linear(x, w), atol=1e-5)
         small = x[:2]
         assert torch.allclose(layers.linear(small, w), F.linear(small, w), atol=1e-5)
+
+
+def test_without_a_working_packed_onednn_linear_takes_pytorch(monkeypatch):
+    """The packed oneDNN call is a private torch op, checked once per dtype: where the
+    check fails, products of many rows take PyTorch's path (and give F.linear's result)."""
+    from ridgeline.engine.models import layers
+
+    assert layers._onednn_works(torch.float32) in (True, False)
+    monkeypatch.setattr(layers, "_onednn_works", lambda dtype: False)
+    monkeypatch.setattr(layers, "_onednn_weight", lambda w: pytest.fail("packed anyway"))
+    w, b = torch.randn(96, 40), torch.randn(96)
+    x = torch.randn(max(layers.ONEDNN_MIN_ROWS, layers.KERNEL_MAX_ROWS) + 3, 40)
+    with torch.inference_mode():
+        torch.testing.assert_close(layers.linear(x, w, b), F.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)

@@ -4,6 +4,8 @@ that greedy outputs match it token for token."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import weakref
 
@@ -12,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ridgeline.engine import cpu_kernels, decode_ops, linear_kernel
+
+log = logging.getLogger(__name__)
 
 #: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
 #: kernel for a short x and a wide W runs at a fraction of memory bandwidth, while W x^T
@@ -59,9 +63,35 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                                               "none", [], "")
 
 
-_ONEDNN = (torch.backends.mkldnn.is_available()
-           and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+@functools.cache
+def _onednn_works(dtype: torch.dtype) -> bool:
+    """Whether the packed oneDNN call runs and agrees with F.linear here (a private op of
+    torch's: checked once per dtype on a small product, so a CPU or build where it is
+    missing or wrong keeps PyTorch's path, with a warning, instead of failing a step)."""
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ONEDNN_MIN_ROWS + 7, 48, generator=g).to(dtype)
+    w = torch.randn(40, 48, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    try:
+        with torch.inference_mode():
+            got = torch.ops.mkldnn._linear_pointwise(
+                x, torch.ops.mkldnn._reorder_linear_weight(w, None), b, "none", [], "")
+        ok = torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()),
+                            rtol=2e-2, atol=5e-2)
+    except RuntimeError as e:
+        log.warning("oneDNN's packed linear failed here (%s); using PyTorch's matmuls", e)
+        return False
+    if not ok:
+        log.warning("oneDNN's packed linear disagrees with F.linear here; using PyTorch's "
+                    "matmuls")
+    return ok
+
+
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 #: CPU products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows with float32 or bfloat16 weights
 #: (and int8 ones: `int8_linear`) go to the C kernel of `engine.linear_kernel` where it
@@ -115,7 +145,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and weight.dtype == x.dtype and weight.dim() == 2
             and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _BF16_NATIVE))
             and (bias is None or bias.dtype == x.dtype) and not torch.is_grad_enabled()
-            and not weight.is_inference()):  # the packed copy is keyed by its version
+            and not weight.is_inference()  # the packed copy is keyed by its version
+            and _onednn_works(x.dtype)):
         return _onednn_linear(x, weight, bias)
     if (1 < rows <= SMALL_BATCH_ROWS and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32):

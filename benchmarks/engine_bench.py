@@ -300,7 +300,7 @@ def main() -> None:
     # attention must read every cached K/V byte once per pass: at the measured memory
     # bandwidth that is a floor of its own, beside the matmuls'
     bandwidth = read_bandwidth_gbs()
-    kv_floor = forwards.kv_tokens_read * engine.stats().kv_bytes_per_token / bandwidth / 1e9
+    kv_floor = forwards.kv_tokens_read * engine.kv_bytes_per_token / bandwidth / 1e9
     result["read_bandwidth_gbs"] = bandwidth
     result["kv_read_floor_seconds"] = round(kv_floor, 2)
     result["fraction_of_matmul_and_kv_floor"] = round((floor + kv_floor) / ours["seconds"], 3)

@@ -44,9 +44,13 @@ SOURCE = r"""
 /* bfloat16 <-> float32 as PyTorch does it (round to nearest even; NaN stays NaN) */
 static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f;
   memcpy(&f, &u, 4); return f; }
-static inline uint16_t f2bf(float f) { uint32_t u; memcpy(&u, &f, 4);
+/* the bf16 bits of a float's bits, on integers only (so a loop of it vectorises) */
+static inline uint32_t f2bf_bits(uint32_t u) {
   uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded); }  /* no branch */
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;  /* no branch */
+}
+static inline uint16_t f2bf(float f) { uint32_t u; memcpy(&u, &f, 4);
+  return (uint16_t)f2bf_bits(u); }
 
 #define LANES 16
 /* 1/sqrt(mean(x^2) + eps) of one row: lane-wise partial sums, then folded */
@@ -116,12 +120,6 @@ VEC_EXP void silu_mul_f32(const float* gu, int64_t ldg, float* out, int64_t ldo,
     const float* g = gu + r * ldg; const float* u = g + n; float* o = out + r * ldo;
     for (int64_t i = 0; i < n; ++i) o[i] = (g[i] / (1.0f + exp_vec(-g[i]))) * u[i];
   }
-}
-
-/* bf16 bits of a float's bits, as f2bf, on integers only (vectorises in a loop) */
-static inline uint32_t f2bf_bits(uint32_t u) {
-  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
-  return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
 }
 
 /* In blocks of widened floats, the bits reinterpreted through a union: a loop that

@@ -65,13 +65,10 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @functools.cache
 def _onednn_works(dtype: torch.dtype) -> bool:
-    """Whether the packed oneDNN call runs and agrees with F.linear here (a private op of
-    torch's: checked once per dtype on a small product, so a CPU or build where it is
-    missing or wrong keeps PyTorch's path, with a warning, instead of failing a step)."""
-    if not (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return False
+    """Whether the packed oneDNN call (present where `_ONEDNN`) runs and agrees with
+    F.linear here: a private op of torch's, checked once per dtype on a small product, so
+    a CPU or build where it fails keeps PyTorch's path, with a warning, instead of failing
+    a step."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ONEDNN_MIN_ROWS + 7, 48, generator=g).to(dtype)
     w = torch.randn(40, 48, generator=g).to(dtype)
@@ -91,7 +88,9 @@ def _onednn_works(dtype: torch.dtype) -> bool:
     return ok
 
 
-_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN = (torch.backends.mkldnn.is_available()
+           and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 #: CPU products of KERNEL_MIN_ROWS..KERNEL_MAX_ROWS rows with float32 or bfloat16 weights
 #: (and int8 ones: `int8_linear`) go to the C kernel of `engine.linear_kernel` where it
@@ -142,7 +141,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x.float(), weight.float(),
                         None if bias is None else bias.float()).to(torch.bfloat16)
     if (_ONEDNN and rows >= ONEDNN_MIN_ROWS and x.dim() == 2 and x.device.type == "cpu"
-            and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.dtype == x.dtype
             and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _BF16_NATIVE))
             and (bias is None or bias.dtype == x.dtype) and not torch.is_grad_enabled()
             and not weight.is_inference()  # the packed copy is keyed by its version

@@ -138,6 +138,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory_mb: float = Field(1024.0, gt=0)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = Field("auto", description="one of KV_CACHE_DTYPES")
+    kv_cache_prefault: bool = Field(
+        True, description="CPU: make the KV pool resident in a background thread when it is "
+        "allocated, so the first requests do not page-fault on every 4 KB of KV they write; "
+        "false keeps unused pool memory unallocated until it is written")
 
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
 

@@ -46,11 +46,13 @@ def kv_bytes_per_token(kind: str, *, num_layers: int, num_kv_heads: int, head_di
 
 def make_kv_cache(kind: str, *, num_layers: int, num_blocks: int, block_size: int,
                   num_kv_heads: int, head_dim: int, model_dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> KVCache:
-    """The paged cache for `kind`; every variant returns keys/values in `model_dtype`."""
+                  device: torch.device | str = "cpu", prefault: bool = False) -> KVCache:
+    """The paged cache for `kind`; every variant returns keys/values in `model_dtype`.
+    `prefault`: make the pool resident in the background (`kv_cache.Prefaulter`)."""
     kind = normalize_kv_cache_dtype(kind)
     shape = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                 num_kv_heads=num_kv_heads, head_dim=head_dim, device=device)
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
+                 prefault=prefault)
     if kind in QUANTIZED:
         return QuantizedKVCache(kind, model_dtype=model_dtype, **shape)  # type: ignore[arg-type]
     storage = model_dtype if kind == "auto" else _FLOATS[kind]
@@ -89,7 +91,7 @@ class QuantizedKVCache(KVCache):
 
     def __init__(self, kind: str, *, num_layers: int, num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, model_dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", prefault: bool = False) -> None:
         assert kind in QUANTIZED, kind
         self.kind = kind
         self.code_dtype = torch.int8 if kind == "int8" else torch.uint8
@@ -98,16 +100,14 @@ class QuantizedKVCache(KVCache):
         # `dtype` stays the model dtype: what gather() returns
         super().__init__(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=model_dtype,
-                         device=device)
+                         device=device, prefault=prefault)
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in self.k + self.v + self.k_scale + self.v_scale)
 
-    def allocate(self) -> None:
-        if self.k:
-            return
+    def _allocate_storage(self) -> list[torch.Tensor]:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         n_codes = shape[0] * shape[1] * shape[2] * shape[3]
         n_scales = shape[0] * shape[1] * shape[2]
@@ -120,6 +120,7 @@ class QuantizedKVCache(KVCache):
             s = scales[i * n_scales:(i + 1) * n_scales].view(shape[:3])
             (self.k if i % 2 == 0 else self.v).append(c)
             (self.k_scale if i % 2 == 0 else self.v_scale).append(s)
+        return [codes, scales]
 
     def release(self) -> None:
         super().release()

@@ -121,7 +121,8 @@ class ModelRunner:
         cache = make_kv_cache(config.kv_cache_dtype, num_layers=cfg.num_layers,
                               num_blocks=plan.num_blocks, block_size=config.block_size,
                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                              model_dtype=dtype, device=device)
+                              model_dtype=dtype, device=device,
+                              prefault=config.kv_cache_prefault)
         use_kernel = kernel and choose_kernel(config, cfg, cache)
         return cls(model, cache, device, use_kernel)
 

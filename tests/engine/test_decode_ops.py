@@ -124,3 +124,32 @@ def test_argmax_logsumexp_leaves_nan_inf_and_other_layouts_to_pytorch():
         assert decode_ops.argmax_logsumexp(y) is None
     assert decode_ops.argmax_logsumexp(x.t()) is None  # columns are not rows
     assert decode_ops.argmax_logsumexp(x.bfloat16()) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
+@pytest.mark.parametrize("rows", [0, 1, 64, 1500])
+def test_scatter_rows_is_index_copy(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    # k of a fused qkv projection: rows of 3 heads x 64, 15 x 64 apart
+    qkv = (torch.randn(rows, 15 * 64, generator=g) * 50).to(dtype)
+    k = qkv[:, 9 * 64:12 * 64].view(rows, 3, 64)
+    index = torch.randperm(4096, generator=g)[:rows]
+    got = torch.zeros(4096, 3, 64, dtype=dtype)
+    want = got.clone()
+    assert decode_ops.scatter_rows(got, index, k)
+    want.index_copy_(0, index, k)
+    assert torch.equal(got, want)
+
+
+def test_scatter_rows_refuses_what_it_cannot_copy_and_out_of_range_slots():
+    dst = torch.zeros(8, 2, 4)
+    src = torch.ones(2, 2, 4)
+    assert not decode_ops.scatter_rows(dst, torch.tensor([0, 1]), src.double())  # dtype
+    assert not decode_ops.scatter_rows(dst, torch.tensor([0, 1]), src.transpose(1, 2)
+                                       .contiguous().transpose(1, 2))  # rows not contiguous
+    assert not decode_ops.scatter_rows(dst[:, :1], torch.tensor([0, 1]), src[:, :1])
+    assert not decode_ops.scatter_rows(dst, torch.tensor([0, 1], dtype=torch.int32), src)
+    for bad in (8, -1):
+        with pytest.raises(IndexError, match="out of range"):
+            decode_ops.scatter_rows(dst, torch.tensor([0, bad]), src)
+        assert not dst.any()  # nothing written

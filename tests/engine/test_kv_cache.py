@@ -86,3 +86,24 @@ def test_the_engine_prefaults_by_default_and_sleep_stops_it() -> None:
     assert engine.runner.kv_cache._prefaulter is not None
     off = LLM.from_hf_model(model, num_kv_blocks=64, kv_cache_prefault=False).engine
     assert off.runner.kv_cache._prefaulter is None
+
+
+@pytest.mark.parametrize("kind", ["auto", "bfloat16"])
+@pytest.mark.parametrize("rows", [3, 100])
+def test_writes_of_fused_qkv_rows_land_in_their_slots(kind, rows, monkeypatch) -> None:
+    from ridgeline.engine import decode_ops
+
+    calls = []
+    real = decode_ops.scatter_rows
+    monkeypatch.setattr(decode_ops, "scatter_rows", lambda *a: calls.append(real(*a)) or calls[-1])
+    cache = make(prefault=False, kind=kind)
+    qkv = torch.randn(rows, 8 * 64)  # q (4 heads), k, v (2 heads each), as the model has it
+    k, v = qkv[:, 256:384].view(rows, 2, 64), qkv[:, 384:].view(rows, 2, 64)
+    slots = torch.randperm(cache.num_blocks * cache.block_size)[:rows]
+    cache.write(0, k, v, slots)
+    got_k, got_v = cache.gather(0, torch.arange(cache.num_blocks))
+    store = cache.dtype if kind == "auto" else torch.bfloat16
+    assert torch.equal(got_k[slots], k.to(store).to(got_k.dtype))
+    assert torch.equal(got_v[slots], v.to(store).to(got_v.dtype))
+    # the C copy for many rows of the cache's own dtype; index_copy_ for the rest
+    assert any(calls) == (rows >= decode_ops.SCATTER_MIN_ROWS and kind == "auto")

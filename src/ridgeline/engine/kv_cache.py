@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from ridgeline.engine import decode_ops
+
 log = logging.getLogger(__name__)
 
 
@@ -79,8 +81,11 @@ class KVCache:
               slot_mapping: torch.Tensor) -> None:
         """Store new keys/values [T, num_kv_heads, head_dim] at their slots."""
         kvh, d = self.num_kv_heads, self.head_dim
-        self.k[layer].view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v[layer].view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(self.dtype))
+        many = slot_mapping.shape[0] >= decode_ops.SCATTER_MIN_ROWS
+        for cache, x in ((self.k[layer], k), (self.v[layer], v)):
+            slots = cache.view(-1, kvh, d)
+            if not (many and decode_ops.scatter_rows(slots, slot_mapping, x)):
+                slots.index_copy_(0, slot_mapping, x.to(self.dtype))
 
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given blocks, as [len(block_ids) * block_size,

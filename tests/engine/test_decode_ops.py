@@ -57,18 +57,48 @@ def test_rms_norm_reads_strided_rows():
     torch.testing.assert_close(got, reference_rms_norm(x, w, 1e-5), rtol=1e-6, atol=1e-6)
 
 
-def test_rms_norm_module_takes_the_kernel_only_for_few_rows():
+def test_rms_norm_module_takes_the_kernel_at_any_row_count_but_not_under_autograd(
+        monkeypatch):
+    calls = []
+    real = decode_ops.rms_norm
+    monkeypatch.setattr(decode_ops, "rms_norm", lambda *a: calls.append(1) or real(*a))
     norm = RMSNorm(64, 1e-5, torch.float32, "cpu")
     norm.weight.data.uniform_(0.5, 1.5)
-    for rows in (1, decode_ops.MAX_ROWS, decode_ops.MAX_ROWS + 1):
+    for rows in (1, decode_ops.MAX_ROWS + 1, decode_ops.SPLIT_ROWS + 3):
         x = torch.randn(rows, 64)
         with torch.inference_mode():
             got = norm(x)
         torch.testing.assert_close(got, reference_rms_norm(x, norm.weight, 1e-5),
                                    rtol=1e-6, atol=1e-6)
+    assert len(calls) == 3
     assert not decode_ops.usable(torch.randn(decode_ops.MAX_ROWS + 1, 64))
     with torch.enable_grad():  # autograd needs PyTorch's ops
         assert not decode_ops.usable(torch.randn(1, 64))
+        assert not decode_ops.norm_usable(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rms_norm_split_over_threads_is_the_same(dtype, threads):
+    """Prefill-sized norms run a share of the rows per thread; each row's result does not
+    depend on the split, and the residual add lands in every row."""
+    rows, d = 2 * decode_ops.SPLIT_ROWS + 5, 96
+    g = torch.Generator().manual_seed(threads)
+    base = torch.randn(rows, d + 8, generator=g).to(dtype)
+    x = base[:, :d]  # strided rows
+    delta = torch.randn(rows, d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+    one_row_at_a_time = torch.cat([decode_ops.rms_norm(x[i:i + 1].clone(), w, 1e-5,
+                                                       delta[i:i + 1]) for i in range(rows)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xs = x.clone()
+        got = decode_ops.rms_norm(xs, w, 1e-5, delta)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, one_row_at_a_time)
+    assert torch.equal(xs, (x.float() + delta.float()).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -60,12 +60,11 @@ class DecoderLayer(nn.Module):
             qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
+        gate_up = self.gate_up_proj(self.post_norm(x, attn))  # x += attn, then norm
         if few:
-            gate_up = self.gate_up_proj(self.post_norm(x, attn))  # x += attn, then norm
             return x.add_(self.down_proj(decode_ops.silu_mul(gate_up)))
-        x = x + attn
-        gate, up = self.gate_up_proj(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x.add_(self.down_proj(F.silu(gate) * up))
 
 
 # checkpoint name (HF layout) -> (our parameter, which shard of a fused weight)

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/attention_bench.py --json              # ~1 min
     .venv/bin/python benchmarks/attention_bench.py --quick --json      # 2 contexts, 5 rounds
     .venv/bin/python benchmarks/attention_bench.py --json --portable   # + the 8-wide build
+    .venv/bin/python benchmarks/attention_bench.py --prefill --json    # prefill: ~1 min
 
 One call is one layer of a decode step: 48 sequences of one new token each attending to
 their paged context, with SmolLM2-135M's attention shape (9 query heads over 3 KV heads,
@@ -26,6 +27,15 @@ with neither AVX-512 nor AVX2 + FMA build) is timed too (`portable_ms_min`,
 `speedup_vs_portable_min`), and so is the AVX2 path (`cpu_kernels.avx2_library()`,
 `avx2_ms_min`) where this CPU runs it but builds another natively (AVX-512); `new` is the
 native build, whose path `machine.kernel_path` names. Prints one JSON object.
+
+With `--prefill`: the C prefill kernel (`cpu_kernels.paged_prefill_attention`) against
+PyTorch's SDPA as the engine ran it for fresh prompts (one causal call per prompt over its
+own keys/values), SmolLM2's shape, model and KV in float32 and in bfloat16: one prompt of
+64, 512 or 2048 tokens, and a batch of 16 prompts of 64-512 tokens. The two alternate
+round by round (`--rounds`), each round a few calls; reported per call: min and median ms
+and GFLOP/s over the causal half of the score matrix (4 * heads * head_dim * n(n+1)/2 per
+prompt; the work either side actually does is larger), on `--threads` threads, and
+`max_abs_diff` between their outputs.
 """
 
 from __future__ import annotations
@@ -187,6 +197,113 @@ def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: i
     return result
 
 
+PREFILL_CONFIGS: dict[str, list[int]] = {
+    "prompt_64": [64], "prompt_512": [512], "prompt_2048": [2048],
+    "batch16_64_512": [random.Random(16).randint(64, 512) for _ in range(16)]}
+
+
+class Prefill:
+    """One layer of a prefill step: fresh prompts of `lengths`, their K/V already in the
+    paged cache (blocks scattered), and the same K/V as the flat tensors SDPA reads."""
+
+    def __init__(self, dtype: torch.dtype, lengths: list[int], seed: int) -> None:
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.lengths = lengths
+        blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+        num_blocks = 1 + sum(blocks)
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        tables = [[free.pop() for _ in range(nb)] for nb in blocks]
+        width = max(blocks)
+        total = sum(lengths)
+        qkv = torch.randn(total, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+        self.q = qkv[:, :HEADS]  # strided, as the model passes it
+        self.k = qkv[:, HEADS:HEADS + KV_HEADS]
+        self.v = qkv[:, HEADS + KV_HEADS:]
+        self.k_cache = torch.zeros(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        start = 0
+        for n, table in zip(lengths, tables):
+            for b, blk in enumerate(table):
+                rows = min(BLOCK_SIZE, n - b * BLOCK_SIZE)
+                at = start + b * BLOCK_SIZE
+                self.k_cache[blk, :rows] = self.k[at:at + rows]
+                self.v_cache[blk, :rows] = self.v[at:at + rows]
+            start += n
+        self.table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self.q_start = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+        self.q_len = torch.tensor(lengths)
+        self.out = torch.empty(total, HEADS, HEAD_DIM, dtype=dtype)
+        self.flops = sum(4 * HEADS * HEAD_DIM * n * (n + 1) / 2 for n in lengths)
+
+    def kernel(self, work: torch.Tensor, cuts: list[int]) -> None:
+        cpu_kernels.paged_prefill_attention(self.q, self.k_cache, self.v_cache, self.table,
+                                            self.q_start, self.q_len, self.q_len, self.out,
+                                            work, cuts)
+
+    def sdpa(self) -> None:
+        """The engine's SDPA path for fresh prompts (attention.paged_attention before the
+        prefill kernel)."""
+        start = 0
+        for n in self.lengths:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                self.q[start:start + n].transpose(0, 1)[None],
+                self.k[start:start + n].transpose(0, 1)[None],
+                self.v[start:start + n].transpose(0, 1)[None], is_causal=True,
+                enable_gqa=True)
+            self.out[start:start + n] = o[0].transpose(0, 1)
+            start += n
+
+
+def bench_prefill(dtype: torch.dtype, lengths: list[int], threads: int,
+                  rounds: int) -> dict[str, Any]:
+    case = Prefill(dtype, lengths, seed=11)
+    work, cuts = cpu_kernels.prefill_work(lengths, lengths, KV_HEADS, HEADS // KV_HEADS,
+                                          threads)
+    case.kernel(work, cuts)
+    got = case.out.float().clone()
+    case.sdpa()
+    result: dict[str, Any] = {"tokens": sum(lengths),
+                              "max_abs_diff": float((got - case.out.float()).abs().max())}
+    calls = max(1, int(2e8 / case.flops))  # ~10-50 ms a round at these rates
+    fns = {"kernel": lambda: [case.kernel(work, cuts) for _ in range(calls)],
+           "sdpa": lambda: [case.sdpa() for _ in range(calls)]}
+    for name, per_round in time_rounds(fns, rounds).items():
+        per_call = [t / calls for t in per_round]
+        result[f"{name}_ms_min"] = round(min(per_call) * 1e3, 3)
+        result[f"{name}_ms_median"] = round(statistics.median(per_call) * 1e3, 3)
+        result[f"{name}_gflops_median"] = round(
+            case.flops / statistics.median(per_call) / 1e9, 1)
+    result["speedup_median"] = round(result["sdpa_ms_median"] / result["kernel_ms_median"], 2)
+    return result
+
+
+def main_prefill(args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    rounds = args.rounds or (5 if args.quick else 11)
+    results: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, lengths in PREFILL_CONFIGS.items():
+            key = f"{str(dtype).removeprefix('torch.')}/{name}"
+            say(f"{key} ...")
+            results[key] = bench_prefill(dtype, lengths, args.threads, rounds)
+            say(json.dumps(results[key]))
+    report = {
+        "benchmark": "attention_bench/prefill",
+        "date": date.today().isoformat(),
+        "machine": {"cpu": platform.processor() or platform.machine(),
+                    "avx512": "avx512f" in cpu_kernels.cpu_flags(),
+                    "avx512_bf16": "avx512_bf16" in cpu_kernels.cpu_flags(),
+                    "threads": args.threads,
+                    "kernel_path": cpu_kernels.kernel_path()},
+        "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                  "block_size": BLOCK_SIZE},
+        "rounds": rounds,
+        "results": results,
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
@@ -199,8 +316,16 @@ def main() -> None:
                     help="also time the portable build (and the AVX2 one if not native)")
     ap.add_argument("--storage", nargs="*", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
+    ap.add_argument("--prefill", action="store_true",
+                    help="the prefill kernel against SDPA instead (see the module doc)")
     args = ap.parse_args()
     say = progress_log(args.json)
+    if args.prefill:
+        if not cpu_kernels.available():
+            sys.exit("the C kernel could not be compiled here (no C compiler?)")
+        torch.set_num_threads(args.threads)
+        main_prefill(args, say)
+        return
     rounds = args.rounds or (5 if args.quick else 15)
     contexts = args.contexts if not args.quick else ["mixed_300_600", "2048"]
     if not cpu_kernels.available():

@@ -4,8 +4,11 @@ cache, then attend each sequence's new queries to its whole context.
 The tokens of a step are flat ([T, heads, head_dim]) and belong to three kinds of
 sequences, each with the cheapest kernel we found on CPU:
 
-- fresh: no KV before this step (a prompt, or its first chunk). Causal attention over the
-  fresh keys/values themselves; the cache is only written.
+- fresh: no KV before this step (a prompt, or its first chunk). With the C kernel
+  (float32 or bfloat16 cache) causal attention over the cache, which already holds the
+  new keys/values (`cpu_kernels.paged_prefill_attention`, one call for every fresh and
+  long sequence of the step); otherwise PyTorch's fused causal attention over the fresh
+  keys/values themselves.
 - short queries over cached context (decode: 1 token; speculative verification: a few).
   With the C kernel (`cpu_kernels`, float32 or bfloat16 model on CPU, float32, bfloat16
   or int8 cache; 16-wide AVX-512 where the CPU has it) all of them in one call that reads
@@ -13,8 +16,9 @@ sequences, each with the cheapest kernel we found on CPU:
   sequences of similar length are grouped, their blocks gathered into a padded [n, L]
   layout (padding reads the null block) and masked; grouped-query heads are folded into
   the query axis, so keys/values are never repeated per head.
-- long queries over cached context (later prefill chunks, prefix-cache hits): one masked
-  attention per sequence over its gathered blocks.
+- long queries over cached context (later prefill chunks, prefix-cache hits): with the C
+  kernel, in the same prefill call as the fresh ones, reading the blocks in place;
+  otherwise one masked attention per sequence over its gathered blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ class KernelBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """Fresh and long sequences for the C prefill kernel, as int64 tensors."""
+
+    block_table: torch.Tensor  # [n, max blocks], padded with the null block
+    q_start: torch.Tensor  # [n] first row of each sequence in the flat batch
+    q_len: torch.Tensor  # [n]
+    ctx_len: torch.Tensor  # [n] context including the new tokens
+    work: torch.Tensor  # [items, 4] the kernel's tiles (cpu_kernels.prefill_work)
+    cuts: list[int]  # per-thread shares of the tiles
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every new token
     fresh: list[tuple[int, int]] = field(default_factory=list)  # (start, length)
@@ -60,6 +76,9 @@ class AttentionMetadata:
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     groups: list[DecodeGroup] = field(default_factory=list)
     kernel: KernelBatch | None = None
+    # fresh + chunks again, for the C prefill kernel (used where the cache is float32 or
+    # bfloat16; an int8 cache keeps the PyTorch paths above)
+    prefill: PrefillBatch | None = None
 
 
 def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size: int,
@@ -72,6 +91,7 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
     fresh: list[tuple[int, int]] = []
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
     short: list[tuple[int, int, int, list[int]]] = []  # (start, q_len, ctx_len, table)
+    long: list[tuple[int, int, int, list[int]]] = []  # the same, fresh and chunks
     start = 0
     for table, num_computed, num_new in batch:
         end = num_computed + num_new
@@ -81,6 +101,7 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
             slots.extend(table[p // bs] * bs + p % bs for p in range(num_computed, end))
         if num_computed == 0:
             fresh.append((start, num_new))
+            long.append((start, num_new, end, table))
         elif num_new <= MAX_BATCHED_QUERY:
             short.append((start, num_new, end, table))
         else:
@@ -90,10 +111,13 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
             chunks.append((start, num_new, end,
                            torch.tensor(table[:nb], dtype=torch.long, device=device),
                            mask[None, None].to(device)))
+            long.append((start, num_new, end, table))
         start += num_new
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         fresh=fresh, chunks=chunks)
+    if long and use_kernel:
+        meta.prefill = _prefill_batch(long, bs, num_heads, num_kv_heads)
     if short and use_kernel:
         meta.kernel = _kernel_batch(short, bs, num_kv_heads)
         return meta
@@ -103,16 +127,34 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
     return meta
 
 
-def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int,
-                  num_kv_heads: int) -> KernelBatch:
-    nb = max(-(-ctx // bs) for _, _, ctx, _ in short)
+def _padded_table(seqs: list[tuple[int, int, int, list[int]]], bs: int) -> torch.Tensor:
+    """[n, blocks of the longest context] int64, padded with the null block."""
+    nb = max(-(-ctx // bs) for _, _, ctx, _ in seqs)
     flat: list[int] = []
-    for _, _, ctx, table in short:
+    for _, _, ctx, table in seqs:
         used = -(-ctx // bs)
         flat += table[:used]
         flat += [0] * (nb - used)
+    return torch.tensor(flat, dtype=torch.long).view(len(seqs), nb)
+
+
+def _prefill_batch(long: list[tuple[int, int, int, list[int]]], bs: int, num_heads: int,
+                   num_kv_heads: int) -> PrefillBatch:
+    q_len = [s[1] for s in long]
+    ctx_len = [s[2] for s in long]
+    work, cuts = cpu_kernels.prefill_work(q_len, ctx_len, num_kv_heads,
+                                          num_heads // num_kv_heads, torch.get_num_threads())
+    return PrefillBatch(
+        block_table=_padded_table(long, bs),
+        q_start=torch.tensor([s[0] for s in long], dtype=torch.long),
+        q_len=torch.tensor(q_len, dtype=torch.long),
+        ctx_len=torch.tensor(ctx_len, dtype=torch.long), work=work, cuts=cuts)
+
+
+def _kernel_batch(short: list[tuple[int, int, int, list[int]]], bs: int,
+                  num_kv_heads: int) -> KernelBatch:
     return KernelBatch(
-        block_table=torch.tensor(flat, dtype=torch.long).view(len(short), nb),
+        block_table=_padded_table(short, bs),
         q_start=torch.tensor([s[0] for s in short], dtype=torch.long),
         q_len=torch.tensor([s[1] for s in short], dtype=torch.long),
         ctx_len=torch.tensor([s[2] for s in short], dtype=torch.long),
@@ -178,7 +220,7 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     layer: int, meta: AttentionMetadata) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d]."""
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads = q.shape[1]
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
     cache.write(layer, k, v, meta.slot_mapping)
@@ -199,6 +241,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                                k_scale=codes[2], v_scale=codes[3],
                                                cuts=kb.cuts)
 
+    raw = cache.raw_blocks(layer) if meta.prefill is not None else None
+    if raw is not None:
+        pb = meta.prefill
+        assert pb is not None
+        cpu_kernels.paged_prefill_attention(q, raw[0], raw[1], pb.block_table, pb.q_start,
+                                            pb.q_len, pb.ctx_len, out, pb.work, pb.cuts)
+        return _attend_short(q, num_kv_heads, cache, layer, meta, out)
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).
     for start, n in meta.fresh:
@@ -215,7 +264,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kc, vc,
                                            attn_mask=mask, enable_gqa=g > 1)
         out[start:start + n] = o[0].transpose(0, 1)
+    return _attend_short(q, num_kv_heads, cache, layer, meta, out)
 
+
+def _attend_short(q: torch.Tensor, num_kv_heads: int, cache: KVCache, layer: int,
+                  meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+    """The grouped PyTorch path of the short-query sequences (when the C decode kernel
+    does not take them); `out` as [T, heads * d]."""
+    num_tokens, num_heads, head_dim = q.shape
+    g = num_heads // num_kv_heads
     for grp in meta.groups:
         n, ql = grp.num_seqs, grp.q_len
         kc, vc = cache.gather(layer, grp.block_ids)

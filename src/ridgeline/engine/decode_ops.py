@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -302,7 +301,6 @@ def _rows_ok(t: torch.Tensor) -> bool:
 #: threaded ops: 2 cores, 2048 x 576, F.rms_norm float32 466 us, the bfloat16 formula 772
 #: us; C on one thread 500 / 425 us.
 SPLIT_ROWS = 512
-_pool: ThreadPoolExecutor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -311,7 +309,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     residual add before a norm). Any number of rows (callers check `usable(x)` for the
     other conditions, or `norm_usable`); x must be rows of unit stride and writable,
     weight contiguous in x's dtype."""
-    global _pool
     lib = load()
     assert lib is not None and _rows_ok(x) and weight.dtype == x.dtype
     rows, d = x.shape
@@ -326,7 +323,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     shares = min(torch.get_num_threads(), rows // (SPLIT_ROWS // 2)) if rows >= SPLIT_ROWS else 1
     cuts = [rows * i // max(shares, 1) for i in range(max(shares, 1) + 1)]
 
-    def part(lo: int, hi: int) -> None:
+    def part(lo: int, hi: int) -> int:
         xp, op = x.data_ptr() + lo * x.stride(0) * es, out.data_ptr() + lo * d * es
         dp = delta.data_ptr() + lo * ldd * es if delta is not None else None
         if x.dtype == torch.float32:
@@ -336,15 +333,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             scratch = torch.empty(d, dtype=torch.float32)  # one per share
             lib.rms_norm_bf16(xp, x.stride(0), dp, ldd, weight.data_ptr(), eps, op, d,
                               hi - lo, d, scratch.data_ptr())
+        return 0
 
-    futures = []
-    if len(cuts) > 2:
-        if _pool is None or _pool._max_workers < len(cuts) - 2:  # noqa: SLF001
-            _pool = ThreadPoolExecutor(len(cuts) - 2, thread_name_prefix="ridgeline-ops")
-        futures = [_pool.submit(part, cuts[i], cuts[i + 1]) for i in range(len(cuts) - 2)]
-    part(cuts[-2], cuts[-1])
-    for f in futures:
-        f.result()
+    cpu_kernels.run_shares(part, (), (), cuts, "rms_norm")
     return out
 
 

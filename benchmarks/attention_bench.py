@@ -65,22 +65,23 @@ from ridgeline.engine.kv_quant import quantize  # noqa: E402
 BASELINE_COMMIT = "08ade13ce041da0f21bb3310b3998a81532d25f9"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, SEQS = 9, 3, 64, 16, 48
 CONTEXTS: dict[str, tuple[int, int]] = {  # name: (min, max) context length
-    "mixed_300_600": (300, 600), "128": (128, 128), "512": (512, 512), "2048": (2048, 2048)}
+    "mixed_300_600": (300, 600), "128": (128, 128), "512": (512, 512), "2048": (2048, 2048),
+    "300_400": (300, 400), "900_1100": (900, 1100)}
 STORAGES = ("float32", "bfloat16", "int8")
 
 
-def baseline_module() -> types.ModuleType:
-    """cpu_kernels as of BASELINE_COMMIT, as a separate module (its own compiled .so)."""
+def baseline_module(commit: str = BASELINE_COMMIT) -> types.ModuleType:
+    """cpu_kernels as of `commit`, as a separate module (its own compiled .so)."""
     root = Path(__file__).resolve().parent.parent
     try:
         source = subprocess.run(
-            ["git", "show", f"{BASELINE_COMMIT}:src/ridgeline/engine/cpu_kernels.py"],
+            ["git", "show", f"{commit}:src/ridgeline/engine/cpu_kernels.py"],
             cwd=root, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"attention_bench needs the git history for its baseline ({e}); run it "
                  "from a clone of the repository")
     module = types.ModuleType("ridgeline_attention_baseline")
-    exec(compile(source, f"{BASELINE_COMMIT[:7]}:cpu_kernels.py", "exec"),  # noqa: S102
+    exec(compile(source, f"{commit[:7]}:cpu_kernels.py", "exec"),  # noqa: S102
          module.__dict__)
     return module
 
@@ -88,7 +89,8 @@ def baseline_module() -> types.ModuleType:
 class Layers:
     """`count` layers of paged KV for one configuration, and one decode call's inputs."""
 
-    def __init__(self, storage: str, ctx: list[int], pool_mb: float, seed: int) -> None:
+    def __init__(self, storage: str, ctx: list[int], pool_mb: float, seed: int,
+                 q_dtype: torch.dtype = torch.float32) -> None:
         rng = random.Random(seed)
         torch.manual_seed(seed)
         self.ctx = ctx
@@ -98,6 +100,7 @@ class Layers:
         per_layer = 2 * num_blocks * BLOCK_SIZE * KV_HEADS * (HEAD_DIM * elem
                                                              + (4 if storage == "int8" else 0))
         self.count = max(2, int(pool_mb * 2 ** 20 / per_layer) + 1)
+        self.flops = 4 * HEADS * HEAD_DIM * sum(ctx)  # q.K and P.V, 2 flops a MAC
         self.read_bytes = sum(2 * c * KV_HEADS * (HEAD_DIM * elem + (4 if storage == "int8"
                                                                       else 0)) for c in ctx)
         shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -119,9 +122,9 @@ class Layers:
         self.q_start = torch.arange(len(ctx))
         self.q_len = torch.ones(len(ctx), dtype=torch.long)
         self.ctx_len = torch.tensor(ctx)
-        qkv = torch.randn(len(ctx), HEADS + 2 * KV_HEADS, HEAD_DIM)
+        qkv = torch.randn(len(ctx), HEADS + 2 * KV_HEADS, HEAD_DIM).to(q_dtype)
         self.q = qkv[:, :HEADS]  # strided, as the model passes it
-        self.out = torch.empty(len(ctx), HEADS, HEAD_DIM)
+        self.out = torch.empty(len(ctx), HEADS, HEAD_DIM, dtype=q_dtype)
 
     def call(self, module: Any, layer: int, cuts: list[int]) -> None:
         kv = self.kv[layer]
@@ -131,7 +134,7 @@ class Layers:
 
     def output(self, module: types.ModuleType) -> torch.Tensor:
         self.call(module, 0, [0, len(self.ctx) * KV_HEADS])
-        return self.out.clone()
+        return self.out.float().clone()
 
 
 def time_rounds(fns: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
@@ -169,8 +172,9 @@ def extra_builds(portable: bool) -> list[tuple[str, Any]]:
 
 
 def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: int,
-                 rounds: int, pool_mb: float, seed: int, portable: bool) -> dict[str, Any]:
-    layers = Layers(storage, ctx, pool_mb, seed)
+                 rounds: int, pool_mb: float, seed: int, portable: bool,
+                 q_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    layers = Layers(storage, ctx, pool_mb, seed, q_dtype)
     items = len(ctx) * KV_HEADS
     result: dict[str, Any] = {
         "layers_cycled": layers.count, "kv_mb_per_call": round(layers.read_bytes / 2 ** 20, 2),
@@ -189,6 +193,8 @@ def bench_config(old: types.ModuleType, storage: str, ctx: list[int], threads: i
             row[f"{name}_ms_min"] = round(min(per_call) * 1e3, 3)
             row[f"{name}_ms_median"] = round(statistics.median(per_call) * 1e3, 3)
             row[f"{name}_kv_gbs"] = round(layers.read_bytes / min(per_call) / 1e9, 2)
+            row[f"{name}_gflops_median"] = round(
+                layers.flops / statistics.median(per_call) / 1e9, 1)
         row["speedup_min"] = round(row["old_ms_min"] / row["new_ms_min"], 2)
         row["speedup_median"] = round(row["old_ms_median"] / row["new_ms_median"], 2)
         if portable:
@@ -316,6 +322,12 @@ def main() -> None:
                     help="also time the portable build (and the AVX2 one if not native)")
     ap.add_argument("--storage", nargs="*", default=list(STORAGES), choices=STORAGES)
     ap.add_argument("--contexts", nargs="*", default=list(CONTEXTS), choices=list(CONTEXTS))
+    ap.add_argument("--baseline", default=BASELINE_COMMIT,
+                    help="the commit whose kernel is 'old' (e.g. HEAD)")
+    ap.add_argument("--seqs", type=int, default=SEQS, help="sequences per call")
+    ap.add_argument("--q-dtype", choices=("float32", "bfloat16", "cache"), default="float32",
+                    help="q/out dtype; 'cache': bfloat16 with a bfloat16 cache, as a bf16 "
+                         "model runs, else float32")
     ap.add_argument("--prefill", action="store_true",
                     help="the prefill kernel against SDPA instead (see the module doc)")
     args = ap.parse_args()
@@ -330,20 +342,23 @@ def main() -> None:
     contexts = args.contexts if not args.quick else ["mixed_300_600", "2048"]
     if not cpu_kernels.available():
         sys.exit("the C kernel could not be compiled here (no C compiler?)")
-    old = baseline_module()
+    old = baseline_module(args.baseline)
     if not old.available():
-        sys.exit(f"the baseline kernel ({BASELINE_COMMIT[:7]}) could not be compiled")
+        sys.exit(f"the baseline kernel ({args.baseline[:7]}) could not be compiled")
     torch.set_num_threads(args.threads)
     results: dict[str, Any] = {}
     for storage in args.storage:
         for name in contexts:
             lo, hi = CONTEXTS[name]
             rng = random.Random(len(name))
-            ctx = [rng.randint(lo, hi) for _ in range(SEQS)]
-            say(f"{storage} ctx {name} ...")
+            ctx = [rng.randint(lo, hi) for _ in range(args.seqs)]
+            q_dtype = (torch.bfloat16 if args.q_dtype == "bfloat16" or (
+                args.q_dtype == "cache" and storage == "bfloat16") else torch.float32)
+            say(f"{storage} ctx {name} q {q_dtype} ...")
             results[f"{storage}/ctx_{name}"] = bench_config(
                 old, storage, ctx, args.threads, rounds, args.pool_mb, seed=7,
-                portable=args.portable)
+                portable=args.portable, q_dtype=q_dtype)
+            results[f"{storage}/ctx_{name}"]["q_dtype"] = str(q_dtype).removeprefix("torch.")
             say(json.dumps(results[f"{storage}/ctx_{name}"]))
     report = {
         "benchmark": "attention_bench",
@@ -354,9 +369,9 @@ def main() -> None:
                     "threads": args.threads,
                     "kernel_vector_width": cpu_kernels.vector_width(),
                     "kernel_path": cpu_kernels.kernel_path()},
-        "shape": {"seqs": SEQS, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "shape": {"seqs": args.seqs, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "new_tokens_per_seq": 1},
-        "baseline": BASELINE_COMMIT[:7],
+        "baseline": args.baseline[:7],
         "rounds": rounds,
         "results": results,
     }

@@ -319,3 +319,120 @@ def test_a_lazy_library_is_built_once_and_no_concurrent_first_caller_sees_none()
         t.join()
     assert seen == ["lib"] * 8 and calls == [1]
     assert load() == "lib" and calls == [1]
+
+
+def _paged_case(heads: int, kv_heads: int, head_dim: int, ctx: list[int], storage: str,
+                seed: int = 0, block_size: int = 16) -> dict:
+    """Paged K/V for sequences of these contexts (blocks scattered), as the kernel reads
+    them, and their values in float64 for a reference."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 1 + sum(-(-c // block_size) for c in ctx)
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    width = max(len(t) for t in tables)
+    case = {"table": torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            "tables": tables, "scales": {}}
+    if storage == "int8":
+        (kq, ks), (vq, vs) = quantize(k, "int8"), quantize(v, "int8")
+        case["scales"] = {"k_scale": ks, "v_scale": vs}
+        k, v = dequantize(kq, ks, "int8", torch.float32), dequantize(vq, vs, "int8", torch.float32)
+    elif storage == "bfloat16":
+        kq, vq = k.bfloat16(), v.bfloat16()
+        k, v = kq.float(), vq.float()
+    else:
+        kq, vq = k, v
+    case.update(kq=kq, vq=vq, k64=k.double(), v64=v.double())
+    return case
+
+
+def _call(case: dict, q: torch.Tensor, q_lens: list[int], ctx: list[int], build: str,
+          rows: list[int] | None = None) -> torch.Tensor:
+    """The kernel over `case` for q's rows (dtype of q, out the same), sequences `rows` of
+    the case (default all)."""
+    rows = rows if rows is not None else list(range(len(ctx)))
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    cpu_kernels.paged_decode_attention(
+        q, case["kq"], case["vq"], case["table"][rows].contiguous(),
+        torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens))]), torch.tensor(q_lens),
+        torch.tensor(ctx), out, cuts=[0, len(ctx) * case["kq"].shape[2]], lib=_lib(build),
+        **case["scales"])
+    return out
+
+
+def _reference64(case: dict, q: torch.Tensor, q_lens: list[int], ctx: list[int]) -> torch.Tensor:
+    """Causal attention in float64 over the case's K/V values (q's values as given)."""
+    kvh, d = case["kq"].shape[2], case["kq"].shape[3]
+    g = q.shape[1] // kvh
+    out = torch.empty(q.shape, dtype=torch.float64)
+    start = 0
+    for n, (ql, c) in enumerate(zip(q_lens, ctx)):
+        t = case["tables"][n]
+        kc = case["k64"][t].reshape(-1, kvh, d)[:c].repeat_interleave(g, 1)  # [c, heads, d]
+        vc = case["v64"][t].reshape(-1, kvh, d)[:c].repeat_interleave(g, 1)
+        qs = q[start:start + ql].double()
+        s = torch.einsum("rhd,chd->hrc", qs, kc) * d ** -0.5
+        mask = torch.arange(c)[None, :] <= torch.arange(ql)[:, None] + c - ql
+        s = s.masked_fill(~mask[None], float("-inf"))
+        out[start:start + ql] = torch.einsum("hrc,chd->rhd", s.softmax(-1), vc)
+        start += ql
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 96, 128, 256])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("build", BUILDS)
+def test_bfloat16_q_and_out_are_read_and_written_directly(head_dim, storage, build) -> None:
+    """bfloat16 q/out (a bf16 model) straight through the kernel, no float32 copies: within
+    a bfloat16 rounding of the float64 reference, in every path and storage (with a
+    bfloat16 cache on AVX512_BF16 this is the vdpbf16ps score path); paths that widen q
+    give exactly the float32 call's output rounded to bfloat16."""
+    ctx, q_lens = [1, 16, 17, 70, 333], [1, 1, 2, 1, 8]
+    case = _paged_case(6, 2, head_dim, ctx, storage, seed=head_dim)
+    qkv = torch.randn(sum(q_lens), 10, head_dim).bfloat16()
+    q = qkv[:, :6]  # strided rows, as the model passes them
+    got = _call(case, q, q_lens, ctx, build)
+    assert got.dtype == torch.bfloat16 and not torch.isnan(got).any()
+    ref = _reference64(case, q, q_lens, ctx)
+    err = (got.double() - ref).abs()
+    assert (err <= ref.abs() * 2 ** -8 + 2e-5).all(), err.max()
+    dot = storage == "bfloat16" and cpu_kernels.bf16_dot_scores(_lib(build))
+    if not dot:
+        want = _call(case, q.float(), q_lens, ctx, build)
+        assert torch.equal(got, want.bfloat16())
+
+
+def test_the_bfloat16_dot_path_is_compiled_where_the_cpu_has_it() -> None:
+    flags = cpu_kernels.cpu_flags()
+    wide = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    assert cpu_kernels.bf16_dot_scores() == (wide and "avx512_bf16" in flags)
+    assert not cpu_kernels.bf16_dot_scores(cpu_kernels.avx2_library())
+    assert not cpu_kernels.bf16_dot_scores(cpu_kernels.portable_library())
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (4, 4)])
+@pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
+# not the portable path: it scores query vectors in pairs and an odd last one alone, in
+# another order (a few ulp apart); CPUs with AVX2 or AVX-512 never run it
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_a_verify_row_equals_the_decode_of_that_row_bit_for_bit(q_dtype, heads, kv_heads,
+                                                                storage, build) -> None:
+    """Speculative verification: row r of a sequence's 1-8 new rows (in a batch with other
+    sequences, its query vectors in other tiles) gives exactly what decoding that row
+    alone over its own context gives."""
+    ctx = [40, 129, 300]
+    q_lens = [3, 8, 5]
+    case = _paged_case(heads, kv_heads, 64, ctx, storage, seed=heads)
+    q = torch.randn(sum(q_lens), heads, 64).to(q_dtype)
+    batch = _call(case, q, q_lens, ctx, build)
+    start = 0
+    for n, (ql, c) in enumerate(zip(q_lens, ctx)):
+        for r in range(ql):
+            alone = _call(case, q[start + r:start + r + 1], [1], [c - (ql - 1 - r)], build,
+                          rows=[n])
+            assert torch.equal(alone[0], batch[start + r]), (n, r)
+        start += ql

@@ -13,9 +13,14 @@ Three paths in one source, chosen at compile time by `-march=native`
 
 - AVX-512 (F, BW, VL): 16 wide. It scores 16 context rows as one vector (one vectorised
   exp per 16 rows and query vector), widens bfloat16/int8 K/V as it loads them and
-  prefetches the scattered blocks ahead, since memory bandwidth is what bounds it (on a
-  Zen 4, one thread: 2.1x the 8-wide kernel with float32 KV, 3.4x with bfloat16, 7x with
-  int8).
+  prefetches the scattered blocks ahead (on a Zen 4, one thread: 2.1x the 8-wide kernel
+  with float32 KV, 3.4x with bfloat16, 7x with int8). With bfloat16 q and KV and
+  AVX512_BF16, scores come from vdpbf16ps on the cached pairs as they lie (half the
+  multiply-adds, no widening of K): bf16 models' decode attention 1.2-1.45x faster
+  (64 sequences of 300-1100 tokens). On a Zen 4 it runs at ~45-50 GFLOP/s a thread with
+  bfloat16/int8 KV, near the FMA issue limit (V accumulation and the exp stay float32),
+  and ~20 GB/s a thread with float32 KV. q and out may be bfloat16 in every path (read
+  and written directly, no float32 copies).
 - AVX2 + FMA without AVX-512: the same plan 8 wide, and it walks the KV heads of one
   sequence together so that its reads are contiguous (on a Zen 3 EPYC, 2-core VM shared
   with other jobs, against the portable path in the same run, best of 5 runs: one thread
@@ -78,6 +83,25 @@ SOURCE = r"""
 #define MAXQV %(maxqv)d
 #define MAXD %(maxd)d
 #define MAXBS %(maxbs)d
+
+static inline float bf16_load(const unsigned short* p) {
+  const uint32_t u = (uint32_t)*p << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline unsigned short bf16_round(float f) {  /* PyTorch's: nearest even, NaN quiet */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+/* q element x of a query vector stored as float32 or bfloat16 (QB) */
+#define QLOAD(QB, src, x) \
+  ((QB) ? bf16_load((const unsigned short*)(src) + (x)) : ((const float*)(src))[x])
 
 #if !defined(RIDGELINE_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__)
@@ -177,27 +201,32 @@ static inline __m512 reduce8(const float (*F)[16]) {
                        _mm512_permutex2var_ps(c[0], i4, c[1]));
 }
 
+/* KV heads of one sequence walked together (see attention_body): 1, since on a Zen 4
+   walking SmolLM2's 3 heads together made float32 KV 1.2x and int8 1.1x slower and
+   bfloat16 no faster (attention_bench, 64 sequences), though the AVX2 path gains on Zen 3 */
+#define GROUP_HEADS 1
 #define QROW (MAXD + 16 * CT)  /* floats per query vector / accumulator, tile padding */
 
-/* S[h] = q[h] . K row t, lane t < RB, for h < NH (a compile-time constant); prefetches
-   rows pf[] (pf_bytes each) on the way when pf is given */
+/* S[h] = q[h] . K row t, lane t < RB, for h < NH (a compile-time constant); row t starts
+   at kr[t] + off. Prefetches rows pf[] + off (pf_bytes each) on the way when pf is given */
 static inline __attribute__((always_inline)) void scores_tile(
-    const int MODE, const int NH, const char* const* kr, const float (*q)[QROW], int nvec,
-    const __mmask16* vmask, float (*F)[RB / 2][16], __m512* S, const char* const* pf,
-    int pf_bytes) {
+    const int MODE, const int NH, const char* const* kr, int64_t off, const float (*q)[QROW],
+    int nvec, const __mmask16* vmask, float (*F)[RB / 2][16], __m512* S,
+    const char* const* pf, int pf_bytes) {
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
   for (int c0 = 0; c0 < nvec; c0 += CT) {
     __m512 qv[HT][CT];
     UNROLL for (int h = 0; h < NH; ++h)
       UNROLL for (int c = 0; c < CT; ++c) qv[h][c] = _mm512_load_ps(q[h] + 16 * (c0 + c));
     for (int t = 0; t < RB / 2; ++t) {
-      if (pf && c0 == 0) prefetch2(pf[t], pf[t + RB / 2], pf_bytes);
+      if (pf && c0 == 0) prefetch2(pf[t] + off, pf[t + RB / 2] + off, pf_bytes);
+      const char* k0p = kr[t] + off;
+      const char* k1p = kr[t + RB / 2] + off;
       __m512 s0[HT], s1[HT];
       UNROLL for (int h = 0; h < NH; ++h) s0[h] = s1[h] = _mm512_setzero_ps();
       UNROLL for (int c = 0; c < CT; ++c) {
-        const __m512 k0 = load16(MODE, kr[t] + 16 * (c0 + c) * esize, vmask[c0 + c]);
-        const __m512 k1 = load16(MODE, kr[t + RB / 2] + 16 * (c0 + c) * esize,
-                                 vmask[c0 + c]);
+        const __m512 k0 = load16(MODE, k0p + 16 * (c0 + c) * esize, vmask[c0 + c]);
+        const __m512 k1 = load16(MODE, k1p + 16 * (c0 + c) * esize, vmask[c0 + c]);
         UNROLL for (int h = 0; h < NH; ++h) {
           s0[h] = _mm512_fmadd_ps(qv[h][c], k0, s0[h]);
           s1[h] = _mm512_fmadd_ps(qv[h][c], k1, s1[h]);
@@ -212,12 +241,52 @@ static inline __attribute__((always_inline)) void scores_tile(
   UNROLL for (int h = 0; h < NH; ++h) S[h] = reduce8((const float (*)[16])F[h]);
 }
 
-/* acc[h] = acc[h] * corr[h] + sum over rows t < nr of p[h][t] * V row t, for h < NH;
-   prefetches rows pf[] on the way when pf is given */
+#if defined(__AVX512BF16__)
+/* scores_tile for bfloat16 q and K by vdpbf16ps: q[h] holds channel pairs as 32 bits
+   (unscaled), K rows are read as pairs straight from the cache, 32 channels a vector,
+   CTD vectors a tile (pmask: the pairs of each vector that exist). Each product of two
+   bfloat16 is exact in float32 and the sums are float32; half the multiply-adds of the
+   float path and no widening. */
+#define CTD 2
+static inline __attribute__((always_inline)) void scores_tile_dot(
+    const int NH, const char* const* kr, int64_t off, const float (*q)[QROW], int npv,
+    const __mmask16* pmask, float (*F)[RB / 2][16], __m512* S, const char* const* pf,
+    int pf_bytes) {
+  for (int c0 = 0; c0 < npv; c0 += CTD) {
+    __m512bh qv[HT][CTD];
+    UNROLL for (int h = 0; h < NH; ++h)
+      UNROLL for (int c = 0; c < CTD; ++c)
+        qv[h][c] = (__m512bh)_mm512_load_si512((const void*)(q[h] + 16 * (c0 + c)));
+    for (int t = 0; t < RB / 2; ++t) {
+      if (pf && c0 == 0) prefetch2(pf[t] + off, pf[t + RB / 2] + off, pf_bytes);
+      const char* k0p = kr[t] + off;
+      const char* k1p = kr[t + RB / 2] + off;
+      __m512 s0[HT], s1[HT];
+      UNROLL for (int h = 0; h < NH; ++h) s0[h] = s1[h] = _mm512_setzero_ps();
+      UNROLL for (int c = 0; c < CTD; ++c) {
+        const __m512bh k0 = (__m512bh)_mm512_maskz_loadu_epi32(pmask[c0 + c], k0p + 64 * (c0 + c));
+        const __m512bh k1 = (__m512bh)_mm512_maskz_loadu_epi32(pmask[c0 + c], k1p + 64 * (c0 + c));
+        UNROLL for (int h = 0; h < NH; ++h) {
+          s0[h] = _mm512_dpbf16_ps(s0[h], qv[h][c], k0);
+          s1[h] = _mm512_dpbf16_ps(s1[h], qv[h][c], k1);
+        }
+      }
+      UNROLL for (int h = 0; h < NH; ++h) {
+        const __m512 f = fold1(s0[h], s1[h]);
+        _mm512_store_ps(F[h][t], c0 ? _mm512_add_ps(_mm512_load_ps(F[h][t]), f) : f);
+      }
+    }
+  }
+  UNROLL for (int h = 0; h < NH; ++h) S[h] = reduce8((const float (*)[16])F[h]);
+}
+#endif
+
+/* acc[h] = acc[h] * corr[h] + sum over rows t < nr of p[h][t] * V row t (at vr[t] + off),
+   for h < NH; prefetches rows pf[] + off on the way when pf is given */
 static inline __attribute__((always_inline)) void values_tile(
-    const int MODE, const int NH, const char* const* vr, int nr, const float (*p)[RB],
-    const float* corr, float (*acc)[QROW], int nvec, const __mmask16* vmask,
-    const char* const* pf, int pf_bytes) {
+    const int MODE, const int NH, const char* const* vr, int64_t off, int nr,
+    const float (*p)[RB], const float* corr, float (*acc)[QROW], int nvec,
+    const __mmask16* vmask, const char* const* pf, int pf_bytes) {
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
   for (int c0 = 0; c0 < nvec; c0 += CT) {
     __m512 ac[HT][CT];
@@ -227,9 +296,10 @@ static inline __attribute__((always_inline)) void values_tile(
                                  _mm512_set1_ps(corr[h]));
     for (int t = 0; t < nr; ++t) {
       if (pf && c0 == 0)
-        for (int x = 0; x < pf_bytes; x += 64) __builtin_prefetch(pf[t] + x);
+        for (int x = 0; x < pf_bytes; x += 64) __builtin_prefetch(pf[t] + off + x);
+      const char* v = vr[t] + off;
       UNROLL for (int c = 0; c < CT; ++c) {
-        const __m512 vv = load16(MODE, vr[t] + 16 * (c0 + c) * esize, vmask[c0 + c]);
+        const __m512 vv = load16(MODE, v + 16 * (c0 + c) * esize, vmask[c0 + c]);
         UNROLL for (int h = 0; h < NH; ++h)
           ac[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h][t]), vv, ac[h][c]);
       }
@@ -254,14 +324,20 @@ static inline __attribute__((always_inline)) void values_tile(
    softmax, RB rows at a time (see above). MODE (a compile-time constant after inlining)
    is how K/V are stored: 0 float32; 1 int8 codes with a float scale per (slot, head),
    dequantized as they are loaded (scale folded into score and weight); 2 bfloat16,
-   widened as loaded. */
+   widened as loaded. QB: q and out are bfloat16 (read and written as such, out rounded to
+   nearest even), else float32; DOT (MODE 2, QB, AVX512_BF16): scores by vdpbf16ps.
+   The loop can walk up to GROUP_HEADS consecutive items of one sequence (its KV heads)
+   together, chunk by chunk, head after head, as the AVX2 path does (contiguous reads);
+   it is 1 here (see GROUP_HEADS). A query vector's result does not depend on which other
+   vectors share its tile or group: each one's sums run in the same order whatever the
+   tile, so a speculative verify row equals the plain decode of the same token. */
 static inline __attribute__((always_inline)) int attention_body(
-    const int MODE,
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const int MODE, const int QB, const int DOT,
+    const void* q, int64_t q_row_stride, int64_t q_head_stride,
     const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
     const int64_t* block_table, int64_t table_stride,
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
+    void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
   const int QUANT = MODE == 1;
@@ -271,38 +347,56 @@ static inline __attribute__((always_inline)) int attention_body(
   __mmask16 vmask[MAXD / 16 + CT];
   for (int c = 0; c < MAXD / 16 + CT; ++c)
     vmask[c] = c >= nvec ? 0 : d - 16 * c >= 16 ? 0xFFFF : (__mmask16)((1u << (d - 16 * c)) - 1);
+  const int pairs = d / 2, npv = (pairs + 15) / 16;  /* DOT: channel pairs, vectors */
+  __mmask16 pmask[MAXD / 32 + CT];
+  for (int c = 0; c < MAXD / 32 + CT; ++c)
+    pmask[c] = c >= npv ? 0 : pairs - 16 * c >= 16 ? 0xFFFF
+                                                    : (__mmask16)((1u << (pairs - 16 * c)) - 1);
   const int dpad = 16 * CT * ((nvec + CT - 1) / CT);  /* channels the tiles cover */
   const int row_read = (int)(d * esize);  /* bytes of one head's K (or V) row */
   const int64_t row_bytes = (int64_t)kvh * row_read;  /* between rows of one head */
-  float qs[MAXQV][QROW] __attribute__((aligned(64)));
+  float qs[MAXQV][QROW] __attribute__((aligned(64)));  /* DOT: bfloat16 pairs as 32 bits */
   float acc[MAXQV][QROW] __attribute__((aligned(64)));
   float p[MAXQV][RB] __attribute__((aligned(64)));
   float F[HT][RB / 2][16] __attribute__((aligned(64)));
   __m512 lsum[MAXQV];
   float m[MAXQV], corr[MAXQV];
   int64_t lim[MAXQV];
-  /* the listed chunks' rows: K/V row addresses, int8 scales */
+  /* the listed chunks' rows: K/V addresses of the group's first head, int8 scales */
   const char* kr[RING][RB];
   const char* vr[RING][RB];
-  float ks[RING][RB] __attribute__((aligned(64))), vs[RING][RB] __attribute__((aligned(64)));
-  for (int64_t item = item_begin; item < item_end; ++item) {
-    const int64_t i = item / kvh, j = item %% kvh;
+  float ks[RING][MAXQV][RB] __attribute__((aligned(64)));
+  float vs[RING][MAXQV][RB] __attribute__((aligned(64)));
+  for (int64_t item = item_begin; item < item_end;) {
+    const int64_t i = item / kvh, j0 = item %% kvh;
     const int ql = (int)q_len[i];
-    const int nq = g * ql;
+    const int nq = g * ql;  /* query vectors per head */
     if (nq > MAXQV) return -2;
+    int ng = kvh - (int)j0;  /* heads in this group */
+    if (ng > item_end - item) ng = (int)(item_end - item);
+    if (ng > MAXQV / nq) ng = MAXQV / nq;
+    if (ng > GROUP_HEADS) ng = GROUP_HEADS;
     const int64_t ctx = ctx_len[i];
-    for (int a = 0; a < nq; ++a) {
-      const int gi = a / ql, r = a %% ql;
-      const float* src = q + (q_start[i] + r) * q_row_stride + (j * g + gi) * q_head_stride;
-      for (int x = 0; x < d; ++x) qs[a][x] = src[x] * scale;
-      for (int x = d; x < dpad; ++x) qs[a][x] = 0.f;
+    for (int a = 0; a < ng * nq; ++a) {  /* a = head in group * nq + query head * ql + row */
+      const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
+      const int64_t at = (q_start[i] + r) * q_row_stride + ((j0 + jj) * g + gi) * q_head_stride;
+      const char* src = (const char*)q + at * (QB ? 2 : 4);
+      if (DOT) {
+        uint32_t* dst = (uint32_t*)qs[a];
+        memcpy(dst, src, (size_t)d * 2);
+        for (int x = pairs; x < 16 * CTD * ((npv + CTD - 1) / CTD); ++x) dst[x] = 0u;
+      } else {
+        for (int x = 0; x < d; ++x) qs[a][x] = QLOAD(QB, src, x) * scale;
+        for (int x = d; x < dpad; ++x) qs[a][x] = 0.f;
+      }
       for (int x = 0; x < dpad; ++x) acc[a][x] = 0.f;
       lsum[a] = _mm512_setzero_ps();
       lim[a] = ctx - (ql - 1 - r);
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
     }
-    const char* kc = (const char*)k_cache + j * row_read;
-    const char* vc = (const char*)v_cache + j * row_read;
+    const int span = ng * row_read;  /* bytes of the group's heads in one slot */
+    const char* kc = (const char*)k_cache + j0 * row_read;
+    const char* vc = (const char*)v_cache + j0 * row_read;
     const int64_t* table = block_table + i * table_stride;
     const int64_t nchunks = (ctx + RB - 1) / RB;
     int64_t listed = 0;  /* chunks listed so far */
@@ -316,80 +410,109 @@ static inline __attribute__((always_inline)) int attention_body(
           const int64_t slot = table[blk] * bs + off;
           kr[e][t] = kc + slot * row_bytes;
           vr[e][t] = vc + slot * row_bytes;
-          if (QUANT) {
-            ks[e][t] = k_scale[slot * kvh + j];
-            vs[e][t] = v_scale[slot * kvh + j];
-          }
-          prefetch2(kr[e][t], vr[e][t], d * esize);
+          if (QUANT)
+            for (int jj = 0; jj < ng; ++jj) {
+              ks[e][jj][t] = k_scale[slot * kvh + j0 + jj];
+              vs[e][jj][t] = v_scale[slot * kvh + j0 + jj];
+            }
+          prefetch2(kr[e][t], vr[e][t], span);
           if (++off == bs) { off = 0; ++blk; }
         }
         for (int t = n; t < RB; ++t) {  /* padding rows repeat the last: scored, masked */
           kr[e][t] = kr[e][n - 1];
           vr[e][t] = vr[e][n - 1];
-          ks[e][t] = vs[e][t] = 0.f;
+          for (int jj = 0; jj < ng; ++jj) ks[e][jj][t] = vs[e][jj][t] = 0.f;
         }
       }
-      if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + 1 < item_end) {
-        /* the next item's first rows, so that it does not start on cold misses */
-        const int64_t i2 = (item + 1) / kvh, j2 = (item + 1) %% kvh;
+      if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end) {
+        /* the next group's first rows, so that it does not start on cold misses */
+        const int64_t i2 = (item + ng) / kvh, j2 = (item + ng) %% kvh;
+        const int64_t heads2 = kvh - j2 < item_end - item - ng ? kvh - j2
+                                                                : item_end - item - ng;
         const int64_t* table2 = block_table + i2 * table_stride;
         const int64_t rows = ctx_len[i2] < 2 * RB ? ctx_len[i2] : 2 * RB;
         for (int64_t t = 0; t < rows; ++t) {
           const int64_t at = (table2[t / bs] * bs + t %% bs) * row_bytes + j2 * row_read;
-          prefetch2((const char*)k_cache + at, (const char*)v_cache + at, row_read);
+          prefetch2((const char*)k_cache + at, (const char*)v_cache + at, heads2 * row_read);
         }
       }
       const int cur = (int)(ch & (RING - 1));
       const int nxt = ch + 1 < nchunks ? (int)((ch + 1) & (RING - 1)) : -1;
       const int64_t t0 = ch * RB;
       const int nr = (int)(ctx - t0 < RB ? ctx - t0 : RB);
-      for (int a0 = 0; a0 < nq; a0 += HT) {
-        const int nh = nq - a0 < HT ? nq - a0 : HT;
-        __m512 S[HT];
-        TILE_SWITCH(nh, scores_tile(MODE, NH, kr[cur], (const float (*)[QROW])qs + a0, nvec,
-                                    vmask, F, S, a0 == 0 && nxt >= 0 ? kr[nxt] : 0,
-                                    row_read))
-        for (int h = 0; h < nh; ++h) {
-          const int a = a0 + h;
-          const int64_t lv = lim[a] - t0;
-          const int valid = (int)(lv > nr ? nr : lv);
-          if (valid <= 0) {  /* this query row sees none of the chunk */
-            corr[a] = 1.f;
-            _mm512_store_ps(p[a], _mm512_setzero_ps());
-            continue;
+      for (int jj = 0; jj < ng; ++jj) {
+        const int64_t hoff = (int64_t)jj * row_read;
+        const int ab = jj * nq, ae = ab + nq;  /* this head's query vectors */
+        for (int a0 = ab; a0 < ae; a0 += HT) {
+          const int nh = ae - a0 < HT ? ae - a0 : HT;
+          const char* const* pf = a0 == ab && nxt >= 0 ? kr[nxt] : 0;
+          __m512 S[HT];
+#if defined(__AVX512BF16__)
+          if (DOT)
+            TILE_SWITCH(nh, scores_tile_dot(NH, kr[cur], hoff, (const float (*)[QROW])qs + a0,
+                                            npv, pmask, F, S, pf, row_read))
+          else
+#endif
+            TILE_SWITCH(nh, scores_tile(MODE, NH, kr[cur], hoff, (const float (*)[QROW])qs + a0,
+                                        nvec, vmask, F, S, pf, row_read))
+          for (int h = 0; h < nh; ++h) {
+            const int a = a0 + h;
+            const int64_t lv = lim[a] - t0;
+            const int valid = (int)(lv > nr ? nr : lv);
+            if (valid <= 0) {  /* this query row sees none of the chunk */
+              corr[a] = 1.f;
+              _mm512_store_ps(p[a], _mm512_setzero_ps());
+              continue;
+            }
+            const __mmask16 vm = valid >= RB ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+            __m512 s = S[h];
+            if (DOT) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+            if (QUANT) s = _mm512_mul_ps(s, _mm512_load_ps(ks[cur][jj]));
+            float cr = 1.f;
+            if (_mm512_mask_cmp_ps_mask(vm, s, _mm512_set1_ps(m[a] + RESCALE_SLACK),
+                                        _CMP_GT_OQ)) {
+              const float bm = _mm512_mask_reduce_max_ps(vm, s);
+              cr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[a] - bm)));  /* ~0 the 1st time */
+              m[a] = bm;
+            }
+            __m512 e = _mm512_maskz_mov_ps(vm, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[a]))));
+            lsum[a] = _mm512_fmadd_ps(lsum[a], _mm512_set1_ps(cr), e);
+            if (QUANT) e = _mm512_mul_ps(e, _mm512_load_ps(vs[cur][jj]));  /* V row scales */
+            _mm512_store_ps(p[a], e);
+            corr[a] = cr;
           }
-          const __mmask16 vm = valid >= RB ? 0xFFFF : (__mmask16)((1u << valid) - 1);
-          __m512 s = S[h];
-          if (QUANT) s = _mm512_mul_ps(s, _mm512_load_ps(ks[cur]));
-          float cr = 1.f;
-          if (_mm512_mask_cmp_ps_mask(vm, s, _mm512_set1_ps(m[a] + RESCALE_SLACK),
-                                      _CMP_GT_OQ)) {
-            const float bm = _mm512_mask_reduce_max_ps(vm, s);
-            cr = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[a] - bm)));  /* ~0 the first time */
-            m[a] = bm;
-          }
-          __m512 e = _mm512_maskz_mov_ps(vm, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[a]))));
-          lsum[a] = _mm512_fmadd_ps(lsum[a], _mm512_set1_ps(cr), e);
-          if (QUANT) e = _mm512_mul_ps(e, _mm512_load_ps(vs[cur]));  /* V row scales */
-          _mm512_store_ps(p[a], e);
-          corr[a] = cr;
+        }
+        for (int a0 = ab; a0 < ae; a0 += HT) {
+          const int nh = ae - a0 < HT ? ae - a0 : HT;
+          TILE_SWITCH(nh, values_tile(MODE, NH, vr[cur], hoff, nr, (const float (*)[RB])p + a0,
+                                      corr + a0, acc + a0, nvec, vmask,
+                                      a0 == ab && nxt >= 0 ? vr[nxt] : 0, row_read))
         }
       }
-      for (int a0 = 0; a0 < nq; a0 += HT) {
-        const int nh = nq - a0 < HT ? nq - a0 : HT;
-        TILE_SWITCH(nh, values_tile(MODE, NH, vr[cur], nr, (const float (*)[RB])p + a0,
-                                    corr + a0, acc + a0, nvec, vmask,
-                                    a0 == 0 && nxt >= 0 ? vr[nxt] : 0, row_read))
+    }
+    for (int a = 0; a < ng * nq; ++a) {
+      const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
+      const int64_t at = (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[a]));
+      for (int c = 0; c < nvec; ++c) {
+        const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc[a] + 16 * c), inv);
+        if (QB) {  /* bf16_round, 16 lanes */
+          const __m512i u = _mm512_castps_si512(o);
+          const __m512i hi = _mm512_srli_epi32(u, 16);
+          __m512i rnd = _mm512_srli_epi32(
+              _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                   _mm512_and_si512(hi, _mm512_set1_epi32(1)))),
+              16);
+          const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+              _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+          rnd = _mm512_mask_or_epi32(rnd, nan, hi, _mm512_set1_epi32(0x40));
+          _mm512_mask_cvtepi32_storeu_epi16((unsigned short*)out + at + 16 * c, vmask[c], rnd);
+        } else {
+          _mm512_mask_storeu_ps((float*)out + at + 16 * c, vmask[c], o);
+        }
       }
     }
-    for (int a = 0; a < nq; ++a) {
-      const int gi = a / ql, r = a %% ql;
-      float* o = out + (q_start[i] + r) * out_row_stride + (j * g + gi) * d;
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[a]));
-      for (int c = 0; c < nvec; ++c)
-        _mm512_mask_storeu_ps(o + 16 * c, vmask[c],
-                              _mm512_mul_ps(_mm512_load_ps(acc[a] + 16 * c), inv));
-    }
+    item += ng;
   }
   return 0;
 }
@@ -578,12 +701,12 @@ static inline __attribute__((always_inline)) void values_all(
    a sequence's heads at a time: a group is the items of one sequence in the range, as many
    heads as MAXQV query vectors hold. */
 static inline __attribute__((always_inline)) int attention_body(
-    const int MODE,
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const int MODE, const int QB, const int DOT,
+    const void* q, int64_t q_row_stride, int64_t q_head_stride,
     const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
     const int64_t* block_table, int64_t table_stride,
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
+    void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
   const int QUANT = MODE == 1;
@@ -615,9 +738,9 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t ctx = ctx_len[i];
     for (int a = 0; a < ng * nq; ++a) {  /* a = head in group * nq + query head * ql + row */
       const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
-      const float* src = q + (q_start[i] + r) * q_row_stride
-                         + ((j0 + jj) * g + gi) * q_head_stride;
-      for (int x = 0; x < d; ++x) { qs[a][x] = src[x] * scale; acc[a][x] = 0.f; }
+      const char* src = (const char*)q + ((q_start[i] + r) * q_row_stride
+                         + ((j0 + jj) * g + gi) * q_head_stride) * (QB ? 2 : 4);
+      for (int x = 0; x < d; ++x) { qs[a][x] = QLOAD(QB, src, x) * scale; acc[a][x] = 0.f; }
       lsum[a] = _mm256_setzero_ps();
       lim[a] = ctx - (ql - 1 - r);
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
@@ -723,10 +846,18 @@ static inline __attribute__((always_inline)) int attention_body(
     }
     for (int a = 0; a < ng * nq; ++a) {
       const int jj = a / nq, gi = a %% nq / ql, r = a %% ql;
-      float* o = out + (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
+      const int64_t at = (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
       const __m256 inv = _mm256_set1_ps(1.f / hsum8(lsum[a]));
-      for (int c = 0; c < nvec; ++c)
-        _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[a] + 8 * c), inv));
+      for (int c = 0; c < nvec; ++c) {
+        const __m256 o = _mm256_mul_ps(_mm256_load_ps(acc[a] + 8 * c), inv);
+        if (QB) {
+          float tmp[8];
+          _mm256_storeu_ps(tmp, o);
+          for (int x = 0; x < 8; ++x) ((unsigned short*)out)[at + 8 * c + x] = bf16_round(tmp[x]);
+        } else {
+          _mm256_storeu_ps((float*)out + at + 8 * c, o);
+        }
+      }
     }
     item += ng;
   }
@@ -776,12 +907,12 @@ __attribute__((noinline)) static void exp_inplace(float* p, int n) {
   (MODE == 1 ? ldq8((const signed char*)(ptr) + (x)) \
    : MODE == 2 ? ldb8((const unsigned short*)(ptr) + (x)) : ld8((const float*)(ptr) + (x)))
 static inline __attribute__((always_inline)) int attention_body(
-    const int MODE,
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
+    const int MODE, const int QB, const int DOT,
+    const void* q, int64_t q_row_stride, int64_t q_head_stride,
     const void* k_cache, const void* v_cache, const float* k_scale, const float* v_scale,
     const int64_t* block_table, int64_t table_stride,
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
+    void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
     int kvh, int g, int d, int bs, float scale) {
   const int QUANT = MODE == 1;
@@ -801,8 +932,9 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t ctx = ctx_len[i];
     for (int a = 0; a < nq; ++a) {
       const int gi = a / ql, r = a %% ql;
-      const float* src = q + (q_start[i] + r) * q_row_stride + (j * g + gi) * q_head_stride;
-      for (int x = 0; x < d; ++x) { qs[a][x] = src[x] * scale; acc[a][x] = 0.f; }
+      const char* src = (const char*)q + ((q_start[i] + r) * q_row_stride
+                         + (j * g + gi) * q_head_stride) * (QB ? 2 : 4);
+      for (int x = 0; x < d; ++x) { qs[a][x] = QLOAD(QB, src, x) * scale; acc[a][x] = 0.f; }
       lim[a] = ctx - (ql - 1 - r);
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
       l[a] = 0.f;
@@ -891,9 +1023,12 @@ static inline __attribute__((always_inline)) int attention_body(
     }
     for (int a = 0; a < nq; ++a) {
       const int gi = a / ql, r = a %% ql;
-      float* o = out + (q_start[i] + r) * out_row_stride + (j * g + gi) * d;
+      const int64_t at = (q_start[i] + r) * out_row_stride + (j * g + gi) * d;
       const float inv = 1.f / l[a];
-      for (int x = 0; x < d; ++x) o[x] = acc[a][x] * inv;
+      for (int x = 0; x < d; ++x) {
+        if (QB) ((unsigned short*)out)[at + x] = bf16_round(acc[a][x] * inv);
+        else ((float*)out)[at + x] = acc[a][x] * inv;
+      }
     }
   }
   return 0;
@@ -910,21 +1045,6 @@ static inline __attribute__((always_inline)) int attention_body(
    float32 or bfloat16. */
 #define PLANES 64  /* query vectors per tile */
 #define PKC 32     /* keys per chunk */
-
-static inline float bf16_load(const unsigned short* p) {
-  const uint32_t u = (uint32_t)*p << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline unsigned short bf16_round(float f) {  /* PyTorch's: nearest even, NaN quiet */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40u);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return (unsigned short)(u >> 16);
-}
 
 #if KERNEL_PATH == 2
 /* AVX-512: the tile's query vectors lie across the lanes (16 per register, up to PNA
@@ -1280,44 +1400,47 @@ int paged_prefill_attention(
 
 int paged_prefill_lanes(void) { return PLANES; }
 
-int paged_attention_f32(
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
-    const float* k_cache, const float* v_cache,
-    const int64_t* block_table, int64_t table_stride,
-    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
-    int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
-  return attention_body(0, q, q_row_stride, q_head_stride, k_cache, v_cache, 0, 0,
-                        block_table, table_stride, q_start, q_len, ctx_len, out,
-                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
+/* The decode kernel's entry points, one a K/V storage: q/out float32, or bfloat16 with
+   q_bf16 (read and written as such). Returns 0, or < 0 for arguments out of range. */
+#define DECODE_ARGS(...) q, q_row_stride, q_head_stride, k_cache, v_cache, __VA_ARGS__, \
+    block_table, table_stride, q_start, q_len, ctx_len, out, out_row_stride, item_begin, \
+    item_end, kvh, g, d, bs, scale
+#define DECODE_PARAMS(type) \
+    const void* q, int64_t q_row_stride, int64_t q_head_stride, int q_bf16, \
+    const type* k_cache, const type* v_cache
+#define DECODE_TAIL \
+    const int64_t* block_table, int64_t table_stride, \
+    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len, \
+    void* out, int64_t out_row_stride, \
+    int64_t item_begin, int64_t item_end, \
+    int kvh, int g, int d, int bs, float scale
+
+int paged_attention_f32(DECODE_PARAMS(float), DECODE_TAIL) {
+  if (q_bf16) return attention_body(0, 1, 0, DECODE_ARGS(0, 0));
+  return attention_body(0, 0, 0, DECODE_ARGS(0, 0));
 }
 
-int paged_attention_bf16(
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
-    const unsigned short* k_cache, const unsigned short* v_cache,
-    const int64_t* block_table, int64_t table_stride,
-    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
-    int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
-  return attention_body(2, q, q_row_stride, q_head_stride, k_cache, v_cache, 0, 0,
-                        block_table, table_stride, q_start, q_len, ctx_len, out,
-                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
+int paged_attention_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL) {
+#if KERNEL_PATH == 2 && defined(__AVX512BF16__)
+  if (q_bf16) return attention_body(2, 1, 1, DECODE_ARGS(0, 0));
+#endif
+  if (q_bf16) return attention_body(2, 1, 0, DECODE_ARGS(0, 0));
+  return attention_body(2, 0, 0, DECODE_ARGS(0, 0));
 }
 
-int paged_attention_i8(
-    const float* q, int64_t q_row_stride, int64_t q_head_stride,
-    const signed char* k_cache, const signed char* v_cache,
-    const float* k_scale, const float* v_scale,
-    const int64_t* block_table, int64_t table_stride,
-    const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
-    float* out, int64_t out_row_stride,
-    int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
-  return attention_body(1, q, q_row_stride, q_head_stride, k_cache, v_cache, k_scale,
-                        v_scale, block_table, table_stride, q_start, q_len, ctx_len, out,
-                        out_row_stride, item_begin, item_end, kvh, g, d, bs, scale);
+int paged_attention_i8(DECODE_PARAMS(signed char), const float* k_scale,
+                       const float* v_scale, DECODE_TAIL) {
+  if (q_bf16) return attention_body(1, 1, 0, DECODE_ARGS(k_scale, v_scale));
+  return attention_body(1, 0, 0, DECODE_ARGS(k_scale, v_scale));
+}
+
+/* 1 when bfloat16 q with a bfloat16 cache scores by vdpbf16ps (AVX512_BF16 compiled in) */
+int paged_attention_bf16_dot(void) {
+#if KERNEL_PATH == 2 && defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 int paged_attention_vector_width(void) { return VECTOR_WIDTH; }
@@ -1404,19 +1527,19 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64,
-                       c_int, c_int, c_int, c_int, ctypes.c_float]
+        fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
+                       i64, c_int, c_int, c_int, c_int, ctypes.c_float]
         fn.restype = ctypes.c_int
     fn = lib.paged_attention_i8
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
-                   i64, c_int, c_int, c_int, c_int, ctypes.c_float]
+    fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
+                   i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, ptr, i64,
                    c_int, ptr, i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float]
     fn.restype = ctypes.c_int
     for fn in (lib.paged_attention_vector_width, lib.paged_attention_path,
-               lib.paged_prefill_lanes):
+               lib.paged_prefill_lanes, lib.paged_attention_bf16_dot):
         fn.argtypes = []
         fn.restype = c_int
     return lib
@@ -1448,6 +1571,13 @@ def vector_width(lib: ctypes.CDLL | None = None) -> int:
     0 when it cannot be built)."""
     lib = lib if lib is not None else load()
     return lib.paged_attention_vector_width() if lib is not None else 0
+
+
+def bf16_dot_scores(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `lib` (default `load()`) scores bfloat16 q against a bfloat16 cache with
+    AVX512_BF16's vdpbf16ps (AVX-512 path, compiled where the CPU has it)."""
+    lib = lib if lib is not None else load()
+    return lib is not None and bool(lib.paged_attention_bf16_dot())
 
 
 def kernel_path(lib: ctypes.CDLL | None = None) -> str:
@@ -1513,14 +1643,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lib: ctypes.CDLL | None = None) -> None:
     """out[rows of each sequence] = attention of q's rows over the paged context.
 
-    q, out: [T, heads, d] with unit stride on d (rows may be strided), float32 (other
-    dtypes go through a float32 copy: the kernel accumulates in float32);
+    q, out: [T, heads, d] with unit stride on d (rows and q's heads may be strided; out's
+    heads d apart), both float32 or both bfloat16, read and written as such (other dtypes
+    go through float32 copies; the kernel accumulates in float32; bfloat16 q with a
+    bfloat16 cache scores by AVX512_BF16's vdpbf16ps where compiled in, see
+    `bf16_dot_scores`);
     k_cache, v_cache: contiguous [blocks, block_size, kv_heads, d], float32, bfloat16, or
     int8 codes with `k_scale`/`v_scale` contiguous float32 [blocks, block_size, kv_heads];
     block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n];
     cuts: the per-thread shares (`split_work`), computed here when not given; lib: the
     compiled kernel to call (default `load()`; tests pass `portable_library()`)."""
-    if q.dtype != torch.float32:
+    if q.dtype not in (torch.float32, torch.bfloat16) or out.dtype != q.dtype:
         out32 = torch.empty(out.shape, dtype=torch.float32)
         paged_decode_attention(q.float(), k_cache, v_cache, block_table, q_start, q_len,
                                ctx_len, out32, k_scale, v_scale, cuts, lib)
@@ -1539,7 +1672,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         kernel = lib.paged_attention_i8
         caches = (k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
                   v_scale.data_ptr())
-    args = (q.data_ptr(), q.stride(0), q.stride(1), *caches,
+    assert q.stride(2) == 1 and out.stride(2) == 1 and out.stride(1) == d
+    args = (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), *caches,
             block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
     tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))

@@ -16,24 +16,30 @@ folded) and the exp of SiLU (a polynomial of our own against PyTorch's vectorise
 
 Single-threaded: at these sizes a second thread's wake-up costs more than the work (the
 loops are written so that GCC vectorises them; SiLU's exp is a polynomial for that).
-Callers fall back to PyTorch where `usable(x)` is False: no compiler, more rows than
-`MAX_ROWS`, other dtypes or devices, autograd.
+Callers fall back to PyTorch where `usable(x)` is False: no compiler, other dtypes or
+devices, autograd. Prefill-sized inputs (`SPLIT_ROWS` rows and more) are split by rows
+over torch's intra-op threads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Callable
 
 import torch
 
 from ridgeline.engine import cpu_kernels
 
-#: Up to this many rows (decode batches, speculative verification). Measured on 2 cores
-#: (Zen 3), float32, PyTorch -> C: RMSNorm of 64 x 576 88 -> 13 us, rotary of 64 x 12 x
-#: 64 88 -> 21 us, SwiGLU of 64 x 1536 156 -> 98 us; at 256 rows 140 -> 34, 1482 -> 69,
-#: 534 -> 391 us. Prefill chunks of more rows keep PyTorch's threaded ops.
-MAX_ROWS = 256
+#: From this many rows (prefill chunks) each op is split by rows over torch's intra-op
+#: threads: a C call a share, the calling thread taking the last one (below it, waking a
+#: thread costs more than the op). 2 cores, OMP_WAIT_POLICY=PASSIVE as the engine runs,
+#: PyTorch -> C split, us: 1024 rows, SwiGLU (x 1536) float32 945 -> 547, bfloat16 750 ->
+#: 623; rotary (x 12 x 64) 570 -> 147 / 824 -> 330; RMSNorm of 2048 x 576, F.rms_norm
+#: float32 466, the bfloat16 formula 772 -> C on one thread 500 / 425. At 64 rows
+#: (float32, one thread): RMSNorm 88 -> 13, rotary 88 -> 21, SwiGLU 156 -> 98.
+SPLIT_ROWS = 512
+
 
 SOURCE = r"""
 #include <float.h>
@@ -284,31 +290,28 @@ load = cpu_kernels.LazyLibrary(_build)
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether `x` ([rows, ...] on CPU, float32 or bfloat16, few rows, no autograd) goes
-    through these kernels."""
+    """Whether `x` ([rows, ...] on CPU, float32 or bfloat16, no autograd) goes through
+    these kernels."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and 0 < x.shape[0] <= MAX_ROWS and not torch.is_grad_enabled()
-            and load() is not None)
+            and x.shape[0] > 0 and not torch.is_grad_enabled() and load() is not None)
+
+
+def _by_rows(rows: int, part: Callable[[int, int], int], what: str) -> None:
+    """part(lo, hi) over [0, rows): at once below SPLIT_ROWS, else in a share a thread."""
+    shares = min(torch.get_num_threads(), rows // (SPLIT_ROWS // 2)) if rows >= SPLIT_ROWS else 1
+    shares = max(shares, 1)
+    cpu_kernels.run_shares(part, (), (), [rows * i // shares for i in range(shares + 1)], what)
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1
 
 
-#: RMSNorm of this many rows or more (prefill chunks) is split over torch's intra-op
-#: threads: a C call a share, the calling thread taking the last one. Memory-bound, so
-#: 2 threads give ~1.6x, and the C kernel on one thread already beats PyTorch's
-#: threaded ops: 2 cores, 2048 x 576, F.rms_norm float32 466 us, the bfloat16 formula 772
-#: us; C on one thread 500 / 425 us.
-SPLIT_ROWS = 512
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              delta: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of x [rows, d] times weight; with `delta`, first x += delta in place (the
-    residual add before a norm). Any number of rows (callers check `usable(x)` for the
-    other conditions, or `norm_usable`); x must be rows of unit stride and writable,
-    weight contiguous in x's dtype."""
+    residual add before a norm). Callers check `usable(x)`; x must be rows of unit stride
+    and writable, weight contiguous in x's dtype."""
     lib = load()
     assert lib is not None and _rows_ok(x) and weight.dtype == x.dtype
     rows, d = x.shape
@@ -320,8 +323,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         ldd = 0
     es = x.element_size()
-    shares = min(torch.get_num_threads(), rows // (SPLIT_ROWS // 2)) if rows >= SPLIT_ROWS else 1
-    cuts = [rows * i // max(shares, 1) for i in range(max(shares, 1) + 1)]
 
     def part(lo: int, hi: int) -> int:
         xp, op = x.data_ptr() + lo * x.stride(0) * es, out.data_ptr() + lo * d * es
@@ -335,14 +336,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                               hi - lo, d, scratch.data_ptr())
         return 0
 
-    cpu_kernels.run_shares(part, (), (), cuts, "rms_norm")
+    _by_rows(rows, part, "rms_norm")
     return out
-
-
-def norm_usable(x: torch.Tensor) -> bool:
-    """Whether `rms_norm` takes x: `usable` without its row limit."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and x.shape[0] > 0 and not torch.is_grad_enabled() and load() is not None)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -353,7 +348,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
-    fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), n, rows, n)
+    es, ldg = gate_up.element_size(), gate_up.stride(0)
+
+    def part(lo: int, hi: int) -> int:
+        fn(gate_up.data_ptr() + lo * ldg * es, ldg, out.data_ptr() + lo * n * es, n, hi - lo, n)
+        return 0
+
+    _by_rows(rows, part, "silu_mul")
     return out
 
 
@@ -367,7 +368,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     cos, signed_sin = cos.reshape(rows, d), signed_sin.reshape(rows, d)
     assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype
     fn = lib.rotary_f32 if x.dtype == torch.float32 else lib.rotary_bf16
-    fn(x.data_ptr(), x.stride(0), heads, d, cos.data_ptr(), signed_sin.data_ptr(), d, rows)
+    es, ldx = x.element_size(), x.stride(0)
+
+    def part(lo: int, hi: int) -> int:
+        fn(x.data_ptr() + lo * ldx * es, ldx, heads, d, cos.data_ptr() + lo * d * es,
+           signed_sin.data_ptr() + lo * d * es, d, hi - lo)
+        return 0
+
+    _by_rows(rows, part, "rotary")
     return x
 
 

@@ -46,14 +46,14 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] -> the layer's output; x itself may be updated in place."""
         t = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # a few tokens: the small ops as one C call each (decode_ops), same numerics
-        few = decode_ops.usable(x)
+        # the small ops as one C call each (decode_ops), PyTorch's numerics
+        c_ops = decode_ops.usable(x)
         qkv = self.qkv_proj(self.input_norm(x))
         v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
         if self.q_norm is not None and self.k_norm is not None:
             q = apply_rotary(self.q_norm(qkv[:, :h * d].view(t, h, d)), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)), cos, sin)
-        elif few and d <= decode_ops.MAX_HEAD_DIM:  # in place in the fresh qkv rows
+        elif c_ops and d <= decode_ops.MAX_HEAD_DIM:  # in place in the fresh qkv rows
             qk = decode_ops.rotary_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         else:  # rotate queries and keys in one go
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, :h], qk[:, h:]
         attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
         gate_up = self.gate_up_proj(self.post_norm(x, attn))  # x += attn, then norm
-        if few:
+        if c_ops:
             return x.add_(self.down_proj(decode_ops.silu_mul(gate_up)))
         gate, up = gate_up.chunk(2, dim=-1)
         return x.add_(self.down_proj(F.silu(gate) * up))

@@ -213,7 +213,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of x; with `delta`, of x + delta, and x itself becomes x + delta (the
         residual add before the norm, fused where `decode_ops` takes x)."""
-        if x.dim() == 2 and x.stride(1) == 1 and decode_ops.norm_usable(x):
+        if x.dim() == 2 and x.stride(1) == 1 and decode_ops.usable(x):
             return decode_ops.rms_norm(x, self.weight, self.eps, delta)
         if delta is not None:
             x.add_(delta)

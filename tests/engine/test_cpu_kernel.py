@@ -416,9 +416,7 @@ def test_the_bfloat16_dot_path_is_compiled_where_the_cpu_has_it() -> None:
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (4, 4)])
 @pytest.mark.parametrize("storage", ["float32", "int8", "bfloat16"])
-# not the portable path: it scores query vectors in pairs and an odd last one alone, in
-# another order (a few ulp apart); CPUs with AVX2 or AVX-512 never run it
-@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_a_verify_row_equals_the_decode_of_that_row_bit_for_bit(q_dtype, heads, kv_heads,
                                                                 storage, build) -> None:
     """Speculative verification: row r of a sequence's 1-8 new rows (in a batch with other

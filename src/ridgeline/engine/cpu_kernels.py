@@ -961,26 +961,19 @@ static inline __attribute__((always_inline)) int attention_body(
       for (int t = 0; t < nt; ++t) {
         const char* kr = kb + t * tok_stride * esize;
         const float ksc = QUANT ? ksb[t * kvh] : 1.f;
-        int a = 0;
-        for (; a + 1 < nq; a += 2) {
+        /* query vectors in pairs; an odd last one pairs with itself, so every vector's
+           score is summed the same way whichever vectors share the call (a verify row
+           equals decoding that row alone) */
+        for (int a = 0; a < nq; a += 2) {
+          const int b = a + 1 < nq ? a + 1 : a;
           v8 s0 = {0}, s1 = {0};
           for (int x = 0; x < d; x += 8) {
             const v8 kv = LOADK(kr, x);
             s0 += ld8(qs[a] + x) * kv;
-            s1 += ld8(qs[a + 1] + x) * kv;
+            s1 += ld8(qs[b] + x) * kv;
           }
           s[a][t] = hsum8(s0) * ksc;
-          s[a + 1][t] = hsum8(s1) * ksc;
-        }
-        if (a < nq) {
-          v8 s0 = {0}, s1 = {0};
-          int x = 0;
-          for (; x + 16 <= d; x += 16) {
-            s0 += ld8(qs[a] + x) * LOADK(kr, x);
-            s1 += ld8(qs[a] + x + 8) * LOADK(kr, x + 8);
-          }
-          if (x < d) s0 += ld8(qs[a] + x) * LOADK(kr, x);
-          s[a][t] = hsum8(s0 + s1) * ksc;
+          s[b][t] = hsum8(s1) * ksc;
         }
       }
       for (int a = 0; a < nq; ++a) {

@@ -4,7 +4,7 @@ decoding as the reference the engine must match."""
 from __future__ import annotations
 
 import random
-from functools import lru_cache
+from functools import cache
 
 import torch
 from transformers import (
@@ -83,7 +83,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int],
     return ids, lps
 
 
-@lru_cache(maxsize=None)
+@cache
 def cached_model(kind: str, **kw) -> torch.nn.Module:
     return tiny_model(kind, **kw)
 
@@ -102,3 +102,21 @@ def agreement(ref_outs, outs, tie: float) -> float:
             top2 = sorted(a.top_logprobs[same].values())[-2:]
             assert top2[1] - top2[0] < tie, "diverged where the reference was sure"
     return agreed / total
+
+
+#: the attention kernel's builds every test covers: this CPU's widest, AVX2, portable
+KERNEL_BUILDS = ["native", "avx2", "portable"]
+
+
+def kernel_build(build: str):
+    """The compiled attention kernel of one of KERNEL_BUILDS (skips where AVX2 is absent)."""
+    import pytest
+
+    from ridgeline.engine import cpu_kernels
+
+    lib = {"native": cpu_kernels.load, "avx2": cpu_kernels.avx2_library,
+           "portable": cpu_kernels.portable_library}[build]()
+    assert lib is not None
+    if build == "avx2" and cpu_kernels.kernel_path(lib) != "avx2":
+        pytest.skip("this CPU has no AVX2 + FMA")
+    return lib

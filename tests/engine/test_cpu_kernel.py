@@ -4,12 +4,12 @@ portable), the AVX2 path (built without AVX-512) and the portable 8-wide path.""
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_fixtures import KERNEL_BUILDS, kernel_build
 
 from ridgeline.engine import cpu_kernels
 from ridgeline.engine.kv_quant import dequantize, quantize
@@ -17,16 +17,10 @@ from ridgeline.engine.kv_quant import dequantize, quantize
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")
 
-BUILDS = ["native", "avx2", "portable"]
+BUILDS = KERNEL_BUILDS
 
 
-def _lib(build: str) -> ctypes.CDLL:
-    lib = {"native": cpu_kernels.load, "avx2": cpu_kernels.avx2_library,
-           "portable": cpu_kernels.portable_library}[build]()
-    assert lib is not None
-    if build == "avx2" and cpu_kernels.kernel_path(lib) != "avx2":
-        pytest.skip("this CPU has no AVX2 + FMA")
-    return lib
+_lib = kernel_build
 
 
 def _attend(heads: int, kv_heads: int, head_dim: int, block_size: int, ctx: list[int],

@@ -4,12 +4,17 @@ equals PyTorch's SDPA path and transformers' greedy output."""
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
 import torch
-from engine_fixtures import cached_model, hf_greedy, random_prompts
+from engine_fixtures import (
+    KERNEL_BUILDS,
+    cached_model,
+    hf_greedy,
+    kernel_build,
+    random_prompts,
+)
 
 from ridgeline.engine import LLM, SamplingParams, cpu_kernels
 from ridgeline.engine.attention import build_attention_metadata, paged_attention
@@ -18,17 +23,11 @@ from ridgeline.engine.kv_quant import make_kv_cache
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")
 
-BUILDS = ["native", "avx2", "portable"]
+BUILDS = KERNEL_BUILDS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _lib(build: str) -> ctypes.CDLL:
-    lib = {"native": cpu_kernels.load, "avx2": cpu_kernels.avx2_library,
-           "portable": cpu_kernels.portable_library}[build]()
-    assert lib is not None
-    if build == "avx2" and cpu_kernels.kernel_path(lib) != "avx2":
-        pytest.skip("this CPU has no AVX2 + FMA")
-    return lib
+_lib = kernel_build
 
 
 def _attend(heads: int, kv_heads: int, head_dim: int, block_size: int,

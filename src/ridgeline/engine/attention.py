@@ -53,19 +53,14 @@ class KernelBatch:
     q_start: torch.Tensor  # [n] first row of each sequence in the flat batch
     q_len: torch.Tensor  # [n]
     ctx_len: torch.Tensor  # [n] context including the new tokens
-    cuts: list[int]  # per-thread shares of the work (cpu_kernels.split_work)
+    cuts: list[int]  # per-thread shares of the work items (split_work / prefill_work)
 
 
 @dataclass
-class PrefillBatch:
-    """Fresh and long sequences for the C prefill kernel, as int64 tensors."""
+class PrefillBatch(KernelBatch):
+    """Fresh and long sequences for the C prefill kernel: its work items are tiles."""
 
-    block_table: torch.Tensor  # [n, max blocks], padded with the null block
-    q_start: torch.Tensor  # [n] first row of each sequence in the flat batch
-    q_len: torch.Tensor  # [n]
-    ctx_len: torch.Tensor  # [n] context including the new tokens
     work: torch.Tensor  # [items, 4] the kernel's tiles (cpu_kernels.prefill_work)
-    cuts: list[int]  # per-thread shares of the tiles
 
 
 @dataclass

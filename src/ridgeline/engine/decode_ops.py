@@ -298,8 +298,10 @@ def usable(x: torch.Tensor) -> bool:
 
 def _by_rows(rows: int, part: Callable[[int, int], int], what: str) -> None:
     """part(lo, hi) over [0, rows): at once below SPLIT_ROWS, else in a share a thread."""
-    shares = min(torch.get_num_threads(), rows // (SPLIT_ROWS // 2)) if rows >= SPLIT_ROWS else 1
-    shares = max(shares, 1)
+    if rows < SPLIT_ROWS:  # a decode step's case, ~120 calls a step: no share bookkeeping
+        part(0, rows)
+        return
+    shares = max(1, min(torch.get_num_threads(), rows // (SPLIT_ROWS // 2)))
     cpu_kernels.run_shares(part, (), (), [rows * i // shares for i in range(shares + 1)], what)
 
 

@@ -214,8 +214,9 @@ def _paged_batch(cache_dtype: torch.dtype, model_dtype: torch.dtype, use_kernel:
     out = None
     for batch in (step1, step2):
         meta = build_attention_metadata(batch, bs, heads, kvh, torch.device("cpu"),
-                                        use_kernel=use_kernel)
+                                        use_kernel=use_kernel, prefill_kernel=use_kernel)
         assert (meta.prefill is not None) == use_kernel
+        assert (not meta.fresh and not meta.chunks) == use_kernel  # one path's metadata
         total = sum(n for _, _, n in batch)
         q = torch.randn(total, heads, d).to(model_dtype)
         k = torch.randn(total, kvh, d).to(model_dtype)

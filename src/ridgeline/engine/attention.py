@@ -71,16 +71,18 @@ class AttentionMetadata:
     chunks: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     groups: list[DecodeGroup] = field(default_factory=list)
     kernel: KernelBatch | None = None
-    # fresh + chunks again, for the C prefill kernel (used where the cache is float32 or
-    # bfloat16; an int8 cache keeps the PyTorch paths above)
+    # fresh and long sequences for the C prefill kernel, instead of `fresh` and `chunks`
     prefill: PrefillBatch | None = None
 
 
 def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size: int,
                              num_heads: int, num_kv_heads: int, device: torch.device,
-                             use_kernel: bool = False) -> AttentionMetadata:
+                             use_kernel: bool = False,
+                             prefill_kernel: bool = False) -> AttentionMetadata:
     """`batch`: per sequence (block table, tokens already computed, new tokens), in the
-    order their tokens appear in the flat batch."""
+    order their tokens appear in the flat batch. `use_kernel`: short queries go to the C
+    decode kernel; `prefill_kernel`: fresh and long ones to the C prefill kernel (a float32
+    or bfloat16 cache), so their PyTorch metadata (chunk masks) is not built."""
     bs = block_size
     slots: list[int] = []
     fresh: list[tuple[int, int]] = []
@@ -94,11 +96,12 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
             slots.append(table[num_computed // bs] * bs + num_computed % bs)
         else:
             slots.extend(table[p // bs] * bs + p % bs for p in range(num_computed, end))
-        if num_computed == 0:
-            fresh.append((start, num_new))
-            long.append((start, num_new, end, table))
-        elif num_new <= MAX_BATCHED_QUERY:
+        if 0 < num_computed and num_new <= MAX_BATCHED_QUERY:
             short.append((start, num_new, end, table))
+        elif prefill_kernel:
+            long.append((start, num_new, end, table))
+        elif num_computed == 0:
+            fresh.append((start, num_new))
         else:
             nb = -(-end // bs)
             rows = torch.arange(num_new)[:, None]
@@ -106,12 +109,11 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
             chunks.append((start, num_new, end,
                            torch.tensor(table[:nb], dtype=torch.long, device=device),
                            mask[None, None].to(device)))
-            long.append((start, num_new, end, table))
         start += num_new
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         fresh=fresh, chunks=chunks)
-    if long and use_kernel:
+    if long:
         meta.prefill = _prefill_batch(long, bs, num_heads, num_kv_heads)
     if short and use_kernel:
         meta.kernel = _kernel_batch(short, bs, num_kv_heads)
@@ -215,7 +217,7 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     layer: int, meta: AttentionMetadata) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d]."""
-    num_heads = q.shape[1]
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
     cache.write(layer, k, v, meta.slot_mapping)
@@ -236,13 +238,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
                                                k_scale=codes[2], v_scale=codes[3],
                                                cuts=kb.cuts)
 
-    raw = cache.raw_blocks(layer) if meta.prefill is not None else None
-    if raw is not None:
+    if meta.prefill is not None:
         pb = meta.prefill
-        assert pb is not None
+        raw = cache.raw_blocks(layer)
+        assert raw is not None, "the prefill kernel needs a float32 or bfloat16 CPU cache"
         cpu_kernels.paged_prefill_attention(q, raw[0], raw[1], pb.block_table, pb.q_start,
                                             pb.q_len, pb.ctx_len, out, pb.work, pb.cuts)
-        return _attend_short(q, num_kv_heads, cache, layer, meta, out)
+
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).
     for start, n in meta.fresh:
@@ -259,15 +261,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kc, vc,
                                            attn_mask=mask, enable_gqa=g > 1)
         out[start:start + n] = o[0].transpose(0, 1)
-    return _attend_short(q, num_kv_heads, cache, layer, meta, out)
 
-
-def _attend_short(q: torch.Tensor, num_kv_heads: int, cache: KVCache, layer: int,
-                  meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
-    """The grouped PyTorch path of the short-query sequences (when the C decode kernel
-    does not take them); `out` as [T, heads * d]."""
-    num_tokens, num_heads, head_dim = q.shape
-    g = num_heads // num_kv_heads
     for grp in meta.groups:
         n, ql = grp.num_seqs, grp.q_len
         kc, vc = cache.gather(layer, grp.block_ids)

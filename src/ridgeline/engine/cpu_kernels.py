@@ -1627,6 +1627,20 @@ def split_work(ctx_len: list[int], kvh: int, threads: int) -> list[int]:
     return balanced_cuts([c for c in ctx_len for _ in range(kvh)], threads, min_total=4096)
 
 
+def _needs_float32(q: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the attention kernels must run on float32 copies of q and out (they read
+    and write float32 or bfloat16, the same dtype for both)."""
+    return q.dtype not in (torch.float32, torch.bfloat16) or out.dtype != q.dtype
+
+
+def _in_float32(call: Callable[[torch.Tensor, torch.Tensor], None], q: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """call(q as float32, a float32 out), then out = that result."""
+    out32 = torch.empty(out.shape, dtype=torch.float32)
+    call(q.float(), out32)
+    out.copy_(out32)  # rows of other paths are written after this call
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, q_start: torch.Tensor,
                            q_len: torch.Tensor, ctx_len: torch.Tensor,
@@ -1646,12 +1660,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_table: contiguous int64 [n, max_blocks]; q_start/q_len/ctx_len: int64 [n];
     cuts: the per-thread shares (`split_work`), computed here when not given; lib: the
     compiled kernel to call (default `load()`; tests pass `portable_library()`)."""
-    if q.dtype not in (torch.float32, torch.bfloat16) or out.dtype != q.dtype:
-        out32 = torch.empty(out.shape, dtype=torch.float32)
-        paged_decode_attention(q.float(), k_cache, v_cache, block_table, q_start, q_len,
-                               ctx_len, out32, k_scale, v_scale, cuts, lib)
-        out.copy_(out32)  # rows of other paths are written after this call
-        return
+    if _needs_float32(q, out):
+        return _in_float32(lambda q32, out32: paged_decode_attention(
+            q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, k_scale,
+            v_scale, cuts, lib), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
@@ -1771,12 +1783,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     float32 or bfloat16; block_table: contiguous int64 [n, max_blocks]; q_start/q_len/
     ctx_len: contiguous int64 [n]; work/cuts: `prefill_work`'s (computed here when not
     given); lib: the compiled kernel (default `load()`)."""
-    if q.dtype not in (torch.float32, torch.bfloat16) or out.dtype != q.dtype:
-        out32 = torch.empty(out.shape, dtype=torch.float32)
-        paged_prefill_attention(q.float(), k_cache, v_cache, block_table, q_start, q_len,
-                                ctx_len, out32, work, cuts, lib)
-        out.copy_(out32)
-        return
+    if _needs_float32(q, out):
+        return _in_float32(lambda q32, out32: paged_prefill_attention(
+            q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, work, cuts,
+            lib), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape

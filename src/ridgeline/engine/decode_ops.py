@@ -426,14 +426,15 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> b
             or src.shape[0] != index.shape[0] or src.shape[1:] != dst.shape[1:]
             or src.requires_grad or dst.requires_grad):
         return False
-    row = src[0] if src.shape[0] else src.new_empty(src.shape[1:])
-    if src.shape[0] and not row.is_contiguous():
+    if src.shape[0] == 0:
+        return True
+    if not src[0].is_contiguous():
         return False
     lib = load()
     if lib is None:
         return False
     index = index.contiguous()
-    row_bytes = row.numel() * src.element_size()
+    row_bytes = src[0].numel() * src.element_size()
     bad = lib.scatter_rows(src.data_ptr(), src.stride(0) * src.element_size(), dst.data_ptr(),
                            row_bytes, index.data_ptr(), index.shape[0], dst.shape[0])
     if bad:

@@ -104,6 +104,8 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.use_kernel = use_kernel  # decode attention through cpu_kernels
+        # and prefill attention, where the cache holds plain float32 / bfloat16 values
+        self.prefill_kernel = use_kernel and kv_cache.raw_blocks(0) is not None
 
     @classmethod
     def load(cls, source: ModelSource, config: EngineConfig, plan: KVPlan,
@@ -140,7 +142,8 @@ class ModelRunner:
             rows.extend(range(end - num_rows, end))
         cfg = self.model.cfg
         meta = build_attention_metadata(batch, self.kv_cache.block_size, cfg.num_heads,
-                                        cfg.num_kv_heads, self.device, self.use_kernel)
+                                        cfg.num_kv_heads, self.device, self.use_kernel,
+                                        self.prefill_kernel)
         with _few_token_threads(len(input_ids), self.device, self.model.dtype):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device),

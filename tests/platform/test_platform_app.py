@@ -161,8 +161,8 @@ def test_idempotency_key_returns_the_same_task(platform) -> None:
     with client(server, keys["bob"]) as c:  # keys are per tenant
         assert c.post("/v1/agent/tasks", json=body,
                       headers={"Idempotency-Key": "abc"}).status_code == 202
-    assert plat.store.counts()["queued"] + plat.store.counts()["in_progress"] + \
-        plat.store.counts()["completed"] == 2
+    # One snapshot: the worker moves tasks between statuses while we look.
+    assert sum(plat.store.counts().values()) == 2
 
 
 def test_tenants_cannot_see_each_others_tasks(platform) -> None:

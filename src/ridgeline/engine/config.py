@@ -68,6 +68,10 @@ class SpeculativeConfig(BaseModel):
     # 7 + the last token = 8 query rows, the most the batched decode attention takes
     num_speculative_tokens: int = Field(7, ge=1, le=16, description="most tokens proposed")
     draft_model: str | None = Field(None, description="registry name or path (method=draft)")
+    draft_heads: str | None = Field(
+        None, description="method 'ngram': draft heads on the model's own hidden state "
+        "beside the n-gram proposals (draft_heads.py): a file path, or 'auto' for the heads "
+        "`ridgeline train-draft-heads` stored for this model (none trained: n-grams only)")
     ngram_mode: Literal["suffix", "lookup"] = "suffix"
     # default per mode: "lookup" 3..8 (its matches of 1-2 tokens are mostly chance on
     # SmolLM2), "suffix" 1..16 (it weighs short matches by their measured acceptance)
@@ -106,6 +110,13 @@ class SpeculativeConfig(BaseModel):
                 raise ConfigError(f"speculative.{name} applies to ngram_mode 'suffix', not "
                                   f"{self.ngram_mode!r}",
                                   hint=f"set ngram_mode: suffix, or remove {name}")
+        if self.draft_heads is not None and (self.method != "ngram"
+                                             or self.ngram_mode != "suffix"):
+            raise ConfigError("speculative.draft_heads needs method 'ngram' with ngram_mode "
+                              f"'suffix' (not {self.method!r} / {self.ngram_mode!r}): each "
+                              "proposal is chosen by its tokens' chances of acceptance",
+                              hint="set method: ngram and ngram_mode: suffix, or remove "
+                                   "draft_heads")
         if self.draft_model is not None and self.method != "draft":
             raise ConfigError("speculative.draft_model is set but method is "
                               f"{self.method!r}", hint="set method: draft")
@@ -172,12 +183,13 @@ class EngineConfig(BaseModel):
         return load_model(cls, fields, source="engine config")
 
     def fast_variant(self) -> EngineConfig:
-        """The high-speed variant on the same weights, and lossless: n-gram speculation
-        (unless this config already speculates) over the same, unquantized KV cache, so
+        """The high-speed variant on the same weights, and lossless: n-gram speculation,
+        plus draft heads where `ridgeline train-draft-heads` trained them for this model
+        (unless this config already speculates), over the same, unquantized KV cache, so
         its greedy output is the standard variant's."""
         spec = self.speculative
-        if not spec.enabled:
-            spec = SpeculativeConfig(method="ngram")
+        if not spec.enabled:  # with the model's draft heads where they were trained
+            spec = SpeculativeConfig(method="ngram", draft_heads="auto")
         return self.model_copy(update={"speculative": spec})
 
     def fast_q_variant(self) -> EngineConfig:

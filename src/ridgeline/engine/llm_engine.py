@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,8 +26,9 @@ import torch
 from ridgeline.engine import cpu_kernels
 from ridgeline.engine.block_manager import BlockManager
 from ridgeline.engine.config import EngineConfig
+from ridgeline.engine.draft_heads import resolve_draft_heads
 from ridgeline.engine.loader import InMemorySource, ModelSource, open_source
-from ridgeline.engine.model_runner import KVPlan, ModelRunner, tune_malloc
+from ridgeline.engine.model_runner import KVPlan, ModelOutput, ModelRunner, tune_malloc
 from ridgeline.engine.output_processor import OutputProcessor
 from ridgeline.engine.outputs import EngineStats, RequestOutput
 from ridgeline.engine.registry import resolve_model
@@ -123,9 +124,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget,
                                    enable_chunked_prefill=config.enable_chunked_prefill)
+        heads = (resolve_draft_heads(config.speculative.draft_heads, self.runner.model,
+                                     config.cache_dir) if config.speculative.enabled else None)
         self.speculator = build_speculator(config.speculative, scheduler=self.scheduler,
                                            max_model_len=self.max_model_len,
-                                           vocab_size=self.model_config.vocab_size, draft=draft)
+                                           vocab_size=self.model_config.vocab_size, draft=draft,
+                                           heads=heads)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len,
                                          self.scheduler.finish)
@@ -135,6 +139,8 @@ class LLMEngine:
         self._asleep = False
         self.num_steps = 0
         self.num_prompt_tokens_computed = 0
+        # called with (samplers, their emitting rows' hidden states) after every step
+        self.hidden_listener: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
     @classmethod
     def from_hf_model(cls, hf_model: Any, tokenizer: Any | None = None, *,
@@ -265,9 +271,25 @@ class LLMEngine:
             res = self.sampler(out.logits, out.samplers)
             emitted = [[(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
                        for i in range(len(out.samplers))]
+        if out.samplers and (self.hidden_listener is not None
+                             or (spec is not None and spec.reads_hidden)):
+            self._pass_hidden(out, accepted, emitted)
         self.scheduler.update_from_output(sched.scheduled, accepted)
         self.num_steps += 1
         return outputs + self._postprocess(out.samplers, emitted)
+
+    def _pass_hidden(self, out: ModelOutput, accepted: dict[Sequence, int],
+                     emitted: list) -> None:
+        """The hidden state of the row that emitted each sampler's newest token, to the
+        draft heads (and to `hidden_listener`, which collects their training data)."""
+        assert out.hidden is not None
+        rows = [sl.start + accepted.get(seq, 0)
+                for seq, sl in zip(out.samplers, out.row_slices())]
+        hidden = out.hidden[torch.tensor(rows, device=out.hidden.device)]
+        if self.hidden_listener is not None:
+            self.hidden_listener(out.samplers, hidden)
+        if self.speculator is not None and self.speculator.reads_hidden:
+            self.speculator.keep_hidden(out.samplers, hidden, emitted)
 
     def _note_scheduled(self, scheduled: list[tuple[Sequence, int]]) -> None:
         now = time.monotonic()

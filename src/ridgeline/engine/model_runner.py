@@ -87,6 +87,7 @@ class ModelOutput:
     widths: list[int]            # rows per sampler: 1 + its look-ahead tokens
     num_tokens: int              # tokens in the pass
     seconds: float               # wall time of the pass
+    hidden: torch.Tensor | None = None  # the final hidden states of the logit rows
 
     def row_slices(self) -> list[slice]:
         """Each sampler's rows of `logits`, in order."""
@@ -130,6 +131,10 @@ class ModelRunner:
 
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """One forward pass over a flat batch; the requested logit rows, in item order."""
+        return self.forward_rows(items)[0]
+
+    def forward_rows(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final hidden states of the same rows (what draft heads read)."""
         input_ids: list[int] = []
         positions: list[int] = []
         batch: list[tuple[list[int], int, int]] = []
@@ -149,9 +154,9 @@ class ModelRunner:
                                 torch.tensor(positions, dtype=torch.long, device=self.device),
                                 self.kv_cache, meta)
         if not rows:
-            return hidden.new_empty((0, self.model.cfg.vocab_size))
-        return self.model.compute_logits(hidden.index_select(
-            0, torch.tensor(rows, dtype=torch.long, device=self.device)))
+            return hidden.new_empty((0, self.model.cfg.vocab_size)), hidden[:0]
+        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=self.device))
+        return self.model.compute_logits(picked), picked
 
     def execute(self, scheduled: list[tuple[Sequence, int]],
                 lookahead: dict[Sequence, list[int]] | None = None) -> ModelOutput:
@@ -173,10 +178,10 @@ class ModelRunner:
                 samplers.append(seq)
                 widths.append(width)
         t0 = time.perf_counter()
-        logits = self.forward(items)
+        logits, hidden = self.forward_rows(items)
         num_tokens = sum(len(it[2]) for it in items)
         return ModelOutput(samplers, logits if samplers else None, widths, num_tokens,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, hidden if samplers else None)
 
 
 #: A CPU forward of at most this many tokens in bfloat16 (or float16) runs its decoder

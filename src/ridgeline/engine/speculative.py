@@ -64,6 +64,7 @@ from ridgeline.errors import ConfigError
 
 if TYPE_CHECKING:
     from ridgeline.engine.block_manager import BlockKey, BlockManager
+    from ridgeline.engine.draft_heads import DraftHeads
     from ridgeline.engine.loader import ModelSource
     from ridgeline.engine.scheduler import Scheduler
 
@@ -105,6 +106,11 @@ class SpecState:
     preemptions_seen: int = 0
     index: SuffixIndex | None = None  # n-gram mode "suffix": the sequence's own tokens
     evidence: list[int] = field(default_factory=list)  # buckets of the last proposal
+    # draft heads: the hidden state of the row that emitted the sequence's newest token,
+    # valid while the sequence has `hidden_at` tokens; the last head proposal's buckets
+    hidden: torch.Tensor | None = None
+    hidden_at: int = -1
+    head_buckets: list[int] = field(default_factory=list)
 
     def plan_k(self, cfg: SpeculativeConfig, sizes_proposals: bool,
                best_k: Callable[[float, int], int] | None = None) -> int:
@@ -470,6 +476,91 @@ class DraftProposer:
         return tokens.tolist(), probs
 
 
+#: Buckets of a head's softmax probability for its token (`HeadCalibration`).
+PROB_BINS = 10
+
+
+class HeadCalibration:
+    """The chance that a draft head's token is accepted, per head and bin of the head's
+    own probability for it: a prior (the bin's probability) updated with every verified
+    token, as `AcceptanceModel` does for n-gram evidence."""
+
+    def __init__(self, num_heads: int) -> None:
+        self.kept = [PRIOR_WEIGHT * (b + 0.5) / PROB_BINS
+                     for _ in range(num_heads) for b in range(PROB_BINS)]
+        self.seen = [PRIOR_WEIGHT] * (num_heads * PROB_BINS)
+
+    @staticmethod
+    def bucket(head: int, prob: float) -> int:
+        return head * PROB_BINS + min(PROB_BINS - 1, int(prob * PROB_BINS))
+
+    def chance(self, bucket: int) -> float:
+        return self.kept[bucket] / self.seen[bucket]
+
+    def update(self, bucket: int, accepted: bool) -> None:
+        self.kept[bucket] += accepted
+        self.seen[bucket] += 1
+        if self.seen[bucket] > MODEL_CAP:
+            self.kept[bucket] *= 0.5
+            self.seen[bucket] *= 0.5
+
+
+def expected_kept(chances: list[float] | None) -> float:
+    """Tokens of a proposal expected to be accepted (each needs all before it)."""
+    total, reach = 0.0, 1.0
+    for c in chances or []:
+        reach *= c
+        total += reach
+    return total
+
+
+class HeadsProposer:
+    """Draft heads (draft_heads.py) beside the n-gram proposer: both propose for every
+    sequence, each token with its chance of acceptance, and the sequence verifies the
+    proposal expected to keep more tokens. Copying from the context (code edits, logs) is
+    the n-grams' strength, free text the heads'."""
+
+    allocates_first = False
+    sizes_proposals = True
+
+    def __init__(self, cfg: SpeculativeConfig, heads: DraftHeads) -> None:
+        self.ngram = NgramProposer(cfg)
+        self.heads = heads
+        self.calibration = HeadCalibration(heads.num_heads)
+        self.num_head_proposals = 0  # proposals taken from the heads (the rest: n-grams)
+
+    def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
+                sampler: Sampler | None) -> list[Proposal]:
+        out = self.ngram.propose(items, states, sampler)
+        ready = [i for i, (seq, _) in enumerate(items)
+                 if states[seq].hidden is not None and states[seq].hidden_at == seq.num_tokens]
+        for seq, _ in items:
+            states[seq].head_buckets = []
+        if not ready:
+            return out
+        hidden = torch.stack([states[items[i][0]].hidden for i in ready])  # type: ignore[misc]
+        last = torch.tensor([items[i][0].token_ids[-1] for i in ready], device=hidden.device)
+        tokens, probs = self.heads.propose(hidden, last, max(items[i][1] for i in ready))
+        for row, i in enumerate(ready):
+            seq, k = items[i]
+            st = states[seq]
+            n = min(k, tokens.shape[1])
+            buckets = [self.calibration.bucket(j, p) for j, p in enumerate(probs[row, :n].tolist())]
+            chances = [self.calibration.chance(b) for b in buckets]
+            if expected_kept(chances) > expected_kept(out[i].confidence):
+                out[i] = Proposal(tokens[row, :n].tolist(), confidence=chances)
+                self.num_head_proposals += 1
+                st.evidence = []  # the n-gram model learns nothing from this step
+                st.head_buckets = buckets
+        return out
+
+    def on_verified(self, seq: Sequence, state: SpecState, num_tokens: int, k: int,
+                    accepted: int) -> None:
+        self.ngram.on_verified(seq, state, num_tokens, k, accepted)
+        for j, b in enumerate(state.head_buckets[:min(k, accepted + 1)]):
+            self.calibration.update(b, j < accepted)
+
+
 # ---- the orchestrator -------------------------------------------------------------------
 
 
@@ -478,7 +569,7 @@ class Speculator:
     has scored them; the scheduler owns the slots, the runner runs the pass."""
 
     def __init__(self, cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
-                 proposer: NgramProposer | DraftProposer) -> None:
+                 proposer: NgramProposer | DraftProposer | HeadsProposer) -> None:
         self.cfg = cfg
         self.scheduler = scheduler
         self.max_model_len = max_model_len
@@ -492,6 +583,8 @@ class Speculator:
         self.cost = StepCost()
         if isinstance(proposer, DraftProposer):
             proposer.cost = self.cost
+        # the engine passes each step's hidden states (`keep_hidden`) to draft heads
+        self.reads_hidden = isinstance(proposer, HeadsProposer)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -502,6 +595,15 @@ class Speculator:
         if st is None:
             st = self.states[seq] = SpecState(preemptions_seen=seq.num_preemptions)
         return st
+
+    def keep_hidden(self, samplers: list[Sequence], hidden: torch.Tensor,
+                    emitted: list[Emitted]) -> None:
+        """Each sampler's emitting row (`hidden[i]`), for its next proposal: valid once
+        the step's tokens are appended (a sequence cut short by a stop has finished)."""
+        for i, (seq, tokens) in enumerate(zip(samplers, emitted)):
+            st = self.state(seq)
+            st.hidden = hidden[i]
+            st.hidden_at = seq.num_tokens + len(tokens)
 
     # ---- 1-3: plan, propose, reserve slots ------------------------------------------
 
@@ -675,14 +777,20 @@ def replay_greedy(proposer: NgramProposer, cfg: SpeculativeConfig, cost: StepCos
 
 
 def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
-                     vocab_size: int, draft: ModelRunner | None = None) -> Speculator | None:
-    """The engine's speculator (None when speculation is off): n-gram lookup, or the
-    draft model's runner (over the same block ids as the target)."""
+                     vocab_size: int, draft: ModelRunner | None = None,
+                     heads: DraftHeads | None = None) -> Speculator | None:
+    """The engine's speculator (None when speculation is off): n-gram lookup (with draft
+    heads beside it, if given), or the draft model's runner (over the same block ids as
+    the target)."""
     if not cfg.enabled:
         return None
-    proposer: NgramProposer | DraftProposer = (
-        NgramProposer(cfg) if draft is None
-        else DraftProposer(draft, scheduler.block_manager, vocab_size))
+    proposer: NgramProposer | DraftProposer | HeadsProposer
+    if draft is not None:
+        proposer = DraftProposer(draft, scheduler.block_manager, vocab_size)
+    elif heads is not None:
+        proposer = HeadsProposer(cfg, heads)
+    else:
+        proposer = NgramProposer(cfg)
     return Speculator(cfg, scheduler=scheduler, max_model_len=max_model_len,
                       proposer=proposer)
 

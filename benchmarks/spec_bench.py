@@ -1,6 +1,8 @@
-"""Speed of the high-speed variants (`<model>:fast`: n-gram speculative decoding, lossless;
+"""Speed of the high-speed variants (`<model>:fast`: speculative decoding from n-grams and,
+where `ridgeline train-draft-heads` trained them, the model's draft heads, lossless;
 `<model>:fast-q`: the same plus int8 KV cache and int8 weights) against the standard
-one, on SmolLM2-135M-Instruct, one request at a time.
+one, on SmolLM2-135M-Instruct, one request at a time. With draft heads, `fast_ngram` (the
+fast variant on n-grams alone) runs beside them, showing what the heads add.
 
     .venv/bin/python benchmarks/spec_bench.py --json            # the full run (~10 min)
     .venv/bin/python benchmarks/spec_bench.py --quick --json    # a smoke run
@@ -267,6 +269,13 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     fast_q_cfg = base.fast_q_variant()
     engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
                "fast_q": LLMEngine(fast_q_cfg)}
+    heads = getattr(engines["fast"].speculator.proposer, "heads", None)
+    if heads is not None:  # what the heads add: the same variant on n-grams alone
+        spec = fast_cfg.speculative.model_copy(update={"draft_heads": None})
+        engines["fast_ngram"] = LLMEngine(fast_cfg.model_copy(update={"speculative": spec}))
+    else:
+        log("no draft heads trained for this model: `fast` speculates from n-grams only "
+            "(ridgeline train-draft-heads trains them, ~10 min)")
     work = tokenized(engines["standard"].tokenizer, args.quick)
     for engine in engines.values():  # first-call overheads
         run_one(engine, work["chat"][0][:8], 4)
@@ -277,7 +286,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     for kind, items in work.items():
         for i, ids in enumerate(items):
             # alternate which engine goes first, so drifting load hits all alike
-            for name in order[i % 3:] + order[:i % 3]:
+            for name in order[i % len(order):] + order[:i % len(order)]:
                 r = run_one(engines[name], ids, max_tokens)
                 runs[kind][name].append(r)
                 log(f"{kind}[{i}] {name}: {len(r['tokens'])} tokens, "
@@ -294,7 +303,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         "date": date.today().isoformat(), "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
-    identical = {"fast": True, "fast_q": True}
+    identical = {name: True for name in engines if name != "standard"}
     agree = total = 0
     for kind, by_engine in runs.items():
         std = by_engine["standard"]
@@ -318,7 +327,10 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         for a, b in zip(std, by_engine["fast_q"]):
             agree += sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
             total += max(len(a["tokens"]), len(b["tokens"]))
-        for name, key in (("fast", "speedup"), ("fast_q", "fast_q_speedup")):
+        for name, key in (("fast", "speedup"), ("fast_q", "fast_q_speedup"),
+                          ("fast_ngram", "fast_ngram_speedup")):
+            if name not in engines:
+                continue
             s, f = out[f"standard_{kind}_output_tok_s"], out[f"{name}_{kind}_output_tok_s"]
             out[f"{key}_{kind}"] = round(f / s, 2) if s and f else None
             out[f"{key}_{kind}_e2e"] = round(out[f"{name}_{kind}_e2e_tok_s"]
@@ -331,6 +343,10 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     a, b = engines["fast"].speculator.cost.coefficients()
     out["fast_step_cost_ms"] = {"a": round(a * 1e3, 2), "b_per_token": round(b * 1e3, 2)}
     out["greedy_identical"] = identical["fast"]
+    out["fast_draft_heads"] = None if heads is None else {
+        "fingerprint": heads.fingerprint, "num_heads": heads.num_heads,
+        "vocab": len(heads.vocab_ids),
+        "head_proposals": engines["fast"].speculator.proposer.num_head_proposals}
     out["greedy_identical_fast_q"] = identical["fast_q"]
     out["fast_q_vs_standard_token_agreement"] = round(agree / total, 4) if total else None
     for name in ("standard", "fast_q"):

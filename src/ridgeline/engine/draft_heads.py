@@ -75,6 +75,11 @@ class DraftHeads(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())
         self._embed: torch.Tensor | None = None  # the target's input embeddings [V, D]
         self._rows: torch.Tensor | None = None   # its LM head rows of vocab_ids, float32
+        # what `propose` reads (`prepare`): the weights in bfloat16 where the CPU has
+        # native bf16 dot products (a proposal needs no more; a 1-row head pass reads its
+        # weights once, so half the bytes is about half the time), else float32
+        self._infer: list[tuple[torch.Tensor, ...]] = []
+        self._infer_rows: torch.Tensor | None = None
 
     def bind(self, model: DecoderForCausalLM) -> DraftHeads:
         """Use `model`'s embeddings and LM head (the model the heads were trained on)."""
@@ -87,6 +92,19 @@ class DraftHeads(nn.Module):
                               hint="train heads for this model: ridgeline train-draft-heads")
         self._embed = model.embed.detach()  # a plain tensor: not one of the heads' parameters
         self._rows = output_rows(model, self.vocab_ids).float()
+        return self.prepare()
+
+    def prepare(self) -> DraftHeads:
+        """Take the current weights for `propose` (after binding or training)."""
+        from ridgeline.engine.models.layers import _BF16_NATIVE
+
+        assert self._rows is not None, "bind() the heads to their model first"
+        dt = torch.bfloat16 if _BF16_NATIVE and self._rows.device.type == "cpu" else (
+            torch.float32)
+        self._infer = [tuple(t.detach().to(dt).contiguous() for t in
+                             (inner.weight, inner.bias, outer.weight, outer.bias))
+                       for inner, outer in zip(self.inner, self.outer)]
+        self._infer_rows = self._rows.to(dt).contiguous()
         return self
 
     def _head(self, i: int, h: torch.Tensor, embs: list[torch.Tensor]) -> torch.Tensor:
@@ -106,22 +124,32 @@ class DraftHeads(nn.Module):
         return [self._head(i, h, embs) for i in range(self.num_heads)]
 
     @torch.no_grad()
-    def propose(self, h: torch.Tensor, last: torch.Tensor, k: int
+    def propose(self, h: torch.Tensor, last: torch.Tensor, k: int,
+                stop: Callable[[int, torch.Tensor], bool] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy chains of up to min(k, num_heads) tokens for a batch: h [B, D] (the rows
         that produced `last` [B]); token ids [B, k'] and each head's softmax probability
-        of its token [B, k']."""
-        k = min(k, self.num_heads)
-        h = h.float()
-        embs = [self.embed(last)]
+        of its token [B, k']. `stop(i, probs of head i)` True ends the chains after head i
+        (no row would propose further: the heads after it are not run)."""
+        from ridgeline.engine.models.layers import linear
+
+        assert self._infer_rows is not None, "bind() the heads to their model first"
+        rows = self._infer_rows
+        dt = rows.dtype
+        h = h.to(dt)
+        embs = [F.embedding(last, self._embed).to(dt)]  # type: ignore[arg-type]
         tokens, probs = [], []
-        for i in range(k):
-            p = torch.softmax(self._head(i, h, embs), dim=-1)
-            best, idx = p.max(dim=-1)
+        for i in range(min(k, self.num_heads)):
+            w_in, b_in, w_out, b_out = self._infer[i]
+            z = h + linear(F.silu(linear(torch.cat([h, *embs], dim=-1), w_in, b_in)),
+                           w_out, b_out)
+            best, idx = torch.softmax(linear(z, rows).float(), dim=-1).max(dim=-1)
             tok = self.vocab_ids[idx]
             tokens.append(tok)
             probs.append(best)
-            embs.append(self.embed(tok))
+            if stop is not None and stop(i, best):
+                break
+            embs.append(F.embedding(tok, self._embed).to(dt))  # type: ignore[arg-type]
         return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
@@ -354,7 +382,7 @@ def fit_draft_heads(model: DecoderForCausalLM, data: list[tuple[torch.Tensor, li
         if progress:
             progress(f"epoch {epoch + 1}/{epochs}: loss {total / steps_per_epoch:.3f} "
                      f"({time.monotonic() - start:.0f} s)")
-    return heads.eval()
+    return heads.eval().prepare()
 
 
 @torch.no_grad()

@@ -486,6 +486,7 @@ class HeadCalibration:
     token, as `AcceptanceModel` does for n-gram evidence."""
 
     def __init__(self, num_heads: int) -> None:
+        self.num_heads = num_heads
         self.kept = [PRIOR_WEIGHT * (b + 0.5) / PROB_BINS
                      for _ in range(num_heads) for b in range(PROB_BINS)]
         self.seen = [PRIOR_WEIGHT] * (num_heads * PROB_BINS)
@@ -496,6 +497,15 @@ class HeadCalibration:
 
     def chance(self, bucket: int) -> float:
         return self.kept[bucket] / self.seen[bucket]
+
+    def best_gain(self, head: int) -> float:
+        """The most tokens the heads after `head` can add to a chain that reached it
+        (each at its most reliable bucket): the bound that lets a proposer skip them."""
+        total, reach = 0.0, 1.0
+        for h in range(head + 1, self.num_heads):
+            reach *= max(self.chance(h * PROB_BINS + b) for b in range(PROB_BINS))
+            total += reach
+        return total
 
     def update(self, bucket: int, accepted: bool) -> None:
         self.kept[bucket] += accepted
@@ -525,6 +535,8 @@ class HeadsProposer:
 
     def __init__(self, cfg: SpeculativeConfig, heads: DraftHeads) -> None:
         self.ngram = NgramProposer(cfg)
+        # below this chance (all tokens before included) a proposal is cut anyway
+        self.floor = cfg.min_proposal_chance if cfg.adaptive else 0.0
         self.heads = heads
         self.calibration = HeadCalibration(heads.num_heads)
         self.num_head_proposals = 0  # proposals taken from the heads (the rest: n-grams)
@@ -540,7 +552,25 @@ class HeadsProposer:
             return out
         hidden = torch.stack([states[items[i][0]].hidden for i in ready])  # type: ignore[misc]
         last = torch.tensor([items[i][0].token_ids[-1] for i in ready], device=hidden.device)
-        tokens, probs = self.heads.propose(hidden, last, max(items[i][1] for i in ready))
+        cal = self.calibration
+        # the heads run while some sequence's chain may still beat its n-gram proposal
+        # (every later head at its best bucket) and is likely enough to be verified
+        target = [expected_kept(out[i].confidence) for i in ready]
+        gain = [0.0] * len(ready)
+        reach = [1.0] * len(ready)
+        if all(t >= cal.best_gain(-1) for t in target):
+            return out
+
+        def stop(head: int, p: torch.Tensor) -> bool:
+            rest = cal.best_gain(head)
+            go = False
+            for r, x in enumerate(p.tolist()):
+                reach[r] *= cal.chance(cal.bucket(head, x))
+                gain[r] += reach[r]
+                go = go or (reach[r] >= self.floor and gain[r] + reach[r] * rest > target[r])
+            return not go
+
+        tokens, probs = self.heads.propose(hidden, last, max(items[i][1] for i in ready), stop)
         for row, i in enumerate(ready):
             seq, k = items[i]
             st = states[seq]

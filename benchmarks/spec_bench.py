@@ -226,6 +226,8 @@ def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
 def main() -> None:
     ap = engine_arg_parser(__doc__, kv_cache_mb=256)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--train-heads", action="store_true",
+                    help="train the model's draft heads first if it has none (~8 min)")
     ap.add_argument("--replay", action="store_true",
                     help="replay the n-gram proposers on the standard engine's outputs")
     ap.add_argument("--replay-cache", default=None,
@@ -265,6 +267,9 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     from ridgeline.engine import LLMEngine
 
     base = base_config(args)
+    out: dict[str, Any] = {}
+    if args.train_heads:
+        out["draft_heads_training_s"] = train_heads_if_missing(base, log)
     fast_cfg = base.fast_variant()
     fast_q_cfg = base.fast_q_variant()
     engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
@@ -292,7 +297,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
                 log(f"{kind}[{i}] {name}: {len(r['tokens'])} tokens, "
                     f"{len(r['tokens']) / r['seconds']:.1f} tok/s end to end")
 
-    out: dict[str, Any] = {
+    out |= {
         "model": args.model, "threads": args.threads, "quick": args.quick,
         "max_tokens": max_tokens,
         "fast_config": {"speculative": fast_cfg.speculative.model_dump(),
@@ -355,6 +360,23 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         out[f"{name}_kv_capacity_tokens"] = s.kv_capacity_tokens
     out["load_avg"] = {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}
     return out
+
+
+def train_heads_if_missing(base: Any, log: Any) -> float | None:
+    """Seconds spent training the model's draft heads (None: it had them)."""
+    from ridgeline.engine import LLMEngine
+    from ridgeline.engine.draft_heads import (
+        heads_cache_path,
+        model_fingerprint,
+        train_and_store,
+    )
+
+    engine = LLMEngine(base.model_copy(update={"dtype": "bfloat16", "max_num_seqs": 64}))
+    if heads_cache_path(model_fingerprint(engine.model), base.cache_dir).is_file():
+        return None
+    start = time.perf_counter()
+    log(f"training draft heads: {train_and_store(engine, progress=log)}")
+    return round(time.perf_counter() - start, 1)
 
 
 def replay(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]:

@@ -221,3 +221,24 @@ def test_collect_refuses_a_speculating_engine() -> None:
                                      speculative=SpeculativeConfig(method="ngram"))
     with pytest.raises(ConfigError, match="does not speculate"):
         collect(engine, prompts(2), 8)
+
+
+def test_train_and_store_from_chat_prompts(tmp_path) -> None:
+    """The whole self-distillation path: generated chat prompts through the model's chat
+    template, replies, fit, a file that records how it was made and loads again."""
+    from engine_fixtures import char_tokenizer
+    from safetensors import safe_open
+
+    from ridgeline.engine.draft_heads import train_and_store
+
+    engine = LLMEngine.from_hf_model(cached_model("llama", vocab=128), char_tokenizer(),
+                                     **ENGINE)
+    path = train_and_store(engine, tmp_path / "h.safetensors", num_prompts=16, max_tokens=12,
+                           epochs=1)
+    with safe_open(str(path), framework="pt") as f:
+        assert '"prompts": 16' in f.metadata()["info"]
+    heads = load_draft_heads(path, engine.model)
+    assert heads.num_heads == 3 and len(heads.vocab_ids) <= 128
+    plain = LLMEngine.from_hf_model(cached_model("llama", vocab=128), None, **ENGINE)
+    with pytest.raises(ConfigError, match="tokenizer"):
+        train_and_store(plain, tmp_path / "x.safetensors", num_prompts=16)

@@ -100,23 +100,15 @@ def train_draft_heads(
     """Train draft heads for a model by self-distillation (its own greedy replies; ~10 min
     for SmolLM2 on 2 cores). `:fast` then proposes from them beside n-gram lookup."""
     from ridgeline.engine import EngineConfig, LLMEngine
-    from ridgeline.engine.draft_heads import (
-        heads_cache_path,
-        save_draft_heads,
-        train_draft_heads,
-    )
+    from ridgeline.engine.draft_heads import train_and_store
 
     err = Console(stderr=True)
     with err.status(f"loading {model}"):
         engine = LLMEngine(EngineConfig.build(model=model, num_threads=threads, dtype=dtype,
                                               max_num_seqs=64))
     start = time.monotonic()
-    heads = train_draft_heads(engine, num_prompts=num_prompts, max_tokens=max_tokens,
-                              epochs=epochs, progress=lambda m: err.print(m))
-    path = out or heads_cache_path(heads.fingerprint, engine.config.cache_dir)
-    info = {"model": model, "prompts": num_prompts, "max_tokens": max_tokens,
-            "epochs": epochs, "dtype": dtype, "seconds": round(time.monotonic() - start)}
-    save_draft_heads(heads, path, info)
+    path = train_and_store(engine, out, num_prompts=num_prompts, max_tokens=max_tokens,
+                           epochs=epochs, progress=lambda m: err.print(m))
     err.print(f"draft heads for {model} written to {path} "
               f"({time.monotonic() - start:.0f} s)")
 

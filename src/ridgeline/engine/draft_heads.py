@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = "ridgeline-draft-heads/1"
 DEFAULT_NUM_HEADS = 3
-#: Tokens a head can propose: the most frequent in its training outputs. SmolLM2's
-#: replies to 960 prompts use fewer than 8192 distinct tokens; a proposal outside the
-#: subset is simply never made.
-DEFAULT_VOCAB = 8192
+#: Tokens a head can propose: the most frequent in its training outputs (a proposal
+#: outside them is never made). SmolLM2's replies to the 960 training prompts use 6,400
+#: distinct tokens; the heads' 3-token chains on spec_bench's chat replies are right as
+#: often over the first 4096 (36.2 / 14.3 / 5.8%) as over all 6400, at 2/3 of the bytes.
+DEFAULT_VOCAB = 4096
 
 
 # ---- the heads ----------------------------------------------------------------------------
@@ -413,3 +414,18 @@ def train_draft_heads(engine: LLMEngine, *, num_prompts: int = 960, max_tokens: 
     data = collect(engine, prompts, max_tokens, progress)
     return fit_draft_heads(engine.model, data, num_heads=num_heads, vocab=vocab,
                            epochs=epochs, seed=seed, progress=progress)
+
+
+def train_and_store(engine: LLMEngine, out: str | Path | None = None, *,
+                    num_prompts: int = 960, max_tokens: int = 200, epochs: int = 3,
+                    progress: Callable[[str], None] | None = None) -> Path:
+    """`train_draft_heads`, written to `out` or to the cache (where `draft_heads: auto`
+    finds them); the file's metadata records how they were trained."""
+    start = time.monotonic()
+    heads = train_draft_heads(engine, num_prompts=num_prompts, max_tokens=max_tokens,
+                              epochs=epochs, progress=progress)
+    path = out or heads_cache_path(heads.fingerprint, engine.config.cache_dir)
+    info = {"model": engine.config.model, "prompts": num_prompts, "max_tokens": max_tokens,
+            "epochs": epochs, "dtype": engine.config.dtype,
+            "seconds": round(time.monotonic() - start)}
+    return save_draft_heads(heads, path, info)

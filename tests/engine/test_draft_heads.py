@@ -266,3 +266,16 @@ def test_heads_for_the_default_model_keep_its_greedy_output(tmp_path) -> None:
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert fast.engine.speculator.proposer.num_head_proposals > 0
     assert fast.engine.stats().spec_accepted_tokens > 0
+
+
+def test_weight_updates_reach_the_heads_lm_head_rows(tmp_path) -> None:
+    """The heads score through a copy of the LM head rows: an RL weight update replaces it
+    (stale rows would only guess worse, but the copy must follow the model)."""
+    engine, _ = replies()
+    path = save_draft_heads(overconfident_heads(engine.model, 3), tmp_path / "h.safetensors")
+    spec = LLMEngine.from_hf_model(model(), None, **ENGINE, speculative=SpeculativeConfig(
+        method="ngram", draft_heads=str(path)))
+    heads = spec.speculator.proposer.heads
+    new = torch.randn(VOCAB, spec.model.cfg.hidden_size)
+    spec.update_weights([("lm_head.weight", new)])  # the embeddings, where tied
+    assert torch.allclose(heads._rows, new[heads.vocab_ids].float())

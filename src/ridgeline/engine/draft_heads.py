@@ -91,6 +91,7 @@ class DraftHeads(nn.Module):
         if int(self.vocab_ids.max()) >= model.cfg.vocab_size:
             raise ConfigError("draft heads propose tokens outside this model's vocabulary",
                               hint="train heads for this model: ridgeline train-draft-heads")
+        self.to(model.embed.device)
         self._embed = model.embed.detach()  # a plain tensor: not one of the heads' parameters
         self._rows = output_rows(model, self.vocab_ids).float()
         return self.prepare()
@@ -100,8 +101,8 @@ class DraftHeads(nn.Module):
         from ridgeline.engine.models.layers import _BF16_NATIVE
 
         assert self._rows is not None, "bind() the heads to their model first"
-        dt = torch.bfloat16 if _BF16_NATIVE and self._rows.device.type == "cpu" else (
-            torch.float32)
+        on_cpu = self._rows.device.type == "cpu"
+        dt = torch.bfloat16 if (_BF16_NATIVE or not on_cpu) else torch.float32
         self._infer = [tuple(t.detach().to(dt).contiguous() for t in
                              (inner.weight, inner.bias, outer.weight, outer.bias))
                        for inner, outer in zip(self.inner, self.outer)]

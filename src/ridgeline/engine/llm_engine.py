@@ -344,6 +344,9 @@ class LLMEngine:
         self.check_weights((name, tuple(t.shape)) for name, t in tensors)
         loaded = self.runner.model.load_weights(tensors)
         self.block_manager.reset_prefix_cache()
+        heads = getattr(self.speculator.proposer, "heads", None) if self.speculator else None
+        if heads is not None:  # their LM head rows are a copy: take the new ones
+            heads.bind(self.runner.model)
         self.processor.policy_version = (self.processor.policy_version + 1 if version is None
                                          else int(version))
         return len(loaded)

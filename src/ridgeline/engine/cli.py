@@ -90,8 +90,9 @@ def train_draft_heads(
     out: str | None = typer.Option(None, "--out", "-o", help="File to write (default: the "
                                    "cache, where speculative.draft_heads 'auto' and :fast "
                                    "find them)."),
-    num_prompts: int = typer.Option(960, "--prompts", min=16,
-                                    help="Generated chat prompts to answer."),
+    num_prompts: int = typer.Option(1140, "--prompts", min=16,
+                                    help="Generated chat and programming prompts to answer "
+                                    "(1140: all of them)."),
     max_tokens: int = typer.Option(200, "--max-tokens", min=8),
     epochs: int = typer.Option(3, "--epochs", min=1),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Engine dtype for the replies."),

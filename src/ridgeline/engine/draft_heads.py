@@ -254,7 +254,7 @@ def resolve_draft_heads(spec: str | None, model: DecoderForCausalLM,
 
 
 #: Topics and question forms of the generated training prompts: plain chat, explanation
-#: and writing requests (a mix like an assistant's traffic). None is taken from
+#: and writing requests, and programming (a mix like an assistant's traffic). None is taken from
 #: benchmarks/spec_bench.py's prompts, which measure the heads on unseen questions.
 TOPICS = (
     "photosynthesis", "the French Revolution", "black holes", "machine learning",
@@ -284,9 +284,40 @@ FORMS = (
 )
 
 
+#: Programming requests (an agent's other traffic): task x form.
+CODE_TASKS = (
+    "reverses a string", "checks whether a number is prime", "counts the words in a text",
+    "merges two sorted lists", "finds the largest element of a list",
+    "removes duplicates from a list", "computes the factorial of n",
+    "returns the n-th Fibonacci number", "checks whether a string is a palindrome",
+    "reads a CSV file and sums a column", "converts Celsius to Fahrenheit",
+    "flattens a nested list", "counts how often each character occurs",
+    "validates an email address", "parses a date string", "computes the average of numbers",
+    "finds the common elements of two lists", "capitalizes every word of a sentence",
+    "sorts a list of dictionaries by a key", "retries a function call on failure",
+    "reads a JSON file into a dictionary", "returns the median of a list",
+    "groups words by their first letter", "computes the greatest common divisor",
+    "splits a list into chunks of size n", "checks whether brackets are balanced",
+    "implements a stack class", "implements binary search", "computes a running total",
+    "formats a table of rows as aligned text",
+)
+CODE_FORMS = (
+    "Write a Python function that {t}.", "Explain how to write a function that {t}.",
+    "Write a Python function that {t}, with a docstring and a short test.",
+    "Write a JavaScript function that {t}.",
+    "What is a simple and efficient way to write code that {t}?",
+    "Review this idea: a function that {t}. What edge cases matter?",
+)
+
+
+#: Every generated prompt: the default training set.
+NUM_TRAINING_PROMPTS = len(TOPICS) * len(FORMS) + len(CODE_TASKS) * len(CODE_FORMS)
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """n distinct chat prompts (topic x form, shuffled)."""
-    prompts = [f.format(t=t) for t in TOPICS for f in FORMS]
+    """n distinct chat and programming prompts (topic x form, shuffled)."""
+    prompts = [f.format(t=t) for t in TOPICS for f in FORMS] + [
+        f.format(t=t) for t in CODE_TASKS for f in CODE_FORMS]
     if n > len(prompts):
         raise ConfigError(f"at most {len(prompts)} training prompts are available, not {n}",
                           hint=f"use num_prompts <= {len(prompts)}")
@@ -398,7 +429,8 @@ def head_accuracy(heads: DraftHeads, data: list[tuple[torch.Tensor, list[int]]]
     return right.float().mean(dim=0).tolist()
 
 
-def train_draft_heads(engine: LLMEngine, *, num_prompts: int = 960, max_tokens: int = 200,
+def train_draft_heads(engine: LLMEngine, *, num_prompts: int = NUM_TRAINING_PROMPTS,
+                      max_tokens: int = 200,
                       num_heads: int = DEFAULT_NUM_HEADS, vocab: int = DEFAULT_VOCAB,
                       epochs: int = 3, seed: int = 0,
                       progress: Callable[[str], None] | None = None) -> DraftHeads:
@@ -418,7 +450,8 @@ def train_draft_heads(engine: LLMEngine, *, num_prompts: int = 960, max_tokens: 
 
 
 def train_and_store(engine: LLMEngine, out: str | Path | None = None, *,
-                    num_prompts: int = 960, max_tokens: int = 200, epochs: int = 3,
+                    num_prompts: int = NUM_TRAINING_PROMPTS, max_tokens: int = 200,
+                    epochs: int = 3,
                     progress: Callable[[str], None] | None = None) -> Path:
     """`train_draft_heads`, written to `out` or to the cache (where `draft_heads: auto`
     finds them); the file's metadata records how they were trained."""

@@ -575,8 +575,8 @@ class HeadsProposer:
             seq, k = items[i]
             st = states[seq]
             n = min(k, tokens.shape[1])
-            buckets = [self.calibration.bucket(j, p) for j, p in enumerate(probs[row, :n].tolist())]
-            chances = [self.calibration.chance(b) for b in buckets]
+            buckets = [cal.bucket(j, p) for j, p in enumerate(probs[row, :n].tolist())]
+            chances = [cal.chance(b) for b in buckets]
             if expected_kept(chances) > expected_kept(out[i].confidence):
                 out[i] = Proposal(tokens[row, :n].tolist(), confidence=chances)
                 self.num_head_proposals += 1

@@ -226,6 +226,8 @@ def run_one(engine: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
 def main() -> None:
     ap = engine_arg_parser(__doc__, kv_cache_mb=256)
     ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="standard and fast variants' dtype (fast-q is always bfloat16)")
     ap.add_argument("--train-heads", action="store_true",
                     help="train the model's draft heads first if it has none (~8 min)")
     ap.add_argument("--replay", action="store_true",
@@ -246,7 +248,8 @@ def base_config(args: argparse.Namespace) -> Any:
     from ridgeline.engine import EngineConfig
 
     return EngineConfig.build(model=args.model, num_threads=args.threads,
-                              kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8)
+                              kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8,
+                              dtype=getattr(args, "dtype", "float32"))
 
 
 def tokenized(tok: Any, quick: bool) -> dict[str, list[list[int]]]:
@@ -299,7 +302,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
 
     out |= {
         "model": args.model, "threads": args.threads, "quick": args.quick,
-        "max_tokens": max_tokens,
+        "max_tokens": max_tokens, "dtype": base.dtype,
         "fast_config": {"speculative": fast_cfg.speculative.model_dump(),
                         "kv_cache_dtype": fast_cfg.kv_cache_dtype},
         "fast_q_config": {"kv_cache_dtype": fast_q_cfg.kv_cache_dtype,

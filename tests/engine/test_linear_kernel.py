@@ -96,7 +96,11 @@ def test_bfloat16_output_is_the_float32_result_rounded_to_nearest_even(lib, wdt)
     x = torch.randn(7, 129, generator=gen).to(torch.bfloat16)
     y = linear_kernel.small_linear(x, w, b, scales=scales, lib=lib)
     wide = linear_kernel.small_linear(x.float(), w, b, scales=scales, lib=lib)
-    assert torch.equal(y, wide.to(torch.bfloat16))
+    if wdt == torch.bfloat16 and lib.linear_bf16_dot():
+        # bf16 dot products sum in pairs: not the widened order, as accurate
+        assert_close_to_exact(y, x, w.double(), b)
+    else:
+        assert torch.equal(y, wide.to(torch.bfloat16))
     # ties and near-ties of the rounding: sums x0 + x1 chosen to land on them
     xs = torch.tensor([[1.0, 2.0 ** -8], [1.0, 3 * 2.0 ** -8], [-1.0, -(2.0 ** -8)],
                        [1.0, 2.0 ** -8 + 2.0 ** -16], [3.0, 2.0 ** -7]], dtype=torch.bfloat16)
@@ -158,8 +162,28 @@ def test_strided_and_transposed_inputs(lib) -> None:
         assert_close_to_exact(y, x, w.double(), None)
         assert torch.equal(y, linear_kernel.small_linear(x.contiguous(), w, lib=lib))
         xb = x.to(torch.bfloat16)
-        assert torch.equal(linear_kernel.small_linear(xb, w, lib=lib),
-                           linear_kernel.small_linear(xb.contiguous(), w, lib=lib))
+        for wt in (w, w.to(torch.bfloat16)):  # widened x, or bf16 dot products on it
+            assert torch.equal(linear_kernel.small_linear(xb, wt, lib=lib),
+                               linear_kernel.small_linear(xb.contiguous(), wt, lib=lib))
+
+
+def test_bfloat16_dot_products_where_the_cpu_has_them(lib) -> None:
+    """bf16 x times bf16 weights use vdpbf16ps in the native build of a CPU with
+    AVX512_BF16 (never in the AVX2 build): accurate, and a row's result the same whatever
+    rows are multiplied with it (a verify row equals the one-row decode of that token)."""
+    native = linear_kernel.vector_width(lib) == 16
+    assert lib.linear_bf16_dot() == int(native and "avx512_bf16" in cpu_kernels.cpu_flags())
+    gen = torch.Generator().manual_seed(9)
+    for k in (576, 1536, 100, 31):  # whole and partial 32-element steps
+        w = torch.randn(77, k, generator=gen).to(torch.bfloat16)
+        b = torch.randn(77, generator=gen).to(torch.bfloat16)
+        x = torch.randn(16, k, generator=gen).to(torch.bfloat16)
+        alone = torch.cat([linear_kernel.small_linear(x[i:i + 1], w, b, lib=lib)
+                           for i in range(16)])
+        for m in (2, 5, 7, 8, 9, 16):
+            y = linear_kernel.small_linear(x[:m], w, b, lib=lib)
+            assert torch.equal(y, alone[:m]), (k, m)
+        assert_close_to_exact(alone, x, w.double(), b)
 
 
 @needs_kernel

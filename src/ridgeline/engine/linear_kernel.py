@@ -13,7 +13,10 @@ weight rows from registers, in float32 whatever the storage:
   scale per output channel (`layers.quantize_int8`'s layout; widened, the scale applied
   once to the finished sum);
 - x float32 or bfloat16 (widened once per call); y in x's dtype (bfloat16 rounded to
-  nearest even, as `.to(torch.bfloat16)`); an optional bias in float32 or bfloat16.
+  nearest even, as `.to(torch.bfloat16)`); an optional bias in float32 or bfloat16;
+- bfloat16 x with bfloat16 weights on a CPU with AVX512_BF16: not widened, but
+  multiplied with vdpbf16ps (pairs of exact bf16 products added to float32 lanes), twice
+  the products an instruction; widening and fma made those calls FMA-bound from ~4 rows.
 
 Two variants of one source, chosen by the compiler's target: AVX-512 F (16 lanes, tiles
 of up to 8 rows x 4 weight rows in 32 registers) and AVX2 + FMA (8 lanes, up to 4 x 3 in
@@ -123,6 +126,7 @@ static inline int nb_for(int mt) { return mt == 1 ? 6 : mt == 2 ? 4 : 3; }
 
 typedef struct {
   const float* x; int64_t ldx;
+  const uint16_t* xh;  /* bf16 x for the dot-product tiles (tile_dot), else NULL */
   const void* w; int64_t ldw; int wt;
   const void* scale; int scale_t;  /* int8 weights: per output channel */
   const void* bias; int bias_t;
@@ -224,10 +228,63 @@ static inline __attribute__((always_inline)) void tile(const int MT, const int N
   put(j, m0, n0, MT, NB, sums);
 }
 
+#if defined(__AVX512BF16__)
+/* bf16 x times bf16 w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16
+   exactly and adds both products to a float32 lane, 32 elements of k an instruction:
+   twice the products of widening to float32 and fma, which bounds `tile` from ~4 rows.
+   Every output is still summed in one order (lane-wise pairs over k, then the same
+   reduction) whatever the tile, so a row's result does not depend on the rows with it. */
+static inline __attribute__((always_inline)) void tile_dot(const int MT, const int NB,
+                                                           const job_t* j, int64_t m0,
+                                                           int64_t n0) {
+  __m512 acc[MT_MAX][NB_MAX];
+  UNROLL for (int a = 0; a < MT; ++a)
+    UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_setzero_ps();
+  const uint16_t* x = j->xh + m0 * j->ldx;
+  const uint16_t* w = (const uint16_t*)j->w;
+  const int64_t K = j->k, ldw = j->ldw, ldx = j->ldx, w0 = n0 * ldw;
+  const uint16_t* pf = m0 == 0 && n0 + 2 * NB <= j->n ? w + w0 + NB * ldw : NULL;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {  /* 32 bf16 = one line: fetch the next tile's each time */
+    if (pf) UNROLL for (int b = 0; b < NB; ++b) _mm_prefetch((const char*)(pf + b * ldw + k),
+                                                             _MM_HINT_T0);
+    __m512bh wv[NB_MAX];
+    UNROLL for (int b = 0; b < NB; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512((const void*)(w + w0 + b * ldw + k));
+    UNROLL for (int a = 0; a < MT; ++a) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + a * ldx + k));
+      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], xv, wv[b]);
+    }
+  }
+  if (k < K) {  /* zeros past K add nothing */
+    uint16_t buf[32];
+    __m512bh wv[NB_MAX];
+    UNROLL for (int b = 0; b < NB; ++b) {
+      for (int i = 0; i < 32; ++i) buf[i] = k + i < K ? w[w0 + b * ldw + k + i] : 0;
+      wv[b] = (__m512bh)_mm512_loadu_si512((const void*)buf);
+    }
+    UNROLL for (int a = 0; a < MT; ++a) {
+      for (int i = 0; i < 32; ++i) buf[i] = k + i < K ? x[a * ldx + k + i] : 0;
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)buf);
+      UNROLL for (int b = 0; b < NB; ++b) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], xv, wv[b]);
+    }
+  }
+  float sums[MT_MAX][NB_MAX];
+  UNROLL for (int a = 0; a < MT; ++a)
+    UNROLL for (int b = 0; b < NB; ++b) sums[a][b] = _mm512_reduce_add_ps(acc[a][b]);
+  put(j, m0, n0, MT, NB, sums);
+}
+#define TILE_DOT(MT, NB) if (j->xh) { tile_dot(MT, NB, j, m0, n0); break; }
+#else
+#define TILE_DOT(MT, NB)
+#endif
+
 #define TILE_WT(MT, NB)                               \
   switch (j->wt) {                                    \
     case F32: tile(MT, NB, F32, j, m0, n0); break;    \
-    case BF16: tile(MT, NB, BF16, j, m0, n0); break;  \
+    case BF16:                                        \
+      TILE_DOT(MT, NB)                                \
+      tile(MT, NB, BF16, j, m0, n0); break;           \
     default: tile(MT, NB, I8, j, m0, n0); break;      \
   }
 
@@ -412,6 +469,14 @@ int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, i
       || (bias && bias_t != F32 && bias_t != BF16))
     return -1;
   float* wide = NULL;
+#if defined(__AVX512BF16__)
+  if (xt == BF16 && wt == BF16) {  /* tile_dot reads x as it is */
+    job_t jd = {NULL, ldx, (const uint16_t*)x, w, ldw, wt, scale, scale_t,
+                bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
+    run(&jd, threads);
+    return 0;
+  }
+#endif
   if (xt == BF16) {
     wide = (float*)malloc((size_t)(m * k) * sizeof(float));
     if (!wide) return -3;
@@ -419,8 +484,8 @@ int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, i
       for (int64_t i = 0; i < k; ++i)
         wide[r * k + i] = bf16_to_f32(((const uint16_t*)x)[r * ldx + i]);
   }
-  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, w, ldw, wt, scale, scale_t,
-             bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
+  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, NULL, w, ldw, wt, scale,
+             scale_t, bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
   run(&j, threads);
   free(wide);
   return 0;
@@ -428,6 +493,11 @@ int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, i
 
 void linear_set_spin_us(int us) { atomic_store(&spin_ns, (int64_t)us * 1000); }
 int linear_vector_width(void) { return VW; }
+#if defined(__AVX512BF16__)
+int linear_bf16_dot(void) { return 1; }
+#else
+int linear_bf16_dot(void) { return 0; }
+#endif
 
 #else
 int linear_run(const void* x, long ldx, int xt, const void* w, long ldw, int wt,
@@ -435,6 +505,7 @@ int linear_run(const void* x, long ldx, int xt, const void* w, long ldw, int wt,
                long ldy, int yt, long m, long n, long k, int threads) { return -2; }
 void linear_set_spin_us(int us) {}
 int linear_vector_width(void) { return 0; }
+int linear_bf16_dot(void) { return 0; }
 #endif
 """
 
@@ -455,6 +526,8 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.linear_set_spin_us.restype = None
     lib.linear_vector_width.argtypes = []
     lib.linear_vector_width.restype = c_int
+    lib.linear_bf16_dot.argtypes = []
+    lib.linear_bf16_dot.restype = c_int
     if not lib.linear_vector_width():
         return None
     lib.linear_set_spin_us(SPIN_US)

@@ -98,7 +98,7 @@ def train_draft_heads(
     dtype: str = typer.Option("bfloat16", "--dtype", help="Engine dtype for the replies."),
     threads: int | None = typer.Option(None, "--threads", help="torch threads."),
 ) -> None:
-    """Train draft heads for a model by self-distillation (its own greedy replies; ~10 min
+    """Train draft heads for a model by self-distillation (its own greedy replies; ~8 min
     for SmolLM2 on 2 cores). `:fast` then proposes from them beside n-gram lookup."""
     from ridgeline.engine import EngineConfig, LLMEngine
     from ridgeline.engine.draft_heads import train_and_store

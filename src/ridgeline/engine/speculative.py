@@ -265,24 +265,12 @@ PRIOR_WEIGHT, MODEL_CAP = 32.0, 1024.0
 MAX_CANDIDATES = 16
 
 
-class AcceptanceModel:
-    """The chance that an n-gram proposal's token is accepted given the evidence behind it
-    (`Evidence`: match length, agreement of the occurrences, own context or not), per
-    bucket of evidence: a prior, updated with every verified token."""
+class BucketCounts:
+    """Per bucket of evidence, tokens kept of tokens verified, starting from a prior worth
+    PRIOR_WEIGHT tokens; halved past MODEL_CAP, so the estimate follows the workload."""
 
-    def __init__(self) -> None:
-        self.kept: list[float] = []
-        self.seen: list[float] = []
-        for local in (False, True):
-            for prior in (PRIOR_LOCAL if local else PRIOR_GLOBAL):
-                for split in (False, True):
-                    self.kept.append(PRIOR_WEIGHT * prior * (SPLIT if split else 1.0))
-                    self.seen.append(PRIOR_WEIGHT)
-
-    @staticmethod
-    def bucket(e: Evidence) -> int:
-        m = bisect.bisect_left(MATCH_BUCKETS, e.match)
-        return (int(e.local) * (len(MATCH_BUCKETS) + 1) + m) * 2 + int(e.support < e.alive)
+    kept: list[float]
+    seen: list[float]
 
     def chance(self, bucket: int) -> float:
         return self.kept[bucket] / self.seen[bucket]
@@ -293,6 +281,26 @@ class AcceptanceModel:
         if self.seen[bucket] > MODEL_CAP:
             self.kept[bucket] *= 0.5
             self.seen[bucket] *= 0.5
+
+
+class AcceptanceModel(BucketCounts):
+    """The chance that an n-gram proposal's token is accepted given the evidence behind it
+    (`Evidence`: match length, agreement of the occurrences, own context or not), per
+    bucket of evidence: a prior, updated with every verified token."""
+
+    def __init__(self) -> None:
+        self.kept = []
+        self.seen = []
+        for local in (False, True):
+            for prior in (PRIOR_LOCAL if local else PRIOR_GLOBAL):
+                for split in (False, True):
+                    self.kept.append(PRIOR_WEIGHT * prior * (SPLIT if split else 1.0))
+                    self.seen.append(PRIOR_WEIGHT)
+
+    @staticmethod
+    def bucket(e: Evidence) -> int:
+        m = bisect.bisect_left(MATCH_BUCKETS, e.match)
+        return (int(e.local) * (len(MATCH_BUCKETS) + 1) + m) * 2 + int(e.support < e.alive)
 
 
 class NgramProposer:
@@ -480,7 +488,7 @@ class DraftProposer:
 PROB_BINS = 10
 
 
-class HeadCalibration:
+class HeadCalibration(BucketCounts):
     """The chance that a draft head's token is accepted, per head and bin of the head's
     own probability for it: a prior (the bin's probability) updated with every verified
     token, as `AcceptanceModel` does for n-gram evidence."""
@@ -495,9 +503,6 @@ class HeadCalibration:
     def bucket(head: int, prob: float) -> int:
         return head * PROB_BINS + min(PROB_BINS - 1, int(prob * PROB_BINS))
 
-    def chance(self, bucket: int) -> float:
-        return self.kept[bucket] / self.seen[bucket]
-
     def best_gain(self, head: int) -> float:
         """The most tokens the heads after `head` can add to a chain that reached it
         (each at its most reliable bucket): the bound that lets a proposer skip them."""
@@ -506,13 +511,6 @@ class HeadCalibration:
             reach *= max(self.chance(h * PROB_BINS + b) for b in range(PROB_BINS))
             total += reach
         return total
-
-    def update(self, bucket: int, accepted: bool) -> None:
-        self.kept[bucket] += accepted
-        self.seen[bucket] += 1
-        if self.seen[bucket] > MODEL_CAP:
-            self.kept[bucket] *= 0.5
-            self.seen[bucket] *= 0.5
 
 
 def expected_kept(chances: list[float] | None) -> float:

@@ -105,6 +105,12 @@ def test_heads_file_roundtrip_and_binding(tmp_path) -> None:
         load_draft_heads(bad, m)
     with pytest.raises(ConfigError, match="does not exist"):
         load_draft_heads(tmp_path / "none.safetensors", m)
+    # heads whose shapes or tokens do not fit the model
+    for vocab_ids, hidden in ((torch.tensor([VOCAB + 5]), m.cfg.hidden_size),
+                              (torch.tensor([], dtype=torch.long), m.cfg.hidden_size),
+                              (torch.arange(4), m.cfg.hidden_size + 8)):
+        with pytest.raises(ConfigError, match="train heads for this model"):
+            DraftHeads(hidden, vocab_ids, 2).bind(m)
 
 
 def test_auto_finds_heads_in_the_cache_or_none(tmp_path) -> None:

@@ -88,8 +88,9 @@ class DraftHeads(nn.Module):
             raise ConfigError(f"draft heads of hidden size {self.hidden_size} do not fit a "
                               f"model of hidden size {model.cfg.hidden_size}",
                               hint="train heads for this model: ridgeline train-draft-heads")
-        if int(self.vocab_ids.max()) >= model.cfg.vocab_size:
-            raise ConfigError("draft heads propose tokens outside this model's vocabulary",
+        if not self.vocab_ids.numel() or int(self.vocab_ids.max()) >= model.cfg.vocab_size:
+            raise ConfigError("draft heads with no tokens, or tokens outside this model's "
+                              "vocabulary",
                               hint="train heads for this model: ridgeline train-draft-heads")
         self.to(model.embed.device)
         self._embed = model.embed.detach()  # a plain tensor: not one of the heads' parameters

@@ -283,7 +283,7 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
         engines["fast_ngram"] = LLMEngine(fast_cfg.model_copy(update={"speculative": spec}))
     else:
         log("no draft heads trained for this model: `fast` speculates from n-grams only "
-            "(ridgeline train-draft-heads trains them, ~10 min)")
+            "(ridgeline train-draft-heads trains them, ~8 min)")
     work = tokenized(engines["standard"].tokenizer, args.quick)
     for engine in engines.values():  # first-call overheads
         run_one(engine, work["chat"][0][:8], 4)

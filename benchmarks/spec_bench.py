@@ -249,7 +249,7 @@ def base_config(args: argparse.Namespace) -> Any:
 
     return EngineConfig.build(model=args.model, num_threads=args.threads,
                               kv_cache_memory_mb=args.kv_cache_mb, max_num_seqs=8,
-                              dtype=getattr(args, "dtype", "float32"))
+                              dtype=args.dtype)
 
 
 def tokenized(tok: Any, quick: bool) -> dict[str, list[list[int]]]:
@@ -270,12 +270,13 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     from ridgeline.engine import LLMEngine
 
     base = base_config(args)
+    standard = LLMEngine(base)
     out: dict[str, Any] = {}
-    if args.train_heads:
-        out["draft_heads_training_s"] = train_heads_if_missing(base, log)
+    if args.train_heads:  # before the fast engines, which load the heads
+        out["draft_heads_training_s"] = train_heads_if_missing(standard, log)
     fast_cfg = base.fast_variant()
     fast_q_cfg = base.fast_q_variant()
-    engines = {"standard": LLMEngine(base), "fast": LLMEngine(fast_cfg),
+    engines = {"standard": standard, "fast": LLMEngine(fast_cfg),
                "fast_q": LLMEngine(fast_q_cfg)}
     heads = getattr(engines["fast"].speculator.proposer, "heads", None)
     if heads is not None:  # what the heads add: the same variant on n-grams alone
@@ -365,8 +366,9 @@ def bench(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any]
     return out
 
 
-def train_heads_if_missing(base: Any, log: Any) -> float | None:
-    """Seconds spent training the model's draft heads (None: it had them)."""
+def train_heads_if_missing(standard: Any, log: Any) -> float | None:
+    """Seconds spent training the draft heads of `standard`'s model (None: it had them);
+    the replies come from a bfloat16 engine, as `ridgeline train-draft-heads` makes them."""
     from ridgeline.engine import LLMEngine
     from ridgeline.engine.draft_heads import (
         heads_cache_path,
@@ -374,10 +376,11 @@ def train_heads_if_missing(base: Any, log: Any) -> float | None:
         train_and_store,
     )
 
-    engine = LLMEngine(base.model_copy(update={"dtype": "bfloat16", "max_num_seqs": 64}))
-    if heads_cache_path(model_fingerprint(engine.model), base.cache_dir).is_file():
+    cfg = standard.config
+    if heads_cache_path(model_fingerprint(standard.model), cfg.cache_dir).is_file():
         return None
     start = time.perf_counter()
+    engine = LLMEngine(cfg.model_copy(update={"dtype": "bfloat16", "max_num_seqs": 64}))
     log(f"training draft heads: {train_and_store(engine, progress=log)}")
     return round(time.perf_counter() - start, 1)
 

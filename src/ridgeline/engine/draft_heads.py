@@ -41,6 +41,7 @@ from ridgeline.errors import ConfigError
 if TYPE_CHECKING:
     from ridgeline.engine.llm_engine import LLMEngine
     from ridgeline.engine.models.decoder import DecoderForCausalLM
+    from ridgeline.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class DraftHeads(nn.Module):
                               hint="train heads for this model: ridgeline train-draft-heads")
         self.to(model.embed.device)
         self._embed = model.embed.detach()  # a plain tensor: not one of the heads' parameters
-        self._rows = output_rows(model, self.vocab_ids).float()
+        self._rows = model.lm_head_rows(self.vocab_ids)
         return self.prepare()
 
     def prepare(self) -> DraftHeads:
@@ -156,14 +157,6 @@ class DraftHeads(nn.Module):
         return torch.stack(tokens, 1), torch.stack(probs, 1)
 
 
-def output_rows(model: DecoderForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-    """The LM head's rows for `ids`, dequantized where the head is int8."""
-    if model.head_q is not None:
-        return model.head_q[ids].float() * model.head_scales[ids].float()[:, None]
-    weight = model.embed if model.lm_head is None else model.lm_head
-    return weight[ids]
-
-
 def model_fingerprint(model: DecoderForCausalLM) -> str:
     """Which weights heads were trained on: a hash of the shape, the final norm and the
     first embedding rows, rounded to bfloat16 so float32 and bfloat16 engines agree."""
@@ -207,7 +200,6 @@ def load_draft_heads(path: str | Path, model: DecoderForCausalLM) -> DraftHeads:
     """Heads from a file written by `save_draft_heads`, bound to `model`; a file for other
     weights, or not a heads file, is a `ConfigError`."""
     from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
 
     path = Path(path)
     hint = "train heads for this model: ridgeline train-draft-heads --model <name>"
@@ -216,7 +208,7 @@ def load_draft_heads(path: str | Path, model: DecoderForCausalLM) -> DraftHeads:
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        tensors = load_file(str(path))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as e:
         raise ConfigError(f"cannot read draft heads {str(path)!r}: {e}", hint=hint) from e
     if meta.get("format") != FORMAT:
@@ -337,8 +329,12 @@ def collect(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
         raise ConfigError("collect training data with an engine that does not speculate",
                           hint="use speculative.method: none")
     rows: dict[str, list[torch.Tensor]] = {}
-    engine.hidden_listener = lambda seqs, hidden: [
-        rows.setdefault(s.request_id, []).append(hidden[i].float()) for i, s in enumerate(seqs)]
+
+    def keep(seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        for seq, h in zip(seqs, hidden.float().unbind(0)):
+            rows.setdefault(seq.request_id, []).append(h)
+
+    engine.hidden_listener = keep
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     outputs: dict[str, list[int]] = {}
     try:

@@ -468,24 +468,21 @@ int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, i
       || (scale && scale_t != F32 && scale_t != BF16) || (yt != F32 && yt != BF16)
       || (bias && bias_t != F32 && bias_t != BF16))
     return -1;
-  float* wide = NULL;
 #if defined(__AVX512BF16__)
-  if (xt == BF16 && wt == BF16) {  /* tile_dot reads x as it is */
-    job_t jd = {NULL, ldx, (const uint16_t*)x, w, ldw, wt, scale, scale_t,
-                bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
-    run(&jd, threads);
-    return 0;
-  }
+  const int dot = xt == BF16 && wt == BF16;  /* tile_dot reads x as it is */
+#else
+  const int dot = 0;
 #endif
-  if (xt == BF16) {
+  float* wide = NULL;
+  if (xt == BF16 && !dot) {
     wide = (float*)malloc((size_t)(m * k) * sizeof(float));
     if (!wide) return -3;
     for (int64_t r = 0; r < m; ++r)
       for (int64_t i = 0; i < k; ++i)
         wide[r * k + i] = bf16_to_f32(((const uint16_t*)x)[r * ldx + i]);
   }
-  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, NULL, w, ldw, wt, scale,
-             scale_t, bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
+  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, dot ? (const uint16_t*)x : NULL,
+             w, ldw, wt, scale, scale_t, bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
   run(&j, threads);
   free(wide);
   return 0;

@@ -125,8 +125,16 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_q is not None:
             return int8_linear(hidden, self.head_q, self.head_scales).float()
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return linear(hidden, weight).float()
+        return linear(hidden, self._head_weight()).float()
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows for token `ids` in float32 (dequantized where it is int8)."""
+        if self.head_q is not None:
+            return self.head_q[ids].float() * self.head_scales[ids].float()[:, None]
+        return self._head_weight()[ids].float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
 
     # ---- weight-only int8 ---------------------------------------------------------------
 
@@ -150,7 +158,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.layers:
             for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
                 proj.quantize_int8()
-        q, scale = quantize_int8(self.embed if self.lm_head is None else self.lm_head)
+        q, scale = quantize_int8(self._head_weight())
         self.head_q, self.head_scales = q, scale.to(self.dtype)
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
@@ -180,7 +188,7 @@ class DecoderForCausalLM(nn.Module):
         if name == "model.norm.weight":
             return self.norm.weight
         if name == "lm_head.weight":
-            return self.embed if self.lm_head is None else self.lm_head
+            return self._head_weight()
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) < len(self.layers) and m.group(2) in _LAYER_PARAMS:
             layer = self.layers[int(m.group(1))]

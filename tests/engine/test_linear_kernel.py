@@ -281,7 +281,7 @@ def test_layers_linear_uses_the_kernel_for_small_batches_without_grad(dt) -> Non
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(300, 80, generator=gen).to(dt)
     b = torch.randn(300, generator=gen).to(dt)
-    for rows in range(layers.KERNEL_MIN_ROWS, layers.KERNEL_MAX_ROWS + 1):
+    for rows in range(layers.KERNEL_MIN_ROWS, layers.kernel_max_rows(dt) + 1):
         x = torch.randn(rows, 80, generator=gen).to(dt)
         with torch.inference_mode():
             y = layers.linear(x, w, b)
@@ -295,14 +295,29 @@ def test_layers_linear_uses_the_kernel_for_small_batches_without_grad(dt) -> Non
 
 
 @needs_kernel
+def test_bfloat16_products_reach_the_kernel_up_to_its_limit_for_this_cpu() -> None:
+    # with vdpbf16ps the kernel beats oneDNN up to ~40 rows; widened bf16 only up to 16
+    # where oneDNN has native bf16, and up to 128 where oneDNN emulates it
+    limit = layers.kernel_max_rows(torch.bfloat16)
+    if not layers._BF16_NATIVE:
+        assert limit == layers.BF16_KERNEL_MAX_ROWS
+    elif linear_kernel.bf16_dot():
+        assert limit == layers.BF16_DOT_KERNEL_MAX_ROWS
+    else:
+        assert limit == layers.KERNEL_MAX_ROWS
+    assert layers.kernel_max_rows(torch.float32) == layers.KERNEL_MAX_ROWS
+    assert linear_kernel.bf16_dot() == bool(linear_kernel.load().linear_bf16_dot())
+
+
+@needs_kernel
 def test_bfloat16_past_the_kernel_rows_matches_f_linear() -> None:
     # more rows: the kernel up to BF16_KERNEL_MAX_ROWS where oneDNN emulates bf16, then a
     # float32 GEMM of widened copies; either way F.linear's result to bf16 rounding
     gen = torch.Generator().manual_seed(8)
     w = torch.randn(200, 96, generator=gen).to(torch.bfloat16)
     b = torch.randn(200, generator=gen).to(torch.bfloat16)
-    for rows in (layers.KERNEL_MAX_ROWS + 1, layers.BF16_KERNEL_MAX_ROWS,
-                 layers.BF16_KERNEL_MAX_ROWS + 1, 200):
+    for rows in (layers.KERNEL_MAX_ROWS + 1, layers.BF16_DOT_KERNEL_MAX_ROWS + 1,
+                 layers.BF16_KERNEL_MAX_ROWS, layers.BF16_KERNEL_MAX_ROWS + 1, 200):
         x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
         with torch.inference_mode():
             y = layers.linear(x, w, b)

@@ -572,6 +572,12 @@ def vector_width(lib: ctypes.CDLL | None = None) -> int:
     return lib.linear_vector_width() if lib is not None else 0
 
 
+def bf16_dot(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether bf16 x times bf16 weights run on vdpbf16ps here (AVX512_BF16), not widened."""
+    lib = lib if lib is not None else load()
+    return bool(lib is not None and lib.linear_bf16_dot())
+
+
 def set_spin_us(us: int) -> None:
     """How long the helper threads stay awake after a call (0: sleep at once)."""
     lib = load()

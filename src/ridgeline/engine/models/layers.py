@@ -117,6 +117,29 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _BF16_NATIVE = bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 BF16_KERNEL_MAX_ROWS = 128
 
+#: Where the kernel multiplies bf16 by vdpbf16ps (`linear_kernel.bf16_dot()`), bf16
+#: products go to it up to this many rows and to oneDNN beyond: oneDNN's bf16 call costs
+#: ~17 ms for all of a SmolLM2 step's projections at 16 rows and little more per row,
+#: the kernel ~0.5 ms a row. Zen 4, 2 cores, kernel / oneDNN, ms: 16 rows 9.1 / 17.0,
+#: 24 13.6 / 20.2, 32 16.2 / 20.2, 40 23.6 / 25.2, 48 26.5 / 23.3, 64 34.1 / 25.5.
+#: engine_bench's bf16 workload (79 of its 264 passes have 17-40 rows), the two limits
+#: interleaved on fresh prompts: 445 -> 478 tok/s.
+BF16_DOT_KERNEL_MAX_ROWS = 40
+
+
+@functools.cache
+def _kernel_bf16_dot() -> bool:
+    return linear_kernel.bf16_dot()
+
+
+def kernel_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of a `dtype` product (float weights) that `linear` gives the kernel."""
+    if dtype != torch.bfloat16:
+        return KERNEL_MAX_ROWS
+    if not _BF16_NATIVE:
+        return BF16_KERNEL_MAX_ROWS
+    return BF16_DOT_KERNEL_MAX_ROWS if _kernel_bf16_dot() else KERNEL_MAX_ROWS
+
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   max_rows: int) -> bool:
@@ -132,9 +155,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear for a flat batch [T, in] -> [T, out], with the C kernel, small-batch and
     oneDNN CPU paths for float32 and bfloat16."""
     rows = x.shape[0]
-    if weight.dtype == x.dtype and _kernel_takes(
-            x, weight, bias, KERNEL_MAX_ROWS if x.dtype == torch.float32 or _BF16_NATIVE
-            else BF16_KERNEL_MAX_ROWS):
+    if weight.dtype == x.dtype and _kernel_takes(x, weight, bias, kernel_max_rows(x.dtype)):
         return linear_kernel.small_linear(x, weight, bias)
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and not _BF16_NATIVE
             and x.device.type == "cpu" and not torch.is_grad_enabled()):

@@ -309,6 +309,63 @@ static inline __attribute__((always_inline)) void values_tile(
   }
 }
 
+#if defined(__AVX512BF16__)
+/* values_tile for bfloat16 V with DOT: rows taken in pairs (t, t + 1), their channels
+   interleaved by unpacklo/hi_epi16 into pairs, and the pair's two weights rounded to
+   bfloat16 (as FlashAttention does before its P V product), so one vdpbf16ps adds both
+   rows' products for 16 channels: a quarter of the instructions of widening and fma. The
+   unpack works within 128-bit lanes, so acc holds each 32 channels as [0-3, 8-11, 16-19,
+   24-27 | 4-7, 12-15, 20-23, 28-31] (`unpermute_pairs` puts them back at the end). A row
+   past nr has weight 0 and reads the chunk's padding row (a real cache row). */
+#define CTV 2  /* groups of 32 channels a tile */
+static inline __attribute__((always_inline)) void values_tile_dot(
+    const int NH, const char* const* vr, int64_t off, int nr, const float (*p)[RB],
+    const float* corr, float (*acc)[QROW], int ngrp, const __mmask32* gmask,
+    const char* const* pf, int pf_bytes) {
+  uint32_t pp[HT][RB / 2] __attribute__((aligned(64)));  /* (p[t], p[t + 1]) as bf16 */
+  UNROLL for (int h = 0; h < NH; ++h)
+    _mm256_store_si256((__m256i*)pp[h], (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(p[h])));
+  for (int g0 = 0; g0 < ngrp; g0 += CTV) {
+    __m512 ac[HT][2 * CTV];
+    UNROLL for (int h = 0; h < NH; ++h)
+      UNROLL for (int c = 0; c < 2 * CTV; ++c)
+        ac[h][c] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * (2 * g0 + c)),
+                                 _mm512_set1_ps(corr[h]));
+    for (int t = 0; t < nr; t += 2) {
+      if (pf && g0 == 0) prefetch2(pf[t] + off, pf[t + 1] + off, pf_bytes);
+      const char* v0 = vr[t] + off;
+      const char* v1 = vr[t + 1] + off;
+      __m512bh w[HT];
+      UNROLL for (int h = 0; h < NH; ++h) w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h][t / 2]);
+      UNROLL for (int c = 0; c < CTV; ++c) {
+        const __m512i a = _mm512_maskz_loadu_epi16(gmask[g0 + c], v0 + 64 * (g0 + c));
+        const __m512i b = _mm512_maskz_loadu_epi16(gmask[g0 + c], v1 + 64 * (g0 + c));
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        UNROLL for (int h = 0; h < NH; ++h) {
+          ac[h][2 * c] = _mm512_dpbf16_ps(ac[h][2 * c], w[h], lo);
+          ac[h][2 * c + 1] = _mm512_dpbf16_ps(ac[h][2 * c + 1], w[h], hi);
+        }
+      }
+    }
+    UNROLL for (int h = 0; h < NH; ++h)
+      UNROLL for (int c = 0; c < 2 * CTV; ++c)
+        _mm512_store_ps(acc[h] + 16 * (2 * g0 + c), ac[h][c]);
+  }
+}
+
+/* channels 16 c .. 16 c + 15 of an accumulator that values_tile_dot filled */
+static inline __m512 unpermute_pairs(const float* acc, int c) {
+  const __m512i even = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19,
+                                         4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i odd = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27,
+                                        12, 13, 14, 15, 28, 29, 30, 31);
+  const float* grp = acc + 32 * (c / 2);
+  return _mm512_permutex2var_ps(_mm512_load_ps(grp), c %% 2 ? odd : even,
+                                _mm512_load_ps(grp + 16));
+}
+#endif
+
 /* call with NH = nh as a compile-time constant, so each tile size gets its own code */
 #define TILE_SWITCH(nh, call)                  \
   switch (nh) {                                \
@@ -352,6 +409,11 @@ static inline __attribute__((always_inline)) int attention_body(
   for (int c = 0; c < MAXD / 32 + CT; ++c)
     pmask[c] = c >= npv ? 0 : pairs - 16 * c >= 16 ? 0xFFFF
                                                     : (__mmask16)((1u << (pairs - 16 * c)) - 1);
+  const int ngrp = (d + 31) / 32;  /* DOT: V's groups of 32 channels */
+  __mmask32 gmask[MAXD / 32 + 2 * CT];
+  for (int c = 0; c < MAXD / 32 + 2 * CT; ++c)
+    gmask[c] = c >= ngrp ? 0 : d - 32 * c >= 32 ? 0xFFFFFFFFu
+                                                : (__mmask32)((1u << (d - 32 * c)) - 1);
   const int dpad = 16 * CT * ((nvec + CT - 1) / CT);  /* channels the tiles cover */
   const int row_read = (int)(d * esize);  /* bytes of one head's K (or V) row */
   const int64_t row_bytes = (int64_t)kvh * row_read;  /* between rows of one head */
@@ -484,9 +546,16 @@ static inline __attribute__((always_inline)) int attention_body(
         }
         for (int a0 = ab; a0 < ae; a0 += HT) {
           const int nh = ae - a0 < HT ? ae - a0 : HT;
-          TILE_SWITCH(nh, values_tile(MODE, NH, vr[cur], hoff, nr, (const float (*)[RB])p + a0,
-                                      corr + a0, acc + a0, nvec, vmask,
-                                      a0 == ab && nxt >= 0 ? vr[nxt] : 0, row_read))
+          const char* const* pf = a0 == ab && nxt >= 0 ? vr[nxt] : 0;
+#if defined(__AVX512BF16__)
+          if (DOT)
+            TILE_SWITCH(nh, values_tile_dot(NH, vr[cur], hoff, nr, (const float (*)[RB])p + a0,
+                                            corr + a0, acc + a0, ngrp, gmask, pf, row_read))
+          else
+#endif
+            TILE_SWITCH(nh, values_tile(MODE, NH, vr[cur], hoff, nr,
+                                        (const float (*)[RB])p + a0, corr + a0, acc + a0, nvec,
+                                        vmask, pf, row_read))
         }
       }
     }
@@ -495,7 +564,12 @@ static inline __attribute__((always_inline)) int attention_body(
       const int64_t at = (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
       const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[a]));
       for (int c = 0; c < nvec; ++c) {
+#if defined(__AVX512BF16__)
+        const __m512 o = _mm512_mul_ps(DOT ? unpermute_pairs(acc[a], c)
+                                           : _mm512_load_ps(acc[a] + 16 * c), inv);
+#else
         const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc[a] + 16 * c), inv);
+#endif
         if (QB) {  /* bf16_round, 16 lanes */
           const __m512i u = _mm512_castps_si512(o);
           const __m512i hi = _mm512_srli_epi32(u, 16);
@@ -1122,8 +1196,42 @@ static inline __attribute__((always_inline)) void prefill_values(
     UNROLL for (int v = 0; v < NA; ++v) _mm512_store_ps(OT[x0 + c] + 16 * v, acc[c][v]);
 }
 
+#if defined(__AVX512BF16__)
+/* prefill_values for bfloat16 V with DOT: keys in pairs, as the decode path's
+   values_tile_dot: VP[t / 2] holds V rows t and t + 1 channel-interleaved by
+   unpacklo/hi_epi16 (so its positions are channels in pair_position's order), PP[t / 2]
+   the pair's softmax weights rounded to bfloat16 per lane, and one vdpbf16ps adds both
+   keys' products. OT rows are positions, not channels, until the output. */
+static inline __attribute__((always_inline)) void prefill_values_dot(
+    const int NA, const uint32_t (*VP)[MAXD], int npairs, const __m512i (*PP)[PNA],
+    const __m512* corr, float (*OT)[PLANES], int x0) {
+  __m512 acc[PXR][PNA];
+  UNROLL for (int c = 0; c < PXR; ++c)
+    UNROLL for (int v = 0; v < NA; ++v)
+      acc[c][v] = _mm512_mul_ps(_mm512_load_ps(OT[x0 + c] + 16 * v), corr[v]);
+  for (int tp = 0; tp < npairs; ++tp) {
+    __m512i pv[PNA];
+    UNROLL for (int v = 0; v < NA; ++v) pv[v] = PP[tp][v];
+    UNROLL for (int c = 0; c < PXR; ++c) {
+      const __m512i vb = _mm512_set1_epi32((int)VP[tp][x0 + c]);
+      UNROLL for (int v = 0; v < NA; ++v)
+        acc[c][v] = _mm512_dpbf16_ps(acc[c][v], (__m512bh)pv[v], (__m512bh)vb);
+    }
+  }
+  UNROLL for (int c = 0; c < PXR; ++c)
+    UNROLL for (int v = 0; v < NA; ++v) _mm512_store_ps(OT[x0 + c] + 16 * v, acc[c][v]);
+}
+#endif
+
+/* where channel x of a head lies after unpacklo/hi_epi16 of 32-channel groups: [0-3, 8-11,
+   16-19, 24-27 | 4-7, 12-15, 20-23, 28-31] */
+static inline int pair_position(int x) {
+  const int c = x & 31, lane = c >> 3, k = c & 7;
+  return (x & ~31) + (k < 4 ? 4 * lane + k : 16 + 4 * lane + k - 4);
+}
+
 /* MODE: K/V storage (0 float32, 2 bfloat16); DOT: scores by vdpbf16ps (bfloat16 q and
-   K/V, AVX512_BF16 compiled in) */
+   K/V, AVX512_BF16 compiled in), and P V too (P rounded to bfloat16) */
 static inline __attribute__((always_inline)) int prefill_body(
     const int MODE, const int DOT,
     const void* q, int64_t q_row_stride, int64_t q_head_stride, int q_bf16,
@@ -1146,6 +1254,15 @@ static inline __attribute__((always_inline)) int prefill_body(
   const char* kr[PKC];
   const float* vr[PKC];
   const __mmask16 dmask_last = (__mmask16)((1u << (d %% 16 ? d %% 16 : 16)) - 1);
+  /* DOT: V as channel-interleaved key pairs, P as bfloat16 key pairs per lane */
+  const int ngrp = (d + 31) / 32, npos = DOT ? 32 * ngrp : d;  /* OT rows in use */
+  uint32_t VP[PKC / 2][MAXD] __attribute__((aligned(64)));
+  __m512i PP[PKC / 2][PNA];
+  const __m512i interleave = _mm512_setr_epi32(  /* 16-bit lanes 0, 16, 1, 17, ... */
+      0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006,
+      0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B, 0x001C000C, 0x001D000D,
+      0x001E000E, 0x001F000F);
+  (void)VP; (void)PP; (void)interleave;
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t* w = work + 4 * item;
     const int64_t i = w[0], j = w[1], r0 = w[2];
@@ -1185,7 +1302,7 @@ static inline __attribute__((always_inline)) int prefill_body(
       m[v] = _mm512_set1_ps(-FLT_MAX);  /* finite: the kernel may be built finite-math */
       l[v] = _mm512_setzero_ps();
     }
-    for (int x = 0; x < d; ++x)
+    for (int x = 0; x < npos; ++x)
       for (int v = 0; v < na; ++v) _mm512_store_ps(OT[x] + 16 * v, _mm512_setzero_ps());
     const char* kc = (const char*)k_cache + j * row_read;
     const char* vc = (const char*)v_cache + j * row_read;
@@ -1193,22 +1310,38 @@ static inline __attribute__((always_inline)) int prefill_body(
     for (int64_t t0 = 0; t0 < kend; t0 += PKC) {
       const int nk = (int)(kend - t0 < PKC ? kend - t0 : PKC);
       const int nkr = (nk + PKR - 1) / PKR * PKR;  /* padding keys repeat the last, masked */
+      const char* vprev = 0;  /* the V row of key t - 1 */
       for (int t = 0; t < nkr; ++t) {
         const int64_t p = t0 + (t < nk ? t : nk - 1);
         const int64_t slot = table[p / bs] * bs + p %% bs;
         const char* ks = kc + slot * row_bytes;
         const char* vs = vc + slot * row_bytes;
         if (MODE == 2) {
+#if defined(__AVX512BF16__)
+          if (DOT && (t & 1)) {  /* rows t - 1 and t as pairs */
+            const char* v0 = vprev;
+            for (int c = 0; c < ngrp; ++c) {
+              const __mmask32 mk = d - 32 * c >= 32 ? 0xFFFFFFFFu
+                                                    : (__mmask32)((1u << (d - 32 * c)) - 1);
+              const __m512i a = _mm512_maskz_loadu_epi16(mk, v0 + 64 * c);
+              const __m512i b = _mm512_maskz_loadu_epi16(mk, vs + 64 * c);
+              _mm512_store_si512((void*)(VP[t / 2] + 32 * c), _mm512_unpacklo_epi16(a, b));
+              _mm512_store_si512((void*)(VP[t / 2] + 32 * c + 16), _mm512_unpackhi_epi16(a, b));
+            }
+          }
+#endif
           if (t < nk) {
             for (int c = 0; c < (d + 15) / 16; ++c) {
               const __mmask16 mk = 16 * c + 16 <= d ? 0xFFFF : dmask_last;
               if (!DOT)
                 _mm512_mask_storeu_ps(kbuf[t] + 16 * c, mk, load16(2, ks + 32 * c, mk));
-              _mm512_mask_storeu_ps(vbuf[t] + 16 * c, mk, load16(2, vs + 32 * c, mk));
+              if (!DOT)
+                _mm512_mask_storeu_ps(vbuf[t] + 16 * c, mk, load16(2, vs + 32 * c, mk));
             }
           }
           kr[t] = DOT ? ks : (const char*)kbuf[t < nk ? t : nk - 1];
           vr[t] = vbuf[t < nk ? t : nk - 1];
+          vprev = vs;
         } else {
           kr[t] = ks;
           vr[t] = (const float*)vs;
@@ -1244,8 +1377,20 @@ static inline __attribute__((always_inline)) int prefill_body(
         }
         l[v] = sum;
       }
-      for (int x0 = 0; x0 < d; x0 += PXR)
-        NA_SWITCH(na_, prefill_values(NA, vr, nkr, (const float (*)[PLANES])ST, corr, OT, x0))
+#if defined(__AVX512BF16__)
+      if (DOT) {
+        for (int tp = 0; tp < nkr / 2; ++tp)
+          for (int v = 0; v < na; ++v)
+            PP[tp][v] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(
+                _mm512_load_ps(ST[2 * tp + 1] + 16 * v), _mm512_load_ps(ST[2 * tp] + 16 * v)));
+        for (int x0 = 0; x0 < npos; x0 += PXR)
+          NA_SWITCH(na_, prefill_values_dot(NA, (const uint32_t (*)[MAXD])VP, nkr / 2,
+                                            (const __m512i (*)[PNA])PP, corr, OT, x0))
+      } else
+#endif
+        for (int x0 = 0; x0 < d; x0 += PXR)
+          NA_SWITCH(na_, prefill_values(NA, vr, nkr, (const float (*)[PLANES])ST, corr, OT,
+                                        x0))
     }
     float inv[PLANES] __attribute__((aligned(64)));
     for (int v = 0; v < na; ++v)
@@ -1255,10 +1400,10 @@ static inline __attribute__((always_inline)) int prefill_body(
       const int64_t at = (q_start[i] + r0 + r) * out_row_stride + (j * g + h) * d;
       if (out_bf16) {
         unsigned short* o = (unsigned short*)out + at;
-        for (int x = 0; x < d; ++x) o[x] = bf16_round(OT[x][a] * inv[a]);
+        for (int x = 0; x < d; ++x) o[x] = bf16_round(OT[DOT ? pair_position(x) : x][a] * inv[a]);
       } else {
         float* o = (float*)out + at;
-        for (int x = 0; x < d; ++x) o[x] = OT[x][a] * inv[a];
+        for (int x = 0; x < d; ++x) o[x] = OT[DOT ? pair_position(x) : x][a] * inv[a];
       }
     }
   }

@@ -45,6 +45,7 @@ SOURCE = r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* bfloat16 <-> float32 as PyTorch does it (round to nearest even; NaN stays NaN) */
@@ -83,9 +84,13 @@ void rms_norm_f32(float* x, int64_t ldx, const float* delta, int64_t ldd, const 
   }
 }
 
+#define NORM_STACK 16384  /* widths up to this keep their float32 copy on the stack */
 void rms_norm_bf16(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd,
                    const uint16_t* w, float eps, uint16_t* out, int64_t ldo, int64_t rows,
-                   int64_t d, float* scratch) {
+                   int64_t d) {
+  float stack[d <= NORM_STACK ? d : 1];
+  float* scratch = d <= NORM_STACK ? stack : (float*)malloc((size_t)d * sizeof(float));
+  if (!scratch) return;
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* xr = x + r * ldx;
     if (delta) {
@@ -98,6 +103,7 @@ void rms_norm_bf16(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd,
     /* transformers: weight * (x_f32 * s).to(bf16), the product rounded to bf16 */
     for (int64_t i = 0; i < d; ++i) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(scratch[i] * s)));
   }
+  if (scratch != stack) free(scratch);
 }
 
 /* exp(x) in a form GCC vectorises (no libm call, no branch): 2^k * p(r), r = x - k ln 2
@@ -271,7 +277,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
-    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64, ptr]
+    lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
     for fn in (lib.silu_mul_f32, lib.silu_mul_bf16):
         fn.argtypes = [ptr, i64, ptr, i64, i64, i64]
     for fn in (lib.rotary_f32, lib.rotary_bf16):
@@ -318,24 +324,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     assert lib is not None and _rows_ok(x) and weight.dtype == x.dtype
     rows, d = x.shape
     out = torch.empty(rows, d, dtype=x.dtype)
-    if delta is not None:
-        if not _rows_ok(delta) or delta.dtype != x.dtype:
-            delta = delta.reshape(rows, d).to(x.dtype).contiguous()
-        ldd = delta.stride(0)
-    else:
-        ldd = 0
+    if delta is not None and (not _rows_ok(delta) or delta.dtype != x.dtype):
+        delta = delta.reshape(rows, d).to(x.dtype).contiguous()
+    fn = lib.rms_norm_f32 if x.dtype == torch.float32 else lib.rms_norm_bf16
+    ldx, ldd = x.stride(0), 0 if delta is None else delta.stride(0)
+    xp, wp, op = x.data_ptr(), weight.data_ptr(), out.data_ptr()
+    dp = None if delta is None else delta.data_ptr()
+    if rows < SPLIT_ROWS:  # a decode step's ~60 calls: no share bookkeeping
+        fn(xp, ldx, dp, ldd, wp, eps, op, d, rows, d)
+        return out
     es = x.element_size()
 
     def part(lo: int, hi: int) -> int:
-        xp, op = x.data_ptr() + lo * x.stride(0) * es, out.data_ptr() + lo * d * es
-        dp = delta.data_ptr() + lo * ldd * es if delta is not None else None
-        if x.dtype == torch.float32:
-            lib.rms_norm_f32(xp, x.stride(0), dp, ldd, weight.data_ptr(), eps, op, d, hi - lo,
-                             d)
-        else:
-            scratch = torch.empty(d, dtype=torch.float32)  # one per share
-            lib.rms_norm_bf16(xp, x.stride(0), dp, ldd, weight.data_ptr(), eps, op, d,
-                              hi - lo, d, scratch.data_ptr())
+        fn(xp + lo * ldx * es, ldx, None if dp is None else dp + lo * ldd * es, ldd, wp, eps,
+           op + lo * d * es, d, hi - lo, d)
         return 0
 
     _by_rows(rows, part, "rms_norm")
@@ -350,10 +352,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
-    es, ldg = gate_up.element_size(), gate_up.stride(0)
+    ldg, gp, op = gate_up.stride(0), gate_up.data_ptr(), out.data_ptr()
+    if rows < SPLIT_ROWS:
+        fn(gp, ldg, op, n, rows, n)
+        return out
+    es = gate_up.element_size()
 
     def part(lo: int, hi: int) -> int:
-        fn(gate_up.data_ptr() + lo * ldg * es, ldg, out.data_ptr() + lo * n * es, n, hi - lo, n)
+        fn(gp + lo * ldg * es, ldg, op + lo * n * es, n, hi - lo, n)
         return 0
 
     _by_rows(rows, part, "silu_mul")
@@ -370,11 +376,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     cos, signed_sin = cos.reshape(rows, d), signed_sin.reshape(rows, d)
     assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype
     fn = lib.rotary_f32 if x.dtype == torch.float32 else lib.rotary_bf16
-    es, ldx = x.element_size(), x.stride(0)
+    ldx, xp, cp, sp = x.stride(0), x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr()
+    if rows < SPLIT_ROWS:
+        fn(xp, ldx, heads, d, cp, sp, d, rows)
+        return x
+    es = x.element_size()
 
     def part(lo: int, hi: int) -> int:
-        fn(x.data_ptr() + lo * ldx * es, ldx, heads, d, cos.data_ptr() + lo * d * es,
-           signed_sin.data_ptr() + lo * d * es, d, hi - lo)
+        fn(xp + lo * ldx * es, ldx, heads, d, cp + lo * d * es, sp + lo * d * es, d, hi - lo)
         return 0
 
     _by_rows(rows, part, "rotary")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgeline.engine import decode_ops
+from ridgeline.engine import decode_ops, decode_stack
 from ridgeline.engine.attention import AttentionMetadata, paged_attention
 from ridgeline.engine.kv_cache import KVCache
 from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
@@ -118,6 +118,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden], for a flat batch of tokens."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.lookup(positions)
+        if decode_stack.applies(self, x.shape[0], cache, meta):  # the loop below, in C
+            return self.norm(decode_stack.run_layers(self, x, cos, sin, cache, meta))
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta)
         return self.norm(x)

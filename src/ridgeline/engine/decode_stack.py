@@ -1,0 +1,283 @@
+"""Every decoder layer of a decode pass in one C call.
+
+A decode step of one sequence on 2 cores spends ~8.5 ms in SmolLM2-135M's matmuls and
+~3.5 ms around them (bfloat16, 12.1 ms a token): each of the 30 layers makes ~12 calls
+from Python into the C kernels (norms, projections, rotary, the KV write, attention,
+SwiGLU, the residual add), and each costs 3-15 us of Python (argument checks, a fresh
+output tensor, ctypes conversions; in the engine twice what it costs in a microbenchmark,
+since streaming the weights evicts the interpreter's own data from the caches).
+
+`run_layers` hands the whole stack to `decoder_stack` below, which calls the very same
+kernels, in the same order, with the same arguments (function pointers taken from their
+libraries), on buffers allocated once per pass: its output is bit for bit the layer loop's.
+It applies where every piece of a pass is one of those kernels (`applies`): a float32 or
+bfloat16 model without q/k norms, rows few enough for the linear kernel, every sequence's
+attention through the decode kernel in one share (the pool's threads are Python's), a
+float32 or bfloat16 KV cache. Anything else (prefill chunks, large batches, int8 caches,
+long contexts split over threads) runs the layer loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any
+
+import torch
+
+from ridgeline.engine import cpu_kernels, decode_ops, linear_kernel
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*linear_fn)(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw,
+                         int wt, const void* scale, int scale_t, const void* bias, int bias_t,
+                         void* y, int64_t ldy, int yt, int64_t m, int64_t n, int64_t k,
+                         int threads);
+typedef void (*norm_fn)(void* x, int64_t ldx, const void* delta, int64_t ldd, const void* w,
+                        float eps, void* out, int64_t ldo, int64_t rows, int64_t d);
+typedef void (*rotary_fn)(void* x, int64_t ldx, int64_t heads, int64_t d, const void* cos_,
+                          const void* sin_, int64_t ldc, int64_t rows);
+typedef int (*scatter_fn)(const char* src, int64_t lds, char* dst, int64_t row_bytes,
+                          const int64_t* slots, int64_t rows, int64_t num_slots);
+typedef int (*attention_fn)(const void* q, int64_t q_row_stride, int64_t q_head_stride,
+                            int q_bf16, const void* k_cache, const void* v_cache,
+                            const int64_t* block_table, int64_t table_stride,
+                            const int64_t* q_start, const int64_t* q_len,
+                            const int64_t* ctx_len, void* out, int64_t out_row_stride,
+                            int64_t item_begin, int64_t item_end, int kvh, int g, int d,
+                            int bs, float scale);
+typedef void (*silu_fn)(const void* gu, int64_t ldg, void* out, int64_t ldo, int64_t rows,
+                        int64_t n);
+
+typedef struct {  /* the kernels, from their libraries */
+  linear_fn linear; norm_fn norm; rotary_fn rotary; scatter_fn scatter;
+  attention_fn attention; silu_fn silu;
+} kernels_t;
+
+typedef struct {  /* the model's shape and dtypes (0 float32, 1 bfloat16, 2 int8) */
+  int64_t hidden, heads, kv_heads, head_dim, inter, layers;
+  int dt, block_size;
+  float eps, scale;
+} shape_t;
+
+/* one layer's tensors: weights (w), int8 scales (s, or NULL), biases (b, or NULL) of
+   qkv, o, gate_up and down; the two norm weights; its K and V blocks. wt/st/bt: codes */
+typedef struct {
+  const void* norm_in; const void* norm_post;
+  const void* w[4]; const void* s[4]; const void* b[4];
+  int wt[4], st[4], bt[4];
+  void* k_cache; void* v_cache;
+} layer_t;
+
+typedef struct {  /* one pass: t rows, attention metadata, buffers of t rows each */
+  int64_t t, num_slots, seqs, table_stride;
+  void* x; const void* cos_; const void* sin_; const int64_t* slots;
+  const int64_t* block_table; const int64_t* q_start; const int64_t* q_len;
+  const int64_t* ctx_len;
+  void* xn; void* qkv; void* attn; void* o; void* gu; void* act; void* down;
+  int threads;
+} pass_t;
+
+static inline float bf2f(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f;
+  memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {  /* PyTorch's rounding: nearest even, NaN quiet */
+  uint32_t u; memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x += y, elementwise over n, rounded as PyTorch's add_ rounds */
+static void add_into(int dt, void* x, const void* y, int64_t n) {
+  if (dt == 0) {
+    float* a = (float*)x; const float* b = (const float*)y;
+    for (int64_t i = 0; i < n; ++i) a[i] = a[i] + b[i];
+  } else {
+    uint16_t* a = (uint16_t*)x; const uint16_t* b = (const uint16_t*)y;
+    for (int64_t i = 0; i < n; ++i) a[i] = f2bf(bf2f(a[i]) + bf2f(b[i]));
+  }
+}
+
+static int project(const kernels_t* K, const shape_t* S, const layer_t* L, int which,
+                   const void* x, int64_t k, void* y, int64_t n, const pass_t* P) {
+  return K->linear(x, k, S->dt, L->w[which], k, L->wt[which], L->s[which], L->st[which],
+                   L->b[which], L->bt[which], y, n, S->dt, P->t, n, k, P->threads);
+}
+
+/* 0, or which step of which layer failed: -(layer * 8 + step + 1) */
+int decoder_stack(const kernels_t* K, const shape_t* S, const layer_t* layers,
+                  const pass_t* P) {
+  const int64_t H = S->hidden, h = S->heads, kvh = S->kv_heads, d = S->head_dim;
+  const int64_t qn = (h + 2 * kvh) * d, es = S->dt == 0 ? 4 : 2, t = P->t;
+  for (int64_t l = 0; l < S->layers; ++l) {
+    const layer_t* L = layers + l;
+    const int fail = -(int)(l * 8 + 1);
+    K->norm(P->x, H, NULL, 0, L->norm_in, S->eps, P->xn, H, t, H);
+    if (project(K, S, L, 0, P->xn, H, P->qkv, qn, P)) return fail;
+    K->rotary(P->qkv, qn, h + kvh, d, P->cos_, P->sin_, d, t);
+    const char* rows = (const char*)P->qkv;
+    if (K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, P->slots, t,
+                   P->num_slots) ||
+        K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
+                   P->slots, t, P->num_slots))
+      return fail - 1;
+    if (K->attention(P->qkv, qn, d, S->dt == 1, L->k_cache, L->v_cache, P->block_table,
+                     P->table_stride, P->q_start, P->q_len, P->ctx_len, P->attn, h * d, 0,
+                     P->seqs * kvh, (int)kvh, (int)(h / kvh), (int)d, S->block_size,
+                     S->scale))
+      return fail - 2;
+    if (project(K, S, L, 1, P->attn, h * d, P->o, H, P)) return fail - 3;
+    K->norm(P->x, H, P->o, H, L->norm_post, S->eps, P->xn, H, t, H);  /* x += o first */
+    if (project(K, S, L, 2, P->xn, H, P->gu, 2 * S->inter, P)) return fail - 4;
+    K->silu(P->gu, 2 * S->inter, P->act, S->inter, t, S->inter);
+    if (project(K, S, L, 3, P->act, S->inter, P->down, H, P)) return fail - 5;
+    add_into(S->dt, P->x, P->down, t * H);
+  }
+  return 0;
+}
+"""
+
+_FLAGS = [["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"],
+          ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]]
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(n, _ptr) for n in ("linear", "norm", "rotary", "scatter", "attention",
+                                    "silu")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("layers", _i64), ("dt", _int), ("block_size", _int),
+                ("eps", _f32), ("scale", _f32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm_in", _ptr), ("norm_post", _ptr), ("w", _ptr * 4), ("s", _ptr * 4),
+                ("b", _ptr * 4), ("wt", _int * 4), ("st", _int * 4), ("bt", _int * 4),
+                ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Pass(ctypes.Structure):
+    _fields_ = [("t", _i64), ("num_slots", _i64), ("seqs", _i64), ("table_stride", _i64),
+                ("x", _ptr), ("cos_", _ptr), ("sin_", _ptr), ("slots", _ptr),
+                ("block_table", _ptr), ("q_start", _ptr), ("q_len", _ptr), ("ctx_len", _ptr),
+                ("xn", _ptr), ("qkv", _ptr), ("attn", _ptr), ("o", _ptr), ("gu", _ptr),
+                ("act", _ptr), ("down", _ptr), ("threads", _int)]
+
+
+def _build() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    target = cpu_kernels.compile_library("decode_stack", SOURCE, _FLAGS)
+    if target is None:
+        return None
+    lib = ctypes.CDLL(str(target))
+    lib.decoder_stack.argtypes = [_ptr, _ptr, _ptr, _ptr]
+    lib.decoder_stack.restype = _int
+    return lib
+
+
+load = cpu_kernels.LazyLibrary(_build)
+
+
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def _kernels(dtype: torch.dtype) -> _Kernels | None:
+    """The kernels of a `dtype` pass, or None where one of their libraries is missing."""
+    ops, lin, att = decode_ops.load(), linear_kernel.load(), cpu_kernels.load()
+    if ops is None or lin is None or att is None:
+        return None
+    f32 = dtype == torch.float32
+    return _Kernels(
+        _address(lin.linear_run), _address(ops.rms_norm_f32 if f32 else ops.rms_norm_bf16),
+        _address(ops.rotary_f32 if f32 else ops.rotary_bf16), _address(ops.scatter_rows),
+        _address(att.paged_attention_f32 if f32 else att.paged_attention_bf16),
+        _address(ops.silu_mul_f32 if f32 else ops.silu_mul_bf16))
+
+
+_kernel_table: dict[torch.dtype, _Kernels | None] = {}
+
+
+def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
+    """Whether a pass of `rows` tokens with this attention metadata can run as one
+    `decoder_stack` call (see the module doc)."""
+    from ridgeline.engine.models.layers import KERNEL_MAX_ROWS, kernel_max_rows
+
+    dtype = model.dtype
+    kb = meta.kernel
+    if (dtype not in (torch.float32, torch.bfloat16) or kb is None or meta.prefill is not None
+            or meta.fresh or meta.chunks or meta.groups or len(kb.cuts) != 2
+            or torch.is_grad_enabled() or model.cfg.qk_norm
+            or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
+            or rows > (KERNEL_MAX_ROWS if model.quantized else kernel_max_rows(dtype))
+            or cache.raw_blocks(0) is None or cache.dtype != dtype or load() is None):
+        return False
+    if dtype not in _kernel_table:
+        _kernel_table[dtype] = _kernels(dtype)
+    return _kernel_table[dtype] is not None
+
+
+def _weights(proj: Any) -> tuple[int, int, int, int, int, int]:
+    """(weight, scale, bias) pointers and dtype codes of a Linear (float or int8)."""
+    if proj.qweight is not None:
+        w, s = proj.qweight, proj.scales
+    else:
+        w, s = proj.weight, None
+    b = proj.bias
+    assert w.is_contiguous() and (b is None or b.is_contiguous())
+    return (w.data_ptr(), 0 if s is None else s.data_ptr(),
+            0 if b is None else b.data_ptr(), _CODES[w.dtype],
+            0 if s is None else _CODES[s.dtype], 0 if b is None else _CODES[b.dtype])
+
+
+def run_layers(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: Any, meta: Any) -> torch.Tensor:
+    """x [t, hidden] through every decoder layer of `model` (in place; returned), as the
+    layer loop computes it. Callers check `applies` first."""
+    cfg, dtype = model.cfg, model.dtype
+    t, hidden = x.shape
+    h, kvh, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    layers = (_Layer * len(model.layers))()
+    for i, layer in enumerate(model.layers):
+        entry = layers[i]
+        entry.norm_in = layer.input_norm.weight.data_ptr()
+        entry.norm_post = layer.post_norm.weight.data_ptr()
+        for j, proj in enumerate((layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                  layer.down_proj)):
+            (entry.w[j], entry.s[j], entry.b[j], entry.wt[j], entry.st[j],
+             entry.bt[j]) = _weights(proj)
+        k_blocks, v_blocks = cache.raw_blocks(layer.index)
+        entry.k_cache, entry.v_cache = k_blocks.data_ptr(), v_blocks.data_ptr()
+    k0 = cache.raw_blocks(0)[0]
+    shape = _Shape(hidden, h, kvh, d, inter, len(model.layers), _CODES[dtype], k0.shape[1],
+                   model.layers[0].input_norm.eps, d ** -0.5)
+    x = x.contiguous()
+    cos, sin = cos.reshape(t, d).contiguous(), sin.reshape(t, d).contiguous()
+    slots = meta.slot_mapping.contiguous()
+    kb = meta.kernel
+
+    def buf(width: int) -> torch.Tensor:
+        return torch.empty(t, width, dtype=dtype)
+
+    bufs = [buf(hidden), buf((h + 2 * kvh) * d), buf(h * d), buf(hidden), buf(2 * inter),
+            buf(inter), buf(hidden)]
+    one_pass = _Pass(t, k0.shape[0] * k0.shape[1], kb.q_len.shape[0], kb.block_table.stride(0),
+                     x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                     kb.block_table.data_ptr(), kb.q_start.data_ptr(), kb.q_len.data_ptr(),
+                     kb.ctx_len.data_ptr(), *[b.data_ptr() for b in bufs],
+                     torch.get_num_threads())
+    rc = load().decoder_stack(ctypes.byref(_kernel_table[dtype]), ctypes.byref(shape),
+                              layers, ctypes.byref(one_pass))
+    if rc:
+        layer, step = divmod(-rc - 1, 8)
+        if step == 1:
+            raise IndexError(f"a KV slot of this pass is outside the cache of "
+                             f"{one_pass.num_slots} slots (layer {layer})")
+        raise RuntimeError(f"the decode stack failed in layer {layer}, step {step}")
+    return x

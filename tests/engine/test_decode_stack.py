@@ -1,0 +1,100 @@
+"""The decoder stack of a decode pass in one C call (`decode_stack`): bit for bit the layer
+loop's output wherever it applies, and the layer loop wherever it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import cached_model, random_prompts
+
+from ridgeline.engine import LLM, SamplingParams, cpu_kernels, decode_stack, linear_kernel
+from ridgeline.engine.attention import build_attention_metadata
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernels.available() and linear_kernel.available()
+         and decode_stack.load() is not None),
+    reason="no C compiler (or no AVX2/AVX-512) for the kernels")
+
+PROMPTS = random_prompts(6, 512, seed=5, min_len=4, max_len=60)
+
+
+def _generate(llm: LLM, monkeypatch, fused: bool, prompts=PROMPTS, max_tokens: int = 12
+              ) -> tuple[list, list[int]]:
+    """Every output's tokens and logprobs, and the rows of each pass that ran as one stack
+    call."""
+    calls: list[int] = []
+    run = decode_stack.run_layers
+
+    def counted(model, x, *a):
+        calls.append(x.shape[0])
+        return run(model, x, *a)
+
+    with monkeypatch.context() as m:
+        m.setattr(decode_stack, "run_layers", counted)
+        if not fused:
+            m.setattr(decode_stack, "applies", lambda *a: False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                    ignore_eos=True, logprobs=3))
+    got = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return got, calls
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])   # qwen2: biases on q, k and v
+@pytest.mark.parametrize("dtype,quant", [("float32", "none"), ("bfloat16", "none"),
+                                         ("bfloat16", "int8")])  # int8 weights need bf16
+def test_the_stack_is_the_layer_loop_bit_for_bit(kind, dtype, quant, monkeypatch):
+    # no prefix cache: the second run's prompts must not start from the first one's KV
+    llm = LLM.from_hf_model(cached_model(kind), num_kv_blocks=200, block_size=4,
+                            max_num_seqs=8, dtype=dtype, weight_quant=quant,
+                            enable_prefix_caching=False)
+    ref, loop_calls = _generate(llm, monkeypatch, fused=False)
+    got, stack_calls = _generate(llm, monkeypatch, fused=True)
+    assert not loop_calls and stack_calls  # the decode passes took the stack
+    assert got == ref                            # tokens and logprobs, exactly
+
+
+def test_speculative_verify_passes_take_the_stack_and_keep_greedy_output(monkeypatch):
+    # several rows of one sequence a pass (the verify of n-gram proposals)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
+            "ngram_min": 1, "ngram_max": 3}
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=200, block_size=4,
+                            max_num_seqs=4, dtype="bfloat16", speculative=spec,
+                            enable_prefix_caching=False)
+    prompts = [[7, 8, 9, 10] * 8, [20, 21, 22] * 10]
+    ref, _ = _generate(llm, monkeypatch, fused=False, prompts=prompts, max_tokens=24)
+    got, calls = _generate(llm, monkeypatch, fused=True, prompts=prompts, max_tokens=24)
+    assert max(calls) > 2  # proposals verified in the stack
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert llm.engine.stats().spec_accepted_tokens > 0
+
+
+def test_models_and_passes_it_cannot_take_run_the_layer_loop(monkeypatch):
+    # q/k norms (qwen3), an int8 KV cache, and passes with prompts in them
+    for kind, kw in (("qwen3", {}), ("llama", {"kv_cache_dtype": "int8"})):
+        llm = LLM.from_hf_model(cached_model(kind), num_kv_blocks=200, block_size=4,
+                                max_num_seqs=8, **kw)
+        _, calls = _generate(llm, monkeypatch, fused=True, max_tokens=4)
+        assert not calls, kind
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=200, block_size=4)
+    model, cache = llm.engine.runner.model, llm.engine.runner.kv_cache
+    prompt = build_attention_metadata([([1, 2], 0, 6)], 4, 4, 2, torch.device("cpu"), True,
+                                      True)
+    decode = build_attention_metadata([([1, 2], 5, 1)], 4, 4, 2, torch.device("cpu"), True,
+                                      True)
+    with torch.inference_mode():  # as the engine runs
+        assert not decode_stack.applies(model, 6, cache, prompt)
+        assert decode_stack.applies(model, 1, cache, decode)
+        assert not decode_stack.applies(model, 1000, cache, decode)  # beyond the kernel's rows
+    with torch.enable_grad():
+        assert not decode_stack.applies(model, 1, cache, decode)
+
+
+def test_a_slot_outside_the_cache_is_an_index_error():
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, block_size=4)
+    model, cache = llm.engine.runner.model, llm.engine.runner.kv_cache
+    meta = build_attention_metadata([([99], 3, 1)], 4, 4, 2, torch.device("cpu"), True, True)
+    x = torch.randn(1, model.cfg.hidden_size)
+    cos, sin = model.rotary.lookup(torch.tensor([0]))
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
+        assert decode_stack.applies(model, 1, cache, meta)
+        decode_stack.run_layers(model, x, cos, sin, cache, meta)

@@ -53,6 +53,26 @@ def test_the_stack_is_the_layer_loop_bit_for_bit(kind, dtype, quant, monkeypatch
     assert got == ref                            # tokens and logprobs, exactly
 
 
+def test_long_contexts_split_attention_over_the_pool_and_stay_bit_identical(monkeypatch):
+    # enough context that split_work gives each thread a share (on 2+ threads)
+    shares = []
+    real = decode_stack.run_layers
+
+    def record(model, x, cos, sin, cache, meta):
+        shares.append(len(meta.kernel.cuts) - 1)
+        return real(model, x, cos, sin, cache, meta)
+
+    monkeypatch.setattr(decode_stack, "run_layers", record)
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=800, block_size=16,
+                            max_num_seqs=8, dtype="bfloat16", enable_prefix_caching=False)
+    prompts = random_prompts(6, 512, seed=9, min_len=420, max_len=480)
+    ref, _ = _generate(llm, monkeypatch, fused=False, prompts=prompts, max_tokens=6)
+    got, _ = _generate(llm, monkeypatch, fused=True, prompts=prompts, max_tokens=6)
+    assert got == ref
+    if torch.get_num_threads() > 1:
+        assert max(shares) > 1
+
+
 def test_speculative_verify_passes_take_the_stack_and_keep_greedy_output(monkeypatch):
     # several rows of one sequence a pass (the verify of n-gram proposals)
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,

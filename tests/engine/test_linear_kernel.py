@@ -401,3 +401,24 @@ def test_without_the_kernel_linear_falls_back_to_pytorch(tmp_path) -> None:
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert "fallback ok" in done.stdout
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_the_pool_runs_every_share_of_other_work_once_and_reports_failures(threads) -> None:
+    # linear_parallel: how decode_stack runs attention's shares on the matmul helpers
+    import ctypes
+
+    lib = linear_kernel.load()
+    task_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64)
+    lib.linear_parallel.argtypes = [task_t, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.linear_parallel.restype = ctypes.c_int
+    seen: list[int] = []
+    task = task_t(lambda _ctx, share: seen.append(share) or (7 if share == 5 else 0))
+    w = torch.randn(64, 64)
+    linear_kernel.small_linear(torch.randn(4, 64), w, threads=threads)  # helpers awake
+    assert lib.linear_parallel(task, None, 9, threads) == 7
+    assert sorted(seen) == list(range(9))
+    seen.clear()
+    task = task_t(lambda _ctx, share: seen.append(share) or 0)
+    assert lib.linear_parallel(task, None, 3, threads) == 0 and sorted(seen) == [0, 1, 2]

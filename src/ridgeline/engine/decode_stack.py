@@ -11,10 +11,11 @@ since streaming the weights evicts the interpreter's own data from the caches).
 kernels, in the same order, with the same arguments (function pointers taken from their
 libraries), on buffers allocated once per pass: its output is bit for bit the layer loop's.
 It applies where every piece of a pass is one of those kernels (`applies`): a float32 or
-bfloat16 model without q/k norms, rows few enough for the linear kernel, every sequence's
-attention through the decode kernel in one share (the pool's threads are Python's), a
-float32 or bfloat16 KV cache. Anything else (prefill chunks, large batches, int8 caches,
-long contexts split over threads) runs the layer loop.
+bfloat16 model (int8 weights too) without q/k norms, rows few enough for the linear
+kernel, every sequence's attention through the decode kernel, a float32 or bfloat16 KV
+cache. Attention's per-thread shares run on the linear kernel's thread pool
+(`linear_parallel`), whose helpers are awake from the matmul before. Anything else
+(prompts, large batches, int8 caches) runs the layer loop.
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ typedef int (*attention_fn)(const void* q, int64_t q_row_stride, int64_t q_head_
                             int bs, float scale);
 typedef void (*silu_fn)(const void* gu, int64_t ldg, void* out, int64_t ldo, int64_t rows,
                         int64_t n);
+typedef int (*task_fn)(void* ctx, int64_t share);
+typedef int (*parallel_fn)(task_fn task, void* ctx, int64_t shares, int threads);
 
-typedef struct {  /* the kernels, from their libraries */
+typedef struct {  /* the kernels, from their libraries; parallel: the linear kernel's pool */
   linear_fn linear; norm_fn norm; rotary_fn rotary; scatter_fn scatter;
-  attention_fn attention; silu_fn silu;
+  attention_fn attention; silu_fn silu; parallel_fn parallel;
 } kernels_t;
 
 typedef struct {  /* the model's shape and dtypes (0 float32, 1 bfloat16, 2 int8) */
@@ -72,11 +75,12 @@ typedef struct {
 } layer_t;
 
 typedef struct {  /* one pass: t rows, attention metadata, buffers of t rows each */
-  int64_t t, num_slots, seqs, table_stride;
+  int64_t t, num_slots, table_stride;
   void* x; const void* cos_; const void* sin_; const int64_t* slots;
   const int64_t* block_table; const int64_t* q_start; const int64_t* q_len;
   const int64_t* ctx_len;
   void* xn; void* qkv; void* attn; void* o; void* gu; void* act; void* down;
+  const int64_t* cuts; int64_t shares;  /* attention's work items per thread (split_work) */
   int threads;
 } pass_t;
 
@@ -105,6 +109,22 @@ static int project(const kernels_t* K, const shape_t* S, const layer_t* L, int w
                    L->b[which], L->bt[which], y, n, S->dt, P->t, n, k, P->threads);
 }
 
+typedef struct {  /* one layer's attention, for its shares on the pool */
+  const kernels_t* K; const shape_t* S; const layer_t* L; const pass_t* P;
+} attention_job_t;
+
+static int attention_share(void* ctx, int64_t share) {
+  const attention_job_t* a = (const attention_job_t*)ctx;
+  const shape_t* S = a->S;
+  const pass_t* P = a->P;
+  const int64_t h = S->heads, kvh = S->kv_heads, d = S->head_dim;
+  return a->K->attention(P->qkv, (h + 2 * kvh) * d, d, S->dt == 1, a->L->k_cache,
+                         a->L->v_cache, P->block_table, P->table_stride, P->q_start,
+                         P->q_len, P->ctx_len, P->attn, h * d, P->cuts[share],
+                         P->cuts[share + 1], (int)kvh, (int)(h / kvh), (int)d,
+                         S->block_size, S->scale);
+}
+
 /* 0, or which step of which layer failed: -(layer * 8 + step + 1) */
 int decoder_stack(const kernels_t* K, const shape_t* S, const layer_t* layers,
                   const pass_t* P) {
@@ -122,10 +142,9 @@ int decoder_stack(const kernels_t* K, const shape_t* S, const layer_t* layers,
         K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
                    P->slots, t, P->num_slots))
       return fail - 1;
-    if (K->attention(P->qkv, qn, d, S->dt == 1, L->k_cache, L->v_cache, P->block_table,
-                     P->table_stride, P->q_start, P->q_len, P->ctx_len, P->attn, h * d, 0,
-                     P->seqs * kvh, (int)kvh, (int)(h / kvh), (int)d, S->block_size,
-                     S->scale))
+    attention_job_t job = {K, S, L, P};
+    if (P->shares == 1 ? attention_share(&job, 0)
+                       : K->parallel(attention_share, &job, P->shares, P->threads))
       return fail - 2;
     if (project(K, S, L, 1, P->attn, h * d, P->o, H, P)) return fail - 3;
     K->norm(P->x, H, P->o, H, L->norm_post, S->eps, P->xn, H, t, H);  /* x += o first */
@@ -146,7 +165,7 @@ _ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, _ptr) for n in ("linear", "norm", "rotary", "scatter", "attention",
-                                    "silu")]
+                                    "silu", "parallel")]
 
 
 class _Shape(ctypes.Structure):
@@ -162,11 +181,12 @@ class _Layer(ctypes.Structure):
 
 
 class _Pass(ctypes.Structure):
-    _fields_ = [("t", _i64), ("num_slots", _i64), ("seqs", _i64), ("table_stride", _i64),
+    _fields_ = [("t", _i64), ("num_slots", _i64), ("table_stride", _i64),
                 ("x", _ptr), ("cos_", _ptr), ("sin_", _ptr), ("slots", _ptr),
                 ("block_table", _ptr), ("q_start", _ptr), ("q_len", _ptr), ("ctx_len", _ptr),
                 ("xn", _ptr), ("qkv", _ptr), ("attn", _ptr), ("o", _ptr), ("gu", _ptr),
-                ("act", _ptr), ("down", _ptr), ("threads", _int)]
+                ("act", _ptr), ("down", _ptr), ("cuts", _ptr), ("shares", _i64),
+                ("threads", _int)]
 
 
 def _build() -> ctypes.CDLL | None:
@@ -198,7 +218,8 @@ def _kernels(dtype: torch.dtype) -> _Kernels | None:
         _address(lin.linear_run), _address(ops.rms_norm_f32 if f32 else ops.rms_norm_bf16),
         _address(ops.rotary_f32 if f32 else ops.rotary_bf16), _address(ops.scatter_rows),
         _address(att.paged_attention_f32 if f32 else att.paged_attention_bf16),
-        _address(ops.silu_mul_f32 if f32 else ops.silu_mul_bf16))
+        _address(ops.silu_mul_f32 if f32 else ops.silu_mul_bf16),
+        _address(lin.linear_parallel))
 
 
 _kernel_table: dict[torch.dtype, _Kernels | None] = {}
@@ -212,7 +233,7 @@ def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
     dtype = model.dtype
     kb = meta.kernel
     if (dtype not in (torch.float32, torch.bfloat16) or kb is None or meta.prefill is not None
-            or meta.fresh or meta.chunks or meta.groups or len(kb.cuts) != 2
+            or meta.fresh or meta.chunks or meta.groups
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
             or rows > (KERNEL_MAX_ROWS if model.quantized else kernel_max_rows(dtype))
@@ -267,10 +288,12 @@ def run_layers(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
     bufs = [buf(hidden), buf((h + 2 * kvh) * d), buf(h * d), buf(hidden), buf(2 * inter),
             buf(inter), buf(hidden)]
-    one_pass = _Pass(t, k0.shape[0] * k0.shape[1], kb.q_len.shape[0], kb.block_table.stride(0),
+    cuts = (ctypes.c_int64 * len(kb.cuts))(*kb.cuts)
+    one_pass = _Pass(t, k0.shape[0] * k0.shape[1], kb.block_table.stride(0),
                      x.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                      kb.block_table.data_ptr(), kb.q_start.data_ptr(), kb.q_len.data_ptr(),
                      kb.ctx_len.data_ptr(), *[b.data_ptr() for b in bufs],
+                     ctypes.cast(cuts, ctypes.c_void_p), len(kb.cuts) - 1,
                      torch.get_num_threads())
     rc = load().decoder_stack(ctypes.byref(_kernel_table[dtype]), ctypes.byref(shape),
                               layers, ctypes.byref(one_pass))

@@ -124,7 +124,11 @@ static inline int nb_for(int mt) { return mt == 1 ? 6 : mt == 2 ? 4 : 3; }
 #endif
 #define CHUNK_UNIT 12 /* chunks are whole multiples of every tile width */
 
+/* a share of other work run on the pool (`linear_parallel`): 0 or an error code */
+typedef int (*task_fn)(void* ctx, int64_t share);
+
 typedef struct {
+  task_fn task; void* task_ctx;  /* set: chunk c is task(task_ctx, c), no columns */
   const float* x; int64_t ldx;
   const uint16_t* xh;  /* bf16 x for the dot-product tiles (tile_dot), else NULL */
   const void* w; int64_t ldw; int wt;
@@ -354,6 +358,7 @@ static int started = 0;
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static job_t cur;
 static _Atomic int64_t next_chunk;
+static _Atomic int task_rc;  /* the first nonzero return of a task's shares */
 static _Atomic int64_t spin_ns = 200000;
 static int atfork_set = 0;
 
@@ -367,6 +372,12 @@ static void claim_chunks(const job_t* j) {
   for (;;) {
     const int64_t c = atomic_fetch_add_explicit(&next_chunk, 1, memory_order_relaxed);
     if (c >= j->nchunks) return;
+    if (j->task) {
+      const int rc = j->task(j->task_ctx, c);
+      int none = 0;
+      if (rc) atomic_compare_exchange_strong(&task_rc, &none, rc);
+      continue;
+    }
     const int64_t n0 = c * j->chunk;
     columns(j, n0, n0 + j->chunk < j->n ? n0 + j->chunk : j->n);
   }
@@ -423,6 +434,8 @@ static int ensure_helpers(int want) {
   return started < want ? started : want;
 }
 
+static void dispatch(const job_t* j, int nh);
+
 static void run(job_t* j, int threads) {
   if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
   /* below ~64K multiply-adds a hand-off costs more than it saves */
@@ -438,6 +451,39 @@ static void run(job_t* j, int threads) {
   if (chunk > 16 * CHUNK_UNIT) chunk = 16 * CHUNK_UNIT;
   j->chunk = chunk;
   j->nchunks = (j->n + chunk - 1) / chunk;
+  dispatch(j, nh);
+}
+
+/* task(ctx, s) for every share s < shares, on the calling thread and up to threads - 1
+   of the pool's helpers (already awake after a matmul), each share claimed once from the
+   counter; on the calling thread alone while another call holds the pool. Returns 0 or
+   the first nonzero return of a share. Lets other C code (decode_stack's attention) share
+   this one pool instead of starting threads that would fight its spinning helpers. */
+int linear_parallel(task_fn task, void* ctx, int64_t shares, int threads) {
+  if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
+  if (threads > shares) threads = (int)shares;
+  if (threads <= 1 || pthread_mutex_trylock(&pool_mu) != 0) {
+    int rc = 0;
+    for (int64_t s = 0; s < shares; ++s) {
+      const int r = task(ctx, s);
+      if (r && !rc) rc = r;
+    }
+    return rc;
+  }
+  const int nh = ensure_helpers(threads - 1);
+  job_t j;
+  memset(&j, 0, sizeof j);
+  j.task = task;
+  j.task_ctx = ctx;
+  j.nchunks = shares;
+  atomic_store(&task_rc, 0);
+  dispatch(&j, nh);
+  return atomic_load(&task_rc);
+}
+
+/* cur = *j on the calling thread and nh helpers, until its chunks are claimed and done;
+   releases pool_mu */
+static void dispatch(const job_t* j, int nh) {
   cur = *j;
   atomic_store(&next_chunk, 0);
   for (int i = 0; i < nh; ++i) {
@@ -481,7 +527,8 @@ int linear_run(const void* x, int64_t ldx, int xt, const void* w, int64_t ldw, i
       for (int64_t i = 0; i < k; ++i)
         wide[r * k + i] = bf16_to_f32(((const uint16_t*)x)[r * ldx + i]);
   }
-  job_t j = {wide ? wide : (const float*)x, wide ? k : ldx, dot ? (const uint16_t*)x : NULL,
+  job_t j = {NULL, NULL, wide ? wide : (const float*)x, wide ? k : ldx,
+             dot ? (const uint16_t*)x : NULL,
              w, ldw, wt, scale, scale_t, bias, bias_t, y, ldy, yt, m, n, k, 0, 0};
   run(&j, threads);
   free(wide);
@@ -501,6 +548,11 @@ int linear_run(const void* x, long ldx, int xt, const void* w, long ldw, int wt,
                const void* scale, int scale_t, const void* bias, int bias_t, void* y,
                long ldy, int yt, long m, long n, long k, int threads) { return -2; }
 void linear_set_spin_us(int us) {}
+int linear_parallel(int (*task)(void*, long), void* ctx, long shares, int threads) {
+  int rc = 0;
+  for (long s = 0; s < shares; ++s) { const int r = task(ctx, s); if (r && !rc) rc = r; }
+  return rc;
+}
 int linear_vector_width(void) { return 0; }
 int linear_bf16_dot(void) { return 0; }
 #endif

@@ -185,6 +185,41 @@ def test_scatter_rows_refuses_what_it_cannot_copy_and_out_of_range_slots():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 1e4])
+def test_scatter_int8_rows_writes_what_kv_quant_quantizes(dtype, magnitude):
+    from ridgeline.engine.kv_quant import quantize
+
+    g = torch.Generator().manual_seed(11)
+    qkv = (torch.randn(40, 15 * 64, generator=g) * magnitude).to(dtype)
+    k = qkv[:, 9 * 64:12 * 64].view(40, 3, 64)  # strided rows, as the model leaves them
+    k[3] = 0.0                                   # an all-zero head: scale 1e-12, codes 0
+    k[5, 1] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5] + [0.0] * 58).to(dtype)  # ties
+    index = torch.randperm(300, generator=g)[:40]
+    codes = torch.zeros(300, 3, 64, dtype=torch.int8)
+    scales = torch.zeros(300, 3)
+    assert decode_ops.scatter_int8_rows(codes, scales, index, k)
+    want_codes, want_scales = quantize(k, "int8")
+    assert torch.equal(codes[index], want_codes) and torch.equal(scales[index], want_scales)
+    assert codes[index[5], 1, :6].tolist() == [127, 0, 2, 2, 0, -2]  # half to even
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[index] = False
+    assert not codes[untouched].any() and not scales[untouched].any()
+
+
+def test_scatter_int8_rows_refuses_other_layouts_and_out_of_range_slots():
+    codes, scales = torch.zeros(8, 2, 4, dtype=torch.int8), torch.zeros(8, 2)
+    src = torch.ones(2, 2, 4)
+    assert not decode_ops.scatter_int8_rows(codes, scales, torch.tensor([0, 1]), src.double())
+    assert not decode_ops.scatter_int8_rows(codes.to(torch.uint8), scales, torch.tensor([0, 1]),
+                                            src)  # fp8 codes: PyTorch's path
+    assert not decode_ops.scatter_int8_rows(codes, scales, torch.tensor([0, 1]),
+                                            src.transpose(1, 2).contiguous().transpose(1, 2))
+    with pytest.raises(IndexError, match="out of range"):
+        decode_ops.scatter_int8_rows(codes, scales, torch.tensor([0, 8]), src)
+    assert not codes.any() and not scales.any()  # nothing written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_and_rotary_split_over_threads_are_the_same(dtype):
     rows = 2 * decode_ops.SPLIT_ROWS + 7
     g = torch.Generator().manual_seed(7)

@@ -40,13 +40,15 @@ def _generate(llm: LLM, monkeypatch, fused: bool, prompts=PROMPTS, max_tokens: i
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])   # qwen2: biases on q, k and v
-@pytest.mark.parametrize("dtype,quant", [("float32", "none"), ("bfloat16", "none"),
-                                         ("bfloat16", "int8")])  # int8 weights need bf16
-def test_the_stack_is_the_layer_loop_bit_for_bit(kind, dtype, quant, monkeypatch):
+@pytest.mark.parametrize("dtype,quant,kv", [
+    ("float32", "none", "auto"), ("bfloat16", "none", "auto"),
+    ("bfloat16", "int8", "auto"),                          # int8 weights need bf16
+    ("float32", "none", "int8"), ("bfloat16", "int8", "int8")])  # int8 KV codes
+def test_the_stack_is_the_layer_loop_bit_for_bit(kind, dtype, quant, kv, monkeypatch):
     # no prefix cache: the second run's prompts must not start from the first one's KV
     llm = LLM.from_hf_model(cached_model(kind), num_kv_blocks=200, block_size=4,
                             max_num_seqs=8, dtype=dtype, weight_quant=quant,
-                            enable_prefix_caching=False)
+                            kv_cache_dtype=kv, enable_prefix_caching=False)
     ref, loop_calls = _generate(llm, monkeypatch, fused=False)
     got, stack_calls = _generate(llm, monkeypatch, fused=True)
     assert not loop_calls and stack_calls  # the decode passes took the stack
@@ -89,8 +91,9 @@ def test_speculative_verify_passes_take_the_stack_and_keep_greedy_output(monkeyp
 
 
 def test_models_and_passes_it_cannot_take_run_the_layer_loop(monkeypatch):
-    # q/k norms (qwen3), an int8 KV cache, and passes with prompts in them
-    for kind, kw in (("qwen3", {}), ("llama", {"kv_cache_dtype": "int8"})):
+    # q/k norms (qwen3), fp8 and cast KV caches, and passes with prompts in them
+    for kind, kw in (("qwen3", {}), ("llama", {"kv_cache_dtype": "fp8"}),
+                     ("llama", {"kv_cache_dtype": "bfloat16"})):
         llm = LLM.from_hf_model(cached_model(kind), num_kv_blocks=200, block_size=4,
                                 max_num_seqs=8, **kw)
         _, calls = _generate(llm, monkeypatch, fused=True, max_tokens=4)

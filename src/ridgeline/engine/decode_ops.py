@@ -260,6 +260,38 @@ int scatter_rows(const char* src, int64_t lds, char* dst, int64_t row_bytes,
     memcpy(dst + slots[t] * row_bytes, src + t * lds, (size_t)row_bytes);
   return 0;
 }
+
+/* The int8 KV write (kv_quant.quantize, then the scatter): for row t < rows of src (heads
+   x d values, float32 or bfloat16, rows lds elements apart) and each head, s = max(max|x| /
+   127, 1e-12) and codes round(x / s) (half to even) clamped to +-127, at slot slots[t] of
+   codes [slots, heads, d] and scales [slots, heads]. Returns as scatter_rows. */
+int scatter_int8_rows(const void* src, int64_t lds, int src_bf16, signed char* codes,
+                      float* scales, int64_t heads, int64_t d, const int64_t* slots,
+                      int64_t rows, int64_t num_slots) {
+  for (int64_t t = 0; t < rows; ++t)
+    if (slots[t] < 0 || slots[t] >= num_slots) return (int)(t + 1);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t at = t * lds + h * d;
+      float amax = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        const float x = src_bf16 ? bf2f(((const uint16_t*)src)[at + i]) : ((const float*)src)[at + i];
+        const float a = fabsf(x);
+        amax = a > amax ? a : amax;
+      }
+      float s = amax / 127.0f;
+      s = s < 1e-12f ? 1e-12f : s;
+      signed char* c = codes + (slots[t] * heads + h) * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float x = src_bf16 ? bf2f(((const uint16_t*)src)[at + i]) : ((const float*)src)[at + i];
+        float q = nearbyintf(x / s);
+        q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
+        c[i] = (signed char)q;
+      }
+      scales[slots[t] * heads + h] = s;
+    }
+  return 0;
+}
 """
 
 #: no FMA contraction: every product and sum rounds as in PyTorch's separate ops
@@ -285,6 +317,8 @@ def _build() -> ctypes.CDLL | None:
     lib.argmax_logsumexp_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     lib.scatter_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
     lib.scatter_rows.restype = ctypes.c_int
+    lib.scatter_int8_rows.argtypes = [ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, ptr, i64, i64]
+    lib.scatter_int8_rows.restype = ctypes.c_int
     for fn in (lib.rms_norm_f32, lib.rms_norm_bf16, lib.silu_mul_f32, lib.silu_mul_bf16,
                lib.rotary_f32, lib.rotary_bf16, lib.argmax_logsumexp_f32):
         fn.restype = None
@@ -449,4 +483,32 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> b
     if bad:
         raise IndexError(f"index {int(index[bad - 1])} is out of range for a cache of "
                          f"{dst.shape[0]} slots")
+    return True
+
+
+def scatter_int8_rows(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,
+                      src: torch.Tensor) -> bool:
+    """The int8 KV write in one C call: codes[index[t]], scales[index[t]] = the int8 codes
+    and scales of src[t] per head, exactly as `kv_quant.quantize` (then index_copy_)
+    makes them. codes: contiguous int8 [slots, heads, d]; scales: contiguous float32
+    [slots, heads]; src: float32 or bfloat16 [t, heads, d], heads d apart within a row;
+    index: int64 [t]. False, with nothing done, where it does not apply (the caller
+    quantizes with PyTorch); IndexError for an index outside the cache."""
+    if (src.dim() != 3 or src.shape[1:] != codes.shape[1:] or codes.dtype != torch.int8
+            or scales.dtype != torch.float32 or src.dtype not in (torch.float32, torch.bfloat16)
+            or not codes.is_contiguous() or not scales.is_contiguous()
+            or src.stride(2) != 1 or src.stride(1) != src.shape[2]
+            or index.dtype != torch.int64 or index.dim() != 1 or index.shape[0] != src.shape[0]
+            or src.device.type != "cpu" or codes.device.type != "cpu" or src.requires_grad):
+        return False
+    lib = load()
+    if lib is None:
+        return False
+    index = index.contiguous()
+    bad = lib.scatter_int8_rows(src.data_ptr(), src.stride(0), int(src.dtype == torch.bfloat16),
+                                codes.data_ptr(), scales.data_ptr(), src.shape[1], src.shape[2],
+                                index.data_ptr(), index.shape[0], codes.shape[0])
+    if bad:
+        raise IndexError(f"index {int(index[bad - 1])} is out of range for a cache of "
+                         f"{codes.shape[0]} slots")
     return True

@@ -12,10 +12,10 @@ kernels, in the same order, with the same arguments (function pointers taken fro
 libraries), on buffers allocated once per pass: its output is bit for bit the layer loop's.
 It applies where every piece of a pass is one of those kernels (`applies`): a float32 or
 bfloat16 model (int8 weights too) without q/k norms, rows few enough for the linear
-kernel, every sequence's attention through the decode kernel, a float32 or bfloat16 KV
-cache. Attention's per-thread shares run on the linear kernel's thread pool
+kernel, every sequence's attention through the decode kernel, a KV cache of the model's
+dtype or of int8 codes (written as `kv_quant` quantizes, bit for bit). Attention's per-thread shares run on the linear kernel's thread pool
 (`linear_parallel`), whose helpers are awake from the matmul before. Anything else
-(prompts, large batches, int8 caches) runs the layer loop.
+(prompts, large batches, fp8 caches) runs the layer loop.
 """
 
 from __future__ import annotations
@@ -49,6 +49,17 @@ typedef int (*attention_fn)(const void* q, int64_t q_row_stride, int64_t q_head_
                             const int64_t* ctx_len, void* out, int64_t out_row_stride,
                             int64_t item_begin, int64_t item_end, int kvh, int g, int d,
                             int bs, float scale);
+typedef int (*attention_i8_fn)(const void* q, int64_t q_row_stride, int64_t q_head_stride,
+                               int q_bf16, const void* k_codes, const void* v_codes,
+                               const float* k_scale, const float* v_scale,
+                               const int64_t* block_table, int64_t table_stride,
+                               const int64_t* q_start, const int64_t* q_len,
+                               const int64_t* ctx_len, void* out, int64_t out_row_stride,
+                               int64_t item_begin, int64_t item_end, int kvh, int g, int d,
+                               int bs, float scale);
+typedef int (*scatter_i8_fn)(const void* src, int64_t lds, int src_bf16, void* codes,
+                             float* scales, int64_t heads, int64_t d, const int64_t* slots,
+                             int64_t rows, int64_t num_slots);
 typedef void (*silu_fn)(const void* gu, int64_t ldg, void* out, int64_t ldo, int64_t rows,
                         int64_t n);
 typedef int (*task_fn)(void* ctx, int64_t share);
@@ -57,6 +68,7 @@ typedef int (*parallel_fn)(task_fn task, void* ctx, int64_t shares, int threads)
 typedef struct {  /* the kernels, from their libraries; parallel: the linear kernel's pool */
   linear_fn linear; norm_fn norm; rotary_fn rotary; scatter_fn scatter;
   attention_fn attention; silu_fn silu; parallel_fn parallel;
+  attention_i8_fn attention_i8; scatter_i8_fn scatter_i8;  /* int8 KV caches */
 } kernels_t;
 
 typedef struct {  /* the model's shape and dtypes (0 float32, 1 bfloat16, 2 int8) */
@@ -66,12 +78,13 @@ typedef struct {  /* the model's shape and dtypes (0 float32, 1 bfloat16, 2 int8
 } shape_t;
 
 /* one layer's tensors: weights (w), int8 scales (s, or NULL), biases (b, or NULL) of
-   qkv, o, gate_up and down; the two norm weights; its K and V blocks. wt/st/bt: codes */
+   qkv, o, gate_up and down; the two norm weights; its K and V blocks (int8 codes when
+   k_scale/v_scale, their scales per slot and head, are set). wt/st/bt: dtype codes */
 typedef struct {
   const void* norm_in; const void* norm_post;
   const void* w[4]; const void* s[4]; const void* b[4];
   int wt[4], st[4], bt[4];
-  void* k_cache; void* v_cache;
+  void* k_cache; void* v_cache; float* k_scale; float* v_scale;
 } layer_t;
 
 typedef struct {  /* one pass: t rows, attention metadata, buffers of t rows each */
@@ -118,6 +131,12 @@ static int attention_share(void* ctx, int64_t share) {
   const shape_t* S = a->S;
   const pass_t* P = a->P;
   const int64_t h = S->heads, kvh = S->kv_heads, d = S->head_dim;
+  if (a->L->k_scale)
+    return a->K->attention_i8(P->qkv, (h + 2 * kvh) * d, d, S->dt == 1, a->L->k_cache,
+                              a->L->v_cache, a->L->k_scale, a->L->v_scale, P->block_table,
+                              P->table_stride, P->q_start, P->q_len, P->ctx_len, P->attn,
+                              h * d, P->cuts[share], P->cuts[share + 1], (int)kvh,
+                              (int)(h / kvh), (int)d, S->block_size, S->scale);
   return a->K->attention(P->qkv, (h + 2 * kvh) * d, d, S->dt == 1, a->L->k_cache,
                          a->L->v_cache, P->block_table, P->table_stride, P->q_start,
                          P->q_len, P->ctx_len, P->attn, h * d, P->cuts[share],
@@ -137,10 +156,15 @@ int decoder_stack(const kernels_t* K, const shape_t* S, const layer_t* layers,
     if (project(K, S, L, 0, P->xn, H, P->qkv, qn, P)) return fail;
     K->rotary(P->qkv, qn, h + kvh, d, P->cos_, P->sin_, d, t);
     const char* rows = (const char*)P->qkv;
-    if (K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, P->slots, t,
-                   P->num_slots) ||
-        K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
-                   P->slots, t, P->num_slots))
+    if (L->k_scale
+            ? K->scatter_i8(rows + h * d * es, qn, S->dt == 1, L->k_cache, L->k_scale, kvh, d,
+                            P->slots, t, P->num_slots) ||
+              K->scatter_i8(rows + (h + kvh) * d * es, qn, S->dt == 1, L->v_cache, L->v_scale,
+                            kvh, d, P->slots, t, P->num_slots)
+            : K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, P->slots,
+                         t, P->num_slots) ||
+              K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
+                         P->slots, t, P->num_slots))
       return fail - 1;
     attention_job_t job = {K, S, L, P};
     if (P->shares == 1 ? attention_share(&job, 0)
@@ -165,7 +189,7 @@ _ptr, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(n, _ptr) for n in ("linear", "norm", "rotary", "scatter", "attention",
-                                    "silu", "parallel")]
+                                    "silu", "parallel", "attention_i8", "scatter_i8")]
 
 
 class _Shape(ctypes.Structure):
@@ -177,7 +201,7 @@ class _Shape(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("norm_in", _ptr), ("norm_post", _ptr), ("w", _ptr * 4), ("s", _ptr * 4),
                 ("b", _ptr * 4), ("wt", _int * 4), ("st", _int * 4), ("bt", _int * 4),
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("k_scale", _ptr), ("v_scale", _ptr)]
 
 
 class _Pass(ctypes.Structure):
@@ -219,7 +243,8 @@ def _kernels(dtype: torch.dtype) -> _Kernels | None:
         _address(ops.rotary_f32 if f32 else ops.rotary_bf16), _address(ops.scatter_rows),
         _address(att.paged_attention_f32 if f32 else att.paged_attention_bf16),
         _address(ops.silu_mul_f32 if f32 else ops.silu_mul_bf16),
-        _address(lin.linear_parallel))
+        _address(lin.linear_parallel), _address(att.paged_attention_i8),
+        _address(ops.scatter_int8_rows))
 
 
 _kernel_table: dict[torch.dtype, _Kernels | None] = {}
@@ -237,8 +262,12 @@ def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
             or rows > (KERNEL_MAX_ROWS if model.quantized else kernel_max_rows(dtype))
-            or cache.raw_blocks(0) is None or cache.dtype != dtype or load() is None):
+            or load() is None):
         return False
+    raw = cache.raw_blocks(0)
+    if not ((raw is not None and raw[0].dtype == dtype)
+            or (cache.int8_blocks(0) is not None and cache.dtype == dtype)):
+        return False  # fp8 codes, or a cache stored in another dtype than the model's
     if dtype not in _kernel_table:
         _kernel_table[dtype] = _kernels(dtype)
     return _kernel_table[dtype] is not None
@@ -273,9 +302,11 @@ def run_layers(model: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                                   layer.down_proj)):
             (entry.w[j], entry.s[j], entry.b[j], entry.wt[j], entry.st[j],
              entry.bt[j]) = _weights(proj)
-        k_blocks, v_blocks = cache.raw_blocks(layer.index)
-        entry.k_cache, entry.v_cache = k_blocks.data_ptr(), v_blocks.data_ptr()
-    k0 = cache.raw_blocks(0)[0]
+        blocks = cache.raw_blocks(layer.index) or cache.int8_blocks(layer.index)
+        entry.k_cache, entry.v_cache = blocks[0].data_ptr(), blocks[1].data_ptr()
+        if len(blocks) == 4:  # int8 codes and their scales
+            entry.k_scale, entry.v_scale = blocks[2].data_ptr(), blocks[3].data_ptr()
+    k0 = (cache.raw_blocks(0) or cache.int8_blocks(0))[0]
     shape = _Shape(hidden, h, kvh, d, inter, len(model.layers), _CODES[dtype], k0.shape[1],
                    model.layers[0].input_norm.eps, d ** -0.5)
     x = x.contiguous()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ridgeline.engine import decode_ops
 from ridgeline.engine.config import KV_CACHE_DTYPES, normalize_kv_cache_dtype
 from ridgeline.engine.kv_cache import KVCache, _zeros
 
@@ -131,6 +132,9 @@ class QuantizedKVCache(KVCache):
               slot_mapping: torch.Tensor) -> None:
         kvh, d = self.num_kv_heads, self.head_dim
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.kind == "int8" and decode_ops.scatter_int8_rows(
+                    codes[layer].view(-1, kvh, d), scales[layer].view(-1, kvh), slot_mapping, x):
+                continue  # the same codes and scales, one C call
             q, s = quantize(x, self.kind)
             codes[layer].view(-1, kvh, d).index_copy_(0, slot_mapping, q)
             scales[layer].view(-1, kvh).index_copy_(0, slot_mapping, s)

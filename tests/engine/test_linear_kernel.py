@@ -91,14 +91,14 @@ def test_matches_float64_for_every_dtype_and_odd_shapes(lib, wdt, xdt, bias) -> 
 def test_bfloat16_output_is_the_float32_result_rounded_to_nearest_even(lib, wdt) -> None:
     # bf16 x is widened exactly, so its product is the float32 one, rounded as torch rounds
     gen = torch.Generator().manual_seed(1)
-    w, scales, _ = make_weight(300, 129, wdt, gen)
+    w, scales, w64 = make_weight(300, 129, wdt, gen)
     b = torch.randn(300, generator=gen).to(torch.bfloat16)
     x = torch.randn(7, 129, generator=gen).to(torch.bfloat16)
     y = linear_kernel.small_linear(x, w, b, scales=scales, lib=lib)
     wide = linear_kernel.small_linear(x.float(), w, b, scales=scales, lib=lib)
-    if wdt == torch.bfloat16 and lib.linear_bf16_dot():
+    if wdt != torch.float32 and lib.linear_bf16_dot():
         # bf16 dot products sum in pairs: not the widened order, as accurate
-        assert_close_to_exact(y, x, w.double(), b)
+        assert_close_to_exact(y, x, w64, b)
     else:
         assert torch.equal(y, wide.to(torch.bfloat16))
     # ties and near-ties of the rounding: sums x0 + x1 chosen to land on them
@@ -167,23 +167,26 @@ def test_strided_and_transposed_inputs(lib) -> None:
                                linear_kernel.small_linear(xb.contiguous(), wt, lib=lib))
 
 
-def test_bfloat16_dot_products_where_the_cpu_has_them(lib) -> None:
-    """bf16 x times bf16 weights use vdpbf16ps in the native build of a CPU with
-    AVX512_BF16 (never in the AVX2 build): accurate, and a row's result the same whatever
-    rows are multiplied with it (a verify row equals the one-row decode of that token)."""
+@pytest.mark.parametrize("wdt", [torch.bfloat16, torch.int8])
+def test_bfloat16_dot_products_where_the_cpu_has_them(lib, wdt) -> None:
+    """bf16 x times bf16 or int8 weights (converted to bf16 in registers, exactly) use
+    vdpbf16ps in the native build of a CPU with AVX512_BF16 (never in the AVX2 build):
+    accurate, and a row's result the same whatever rows are multiplied with it (a verify
+    row equals the one-row decode of that token)."""
     native = linear_kernel.vector_width(lib) == 16
     assert lib.linear_bf16_dot() == int(native and "avx512_bf16" in cpu_kernels.cpu_flags())
     gen = torch.Generator().manual_seed(9)
     for k in (576, 1536, 100, 31):  # whole and partial 32-element steps
-        w = torch.randn(77, k, generator=gen).to(torch.bfloat16)
+        w, scales, w64 = make_weight(77, k, wdt, gen)
         b = torch.randn(77, generator=gen).to(torch.bfloat16)
-        x = torch.randn(16, k, generator=gen).to(torch.bfloat16)
-        alone = torch.cat([linear_kernel.small_linear(x[i:i + 1], w, b, lib=lib)
+        # a spread of magnitudes, so that the two summation orders would round apart
+        x = (torch.randn(16, k, generator=gen) * torch.logspace(-3, 3, k)).to(torch.bfloat16)
+        alone = torch.cat([linear_kernel.small_linear(x[i:i + 1], w, b, scales=scales, lib=lib)
                            for i in range(16)])
         for m in (2, 5, 7, 8, 9, 16):
-            y = linear_kernel.small_linear(x[:m], w, b, lib=lib)
+            y = linear_kernel.small_linear(x[:m], w, b, scales=scales, lib=lib)
             assert torch.equal(y, alone[:m]), (k, m)
-        assert_close_to_exact(alone, x, w.double(), b)
+        assert_close_to_exact(alone, x, w64, b)
 
 
 @needs_kernel
@@ -329,9 +332,10 @@ def test_bfloat16_past_the_kernel_rows_matches_f_linear() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-def test_int8_linear_uses_the_kernel_for_few_rows(dt) -> None:
-    # Linear.forward and the int8 LM head: the kernel up to KERNEL_MAX_ROWS rows (the
-    # bias added before the one rounding), PyTorch's int8 GEMM beyond
+def test_int8_linear_uses_the_kernel_up_to_its_limit(dt) -> None:
+    # Linear.forward and the int8 LM head: the kernel up to kernel_max_rows(dt, int8=True)
+    # rows (the bias added before the one rounding; every row count with bf16 x where the
+    # kernel has vdpbf16ps), PyTorch's int8 GEMM beyond
     gen = torch.Generator().manual_seed(9)
     lin = layers.Linear(96, 200, bias=True, dtype=dt, device="cpu")
     with torch.no_grad():
@@ -339,12 +343,15 @@ def test_int8_linear_uses_the_kernel_for_few_rows(dt) -> None:
         lin.bias.copy_(torch.randn(200, generator=gen))
     lin.quantize_int8()
     w64 = lin.qweight.double() * lin.scales.double()[:, None]
-    for rows in (1, 5, layers.KERNEL_MAX_ROWS, layers.KERNEL_MAX_ROWS + 1, 40):
+    limit = layers.kernel_max_rows(dt, int8=True)
+    dot = dt == torch.bfloat16 and linear_kernel.bf16_dot()
+    assert limit == (layers.INT8_DOT_KERNEL_MAX_ROWS if dot else layers.KERNEL_MAX_ROWS)
+    for rows in (1, 5, layers.KERNEL_MAX_ROWS, layers.KERNEL_MAX_ROWS + 1, 40, 300):
         x = torch.randn(rows, 96, generator=gen).to(dt)
         with torch.inference_mode():
             y = lin(x)
         assert y.dtype == dt and y.shape == (rows, 200)
-        if rows <= layers.KERNEL_MAX_ROWS:
+        if rows <= limit:
             assert torch.equal(y, linear_kernel.small_linear(x, lin.qweight, lin.bias,
                                                              scales=lin.scales))
             assert_close_to_exact(y, x, w64, lin.bias)

@@ -253,7 +253,7 @@ _kernel_table: dict[torch.dtype, _Kernels | None] = {}
 def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
     """Whether a pass of `rows` tokens with this attention metadata can run as one
     `decoder_stack` call (see the module doc)."""
-    from ridgeline.engine.models.layers import KERNEL_MAX_ROWS, kernel_max_rows
+    from ridgeline.engine.models.layers import kernel_max_rows
 
     dtype = model.dtype
     kb = meta.kernel
@@ -261,7 +261,7 @@ def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
             or meta.fresh or meta.chunks or meta.groups
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
-            or rows > (KERNEL_MAX_ROWS if model.quantized else kernel_max_rows(dtype))
+            or rows > kernel_max_rows(dtype, int8=model.quantized)
             or load() is None):
         return False
     raw = cache.raw_blocks(0)

@@ -95,25 +95,36 @@ GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 def matmul_floor(engine, passes: list[tuple[int, int]]) -> float:
     """Seconds the engine's own matmuls need for `passes` (every projection of every layer
     at the pass's token count, the LM head at its logit rows), at the speed measured
-    here for the model's own weights through `layers.linear`, interpolated on a grid of
-    row counts: a floor no schedule of these passes goes below."""
-    from ridgeline.engine.models.layers import linear
+    here for the model's own weights (float or int8) through its own Linear modules and
+    LM head, interpolated on a grid of row counts: a floor no schedule of these passes
+    goes below."""
+    from ridgeline.engine.models.layers import int8_linear, linear
 
     model = engine.runner.model
     # every layer's own weights, so they stream from memory as in a real pass
-    projections = [m.weight for layer in model.layers for m in (
+    projections = [m for layer in model.layers for m in (
         layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    hidden = model.cfg.hidden_size
     head = model.embed if model.lm_head is None else model.lm_head
-    if any(w.numel() == 0 for w in projections):
-        return float("nan")  # int8 weights: not measured by this floor
+
+    def project(p, x: torch.Tensor) -> torch.Tensor:  # Linear.forward, no module call
+        if p.qweight is not None:
+            return int8_linear(x, p.qweight, p.scales, p.bias)
+        return linear(x, p.weight, p.bias)
+
+    def head_product(x: torch.Tensor) -> torch.Tensor:  # compute_logits without .float()
+        if model.quantized:
+            return int8_linear(x, model.head_q, model.head_scales)
+        return linear(x, head)
 
     layer_s, head_s = {}, {}
     for m in GRID:
-        xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=w.dtype) for w in projections}
-        layer_s[m] = median_seconds(lambda: [linear(xs[w.shape[1]], w) for w in projections],
-                                    min_s=0.0, reps=3)
-        xh = torch.randn(m, head.shape[1], dtype=head.dtype)
-        head_s[m] = median_seconds(lambda: linear(xh, head), min_s=0.0, reps=3)
+        xs = {p.in_features: torch.randn(m, p.in_features, dtype=model.dtype)
+              for p in projections}
+        layer_s[m] = median_seconds(
+            lambda: [project(p, xs[p.in_features]) for p in projections], min_s=0.0, reps=3)
+        xh = torch.randn(m, hidden, dtype=model.dtype)
+        head_s[m] = median_seconds(lambda: head_product(xh), min_s=0.0, reps=3)
 
     def at(table: dict[int, float], m: int) -> float:
         if m <= 0:

@@ -7,7 +7,13 @@ import pytest
 import torch
 from engine_fixtures import cached_model, random_prompts
 
-from ridgeline.engine import LLM, SamplingParams, cpu_kernels, decode_stack, linear_kernel
+from ridgeline.engine import (
+    LLM,
+    SamplingParams,
+    cpu_kernels,
+    decode_stack,
+    linear_kernel,
+)
 from ridgeline.engine.attention import build_attention_metadata
 
 pytestmark = pytest.mark.skipif(

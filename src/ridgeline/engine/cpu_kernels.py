@@ -17,9 +17,10 @@ Three paths in one source, chosen at compile time by `-march=native`
   with float32 KV, 3.4x with bfloat16, 7x with int8). With bfloat16 q and KV and
   AVX512_BF16, scores come from vdpbf16ps on the cached pairs as they lie (half the
   multiply-adds, no widening of K): bf16 models' decode attention 1.2-1.45x faster
-  (64 sequences of 300-1100 tokens). On a Zen 4 it runs at ~45-50 GFLOP/s a thread with
-  bfloat16/int8 KV, near the FMA issue limit (V accumulation and the exp stay float32),
-  and ~20 GB/s a thread with float32 KV. q and out may be bfloat16 in every path (read
+  (64 sequences of 300-1100 tokens); P V too, keys in pairs with P rounded to bf16 (as
+  FlashAttention does in bf16): 1.1-1.17x more on one thread, where it was FMA-bound; on
+  two it is memory-bound (~30 GB/s of KV on a Zen 4 VM). int8 KV runs near the FMA
+  issue limit (~45-50 GFLOP/s a thread), float32 KV at ~20 GB/s a thread. q and out may be bfloat16 in every path (read
   and written directly, no float32 copies).
 - AVX2 + FMA without AVX-512: the same plan 8 wide, and it walks the KV heads of one
   sequence together so that its reads are contiguous (on a Zen 3 EPYC, 2-core VM shared
@@ -60,6 +61,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -1655,6 +1657,15 @@ def compile_library(name: str, source: str, flag_sets: list[list[str]],
     log.warning("could not compile the %s kernel (%s); using the PyTorch path", name,
                 "; ".join(errors))
     return None
+
+
+def open_library(name: str, source: str, flag_sets: list[list[str]]) -> ctypes.CDLL | None:
+    """`compile_library`'s result loaded with ctypes; None off Linux (the kernels' thread
+    and memory calls are Linux's) or where nothing compiles."""
+    if not sys.platform.startswith("linux"):
+        return None
+    target = compile_library(name, source, flag_sets)
+    return None if target is None else ctypes.CDLL(str(target))
 
 
 def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:

@@ -24,7 +24,6 @@ over torch's intra-op threads.
 from __future__ import annotations
 
 import ctypes
-import sys
 from collections.abc import Callable
 
 import torch
@@ -301,12 +300,9 @@ _FLAGS = [["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-sha
 MAX_HEAD_DIM = 512
 
 def _build() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
+    lib = cpu_kernels.open_library("decode_ops", SOURCE, _FLAGS)
+    if lib is None:
         return None
-    target = cpu_kernels.compile_library("decode_ops", SOURCE, _FLAGS)
-    if target is None:
-        return None
-    lib = ctypes.CDLL(str(target))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.rms_norm_f32.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]
     lib.rms_norm_bf16.argtypes = [ptr, i64, ptr, i64, ptr, f32, ptr, i64, i64, i64]

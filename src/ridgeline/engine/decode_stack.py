@@ -13,15 +13,15 @@ libraries), on buffers allocated once per pass: its output is bit for bit the la
 It applies where every piece of a pass is one of those kernels (`applies`): a float32 or
 bfloat16 model (int8 weights too) without q/k norms, rows few enough for the linear
 kernel, every sequence's attention through the decode kernel, a KV cache of the model's
-dtype or of int8 codes (written as `kv_quant` quantizes, bit for bit). Attention's per-thread shares run on the linear kernel's thread pool
-(`linear_parallel`), whose helpers are awake from the matmul before. Anything else
-(prompts, large batches, fp8 caches) runs the layer loop.
+dtype or of int8 codes (written as `kv_quant` quantizes, bit for bit). Attention's
+per-thread shares run on the linear kernel's thread pool (`linear_parallel`), whose
+helpers are awake from the matmul before. Anything else (prompts, large bf16 batches,
+fp8 caches) runs the layer loop.
 """
 
 from __future__ import annotations
 
 import ctypes
-import sys
 from typing import Any
 
 import torch
@@ -214,12 +214,9 @@ class _Pass(ctypes.Structure):
 
 
 def _build() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
+    lib = cpu_kernels.open_library("decode_stack", SOURCE, _FLAGS)
+    if lib is None:
         return None
-    target = cpu_kernels.compile_library("decode_stack", SOURCE, _FLAGS)
-    if target is None:
-        return None
-    lib = ctypes.CDLL(str(target))
     lib.decoder_stack.argtypes = [_ptr, _ptr, _ptr, _ptr]
     lib.decoder_stack.restype = _int
     return lib

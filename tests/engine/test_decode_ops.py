@@ -21,7 +21,7 @@ def reference_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,d", [(1, 576), (3, 64), (16, 100), (5, 7), (200, 96)])
+@pytest.mark.parametrize("rows,d", [(1, 576), (3, 64), (16, 100), (5, 7), (200, 96), (2, 5000)])
 def test_rms_norm_matches_the_formula(dtype, rows, d):
     g = torch.Generator().manual_seed(rows * d)
     x = torch.randn(rows, d, generator=g).to(dtype) * 3

@@ -44,7 +44,6 @@ SOURCE = r"""
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 /* bfloat16 <-> float32 as PyTorch does it (round to nearest even; NaN stays NaN) */
@@ -83,26 +82,40 @@ void rms_norm_f32(float* x, int64_t ldx, const float* delta, int64_t ldd, const 
   }
 }
 
-#define NORM_STACK 16384  /* widths up to this keep their float32 copy on the stack */
+#define NORM_BLOCK 4096  /* a multiple of LANES: the row is widened a block at a time */
 void rms_norm_bf16(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd,
                    const uint16_t* w, float eps, uint16_t* out, int64_t ldo, int64_t rows,
                    int64_t d) {
-  float stack[d <= NORM_STACK ? d : 1];
-  float* scratch = d <= NORM_STACK ? stack : (float*)malloc((size_t)d * sizeof(float));
-  if (!scratch) return;
+  float wide[NORM_BLOCK];  /* float32 copies of the row: loops over floats vectorise */
   for (int64_t r = 0; r < rows; ++r) {
     uint16_t* xr = x + r * ldx;
     if (delta) {
       const uint16_t* dr = delta + r * ldd;
       for (int64_t i = 0; i < d; ++i) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
     }
-    for (int64_t i = 0; i < d; ++i) scratch[i] = bf2f(xr[i]);
-    float s = inv_rms(scratch, d, eps);
+    /* inv_rms's sums (element i in lane i % LANES, in order), block by block */
+    float acc[LANES] = {0};
+    for (int64_t b0 = 0; b0 < d; b0 += NORM_BLOCK) {
+      const int64_t n = d - b0 < NORM_BLOCK ? d - b0 : NORM_BLOCK;
+      for (int64_t i = 0; i < n; ++i) wide[i] = bf2f(xr[b0 + i]);
+      int64_t i = 0;
+      for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; ++l) acc[l] += wide[i + l] * wide[i + l];
+      for (int l = 0; i < n; ++i, ++l) acc[l] += wide[i] * wide[i];
+    }
+    for (int v = LANES / 2; v > 0; v /= 2)
+      for (int l = 0; l < v; ++l) acc[l] += acc[l + v];
+    const float s = 1.0f / sqrtf(acc[0] / (float)d + eps);
     uint16_t* o = out + r * ldo;
     /* transformers: weight * (x_f32 * s).to(bf16), the product rounded to bf16 */
-    for (int64_t i = 0; i < d; ++i) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(scratch[i] * s)));
+    for (int64_t b0 = 0; b0 < d; b0 += NORM_BLOCK) {
+      const int64_t n = d - b0 < NORM_BLOCK ? d - b0 : NORM_BLOCK;
+      if (b0 > 0 || n < d)
+        for (int64_t i = 0; i < n; ++i) wide[i] = bf2f(xr[b0 + i]);
+      for (int64_t i = 0; i < n; ++i)
+        o[b0 + i] = f2bf(bf2f(w[b0 + i]) * bf2f(f2bf(wide[i] * s)));
+    }
   }
-  if (scratch != stack) free(scratch);
 }
 
 /* exp(x) in a form GCC vectorises (no libm call, no branch): 2^k * p(r), r = x - k ln 2

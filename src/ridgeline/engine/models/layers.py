@@ -126,6 +126,8 @@ BF16_KERNEL_MAX_ROWS = 128
 #: engine_bench's bf16 workload, the limits interleaved on fresh prompts: 16 -> 40 rows
 #: 445 -> 478 tok/s, 40 -> 64 rows 563 -> 599 tok/s (after the stack).
 BF16_DOT_KERNEL_MAX_ROWS = 64
+#: int8 weights times bf16 where the kernel has the dot path: every row count (see below)
+INT8_DOT_KERNEL_MAX_ROWS = 1 << 30
 
 
 @functools.cache
@@ -147,9 +149,6 @@ def kernel_max_rows(dtype: torch.dtype, int8: bool = False) -> int:
     if not _BF16_NATIVE:
         return BF16_KERNEL_MAX_ROWS
     return BF16_DOT_KERNEL_MAX_ROWS if _kernel_bf16_dot() else KERNEL_MAX_ROWS
-
-
-INT8_DOT_KERNEL_MAX_ROWS = 1 << 30
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -198,10 +197,10 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) with W = qweight * scales (per output channel), in x's dtype: the C
     kernel for KERNEL_MIN_ROWS..kernel_max_rows(x.dtype, int8=True) rows where it builds,
-    else PyTorch's weight-only int8 GEMM (both read a quarter of the fp32 weight bytes). Zen 3 (AVX2), 2
-    cores, bfloat16 x, all matmuls of a SmolLM2 step (matmul_bench step_floor_ms): 1 row
-    18.1 -> 10.3 ms, 4 rows 26.8 -> 20.1, 16 rows 98 -> 66; single-request decode 39 ->
-    26 ms a step."""
+    else PyTorch's weight-only int8 GEMM (both read a quarter of the fp32 weight bytes).
+    Zen 3 (AVX2), 2 cores, bfloat16 x, all matmuls of a SmolLM2 step (matmul_bench
+    step_floor_ms): 1 row 18.1 -> 10.3 ms, 4 rows 26.8 -> 20.1, 16 rows 98 -> 66;
+    single-request decode 39 -> 26 ms a step."""
     if _kernel_takes(x, qweight, bias, kernel_max_rows(x.dtype, int8=True)):
         return linear_kernel.small_linear(x, qweight, bias, scales=scales)
     out = torch._weight_int8pack_mm(x.contiguous(), qweight, scales)

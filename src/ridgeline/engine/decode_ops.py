@@ -58,16 +58,26 @@ static inline uint16_t f2bf(float f) { uint32_t u; memcpy(&u, &f, 4);
   return (uint16_t)f2bf_bits(u); }
 
 #define LANES 16
-/* 1/sqrt(mean(x^2) + eps) of one row: lane-wise partial sums, then folded */
-static inline float inv_rms(const float* x, int64_t d, float eps) {
-  float acc[LANES] = {0};
+/* acc[i % LANES] += x[i]^2 for i < n, in order (a row in pieces of multiples of LANES
+   sums as the whole row does) */
+static inline void add_squares(const float* x, int64_t n, float* acc) {
   int64_t i = 0;
-  for (; i + LANES <= d; i += LANES)
+  for (; i + LANES <= n; i += LANES)
     for (int l = 0; l < LANES; ++l) acc[l] += x[i + l] * x[i + l];
-  for (int l = 0; i < d; ++i, ++l) acc[l] += x[i] * x[i];
+  for (int l = 0; i < n; ++i, ++l) acc[l] += x[i] * x[i];
+}
+
+/* 1/sqrt(mean(x^2) + eps) of a row of d from its lane-wise sums, folded */
+static inline float rms_scale(float* acc, int64_t d, float eps) {
   for (int w = LANES / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
   return 1.0f / sqrtf(acc[0] / (float)d + eps);
+}
+
+static inline float inv_rms(const float* x, int64_t d, float eps) {
+  float acc[LANES] = {0};
+  add_squares(x, d, acc);
+  return rms_scale(acc, d, eps);
 }
 
 /* out = rms_norm(x (+ delta)) * w; with delta, x is updated in place to x + delta first */
@@ -93,19 +103,13 @@ void rms_norm_bf16(uint16_t* x, int64_t ldx, const uint16_t* delta, int64_t ldd,
       const uint16_t* dr = delta + r * ldd;
       for (int64_t i = 0; i < d; ++i) xr[i] = f2bf(bf2f(xr[i]) + bf2f(dr[i]));
     }
-    /* inv_rms's sums (element i in lane i % LANES, in order), block by block */
-    float acc[LANES] = {0};
+    float acc[LANES] = {0};  /* inv_rms's sums, block by block */
     for (int64_t b0 = 0; b0 < d; b0 += NORM_BLOCK) {
       const int64_t n = d - b0 < NORM_BLOCK ? d - b0 : NORM_BLOCK;
       for (int64_t i = 0; i < n; ++i) wide[i] = bf2f(xr[b0 + i]);
-      int64_t i = 0;
-      for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; ++l) acc[l] += wide[i + l] * wide[i + l];
-      for (int l = 0; i < n; ++i, ++l) acc[l] += wide[i] * wide[i];
+      add_squares(wide, n, acc);
     }
-    for (int v = LANES / 2; v > 0; v /= 2)
-      for (int l = 0; l < v; ++l) acc[l] += acc[l + v];
-    const float s = 1.0f / sqrtf(acc[0] / (float)d + eps);
+    const float s = rms_scale(acc, d, eps);
     uint16_t* o = out + r * ldo;
     /* transformers: weight * (x_f32 * s).to(bf16), the product rounded to bf16 */
     for (int64_t b0 = 0; b0 < d; b0 += NORM_BLOCK) {

@@ -143,3 +143,22 @@ def test_the_default_model_decodes_the_same_through_the_stack(quant, monkeypatch
     ref, _ = _generate(llm, monkeypatch, fused=False, prompts=prompts, max_tokens=24)
     got, calls = _generate(llm, monkeypatch, fused=True, prompts=prompts, max_tokens=24)
     assert calls and got == ref
+
+
+def test_the_layer_table_follows_new_cache_storage_and_weight_updates(monkeypatch):
+    # the C view of the layers is built once per model and cache storage: after sleep/wake
+    # (a new pool) and an in-place weight update the stack still equals the layer loop
+    llm = LLM.from_hf_model(cached_model("llama"), num_kv_blocks=200, block_size=4,
+                            max_num_seqs=8, enable_prefix_caching=False)
+    _generate(llm, monkeypatch, fused=True, max_tokens=4)
+    llm.engine.sleep()
+    llm.engine.wake()
+    model = llm.engine.runner.model
+    with torch.no_grad():
+        model.layers[0].qkv_proj.weight.mul_(1.5)  # in place, as update_weights does
+    ref, _ = _generate(llm, monkeypatch, fused=False)
+    got, calls = _generate(llm, monkeypatch, fused=True)
+    assert calls and got == ref
+    # the table in use points at the pool the engine has now
+    key, (layers, _, _) = decode_stack._tables[model]
+    assert key[1] == llm.engine.runner.kv_cache.k[0].data_ptr() == layers[0].k_cache

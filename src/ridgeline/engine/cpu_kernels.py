@@ -20,7 +20,8 @@ Three paths in one source, chosen at compile time by `-march=native`
   (64 sequences of 300-1100 tokens); P V too, keys in pairs with P rounded to bf16 (as
   FlashAttention does in bf16): 1.1-1.17x more on one thread, where it was FMA-bound; on
   two it is memory-bound (~30 GB/s of KV on a Zen 4 VM). int8 KV runs near the FMA
-  issue limit (~45-50 GFLOP/s a thread), float32 KV at ~20 GB/s a thread. q and out may be bfloat16 in every path (read
+  issue limit (~45-50 GFLOP/s a thread), float32 KV at ~20 GB/s a thread. q and out may
+  be bfloat16 in every path (read
   and written directly, no float32 copies).
 - AVX2 + FMA without AVX-512: the same plan 8 wide, and it walks the KV heads of one
   sequence together so that its reads are contiguous (on a Zen 3 EPYC, 2-core VM shared
@@ -320,6 +321,10 @@ static inline __attribute__((always_inline)) void values_tile(
    24-27 | 4-7, 12-15, 20-23, 28-31] (`unpermute_pairs` puts them back at the end). A row
    past nr has weight 0 and reads the chunk's padding row (a real cache row). */
 #define CTV 2  /* groups of 32 channels a tile */
+/* the channels of group c (32 bf16 each) that a head of d channels has */
+static inline __mmask32 group_mask(int d, int c) {
+  return 32 * c >= d ? 0 : d - 32 * c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (d - 32 * c)) - 1);
+}
 static inline __attribute__((always_inline)) void values_tile_dot(
     const int NH, const char* const* vr, int64_t off, int nr, const float (*p)[RB],
     const float* corr, float (*acc)[QROW], int ngrp, const __mmask32* gmask,
@@ -411,11 +416,11 @@ static inline __attribute__((always_inline)) int attention_body(
   for (int c = 0; c < MAXD / 32 + CT; ++c)
     pmask[c] = c >= npv ? 0 : pairs - 16 * c >= 16 ? 0xFFFF
                                                     : (__mmask16)((1u << (pairs - 16 * c)) - 1);
+#if defined(__AVX512BF16__)
   const int ngrp = (d + 31) / 32;  /* DOT: V's groups of 32 channels */
   __mmask32 gmask[MAXD / 32 + 2 * CT];
-  for (int c = 0; c < MAXD / 32 + 2 * CT; ++c)
-    gmask[c] = c >= ngrp ? 0 : d - 32 * c >= 32 ? 0xFFFFFFFFu
-                                                : (__mmask32)((1u << (d - 32 * c)) - 1);
+  for (int c = 0; c < MAXD / 32 + 2 * CT; ++c) gmask[c] = group_mask(d, c);
+#endif
   const int dpad = 16 * CT * ((nvec + CT - 1) / CT);  /* channels the tiles cover */
   const int row_read = (int)(d * esize);  /* bytes of one head's K (or V) row */
   const int64_t row_bytes = (int64_t)kvh * row_read;  /* between rows of one head */
@@ -1258,13 +1263,14 @@ static inline __attribute__((always_inline)) int prefill_body(
   const __mmask16 dmask_last = (__mmask16)((1u << (d %% 16 ? d %% 16 : 16)) - 1);
   /* DOT: V as channel-interleaved key pairs, P as bfloat16 key pairs per lane */
   const int ngrp = (d + 31) / 32, npos = DOT ? 32 * ngrp : d;  /* OT rows in use */
+#if defined(__AVX512BF16__)
   uint32_t VP[PKC / 2][MAXD] __attribute__((aligned(64)));
   __m512i PP[PKC / 2][PNA];
   const __m512i interleave = _mm512_setr_epi32(  /* 16-bit lanes 0, 16, 1, 17, ... */
       0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005, 0x00160006,
       0x00170007, 0x00180008, 0x00190009, 0x001A000A, 0x001B000B, 0x001C000C, 0x001D000D,
       0x001E000E, 0x001F000F);
-  (void)VP; (void)PP; (void)interleave;
+#endif
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t* w = work + 4 * item;
     const int64_t i = w[0], j = w[1], r0 = w[2];
@@ -1323,8 +1329,7 @@ static inline __attribute__((always_inline)) int prefill_body(
           if (DOT && (t & 1)) {  /* rows t - 1 and t as pairs */
             const char* v0 = vprev;
             for (int c = 0; c < ngrp; ++c) {
-              const __mmask32 mk = d - 32 * c >= 32 ? 0xFFFFFFFFu
-                                                    : (__mmask32)((1u << (d - 32 * c)) - 1);
+              const __mmask32 mk = group_mask(d, c);
               const __m512i a = _mm512_maskz_loadu_epi16(mk, v0 + 64 * c);
               const __m512i b = _mm512_maskz_loadu_epi16(mk, vs + 64 * c);
               _mm512_store_si512((void*)(VP[t / 2] + 32 * c), _mm512_unpacklo_epi16(a, b));

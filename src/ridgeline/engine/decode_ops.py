@@ -281,6 +281,10 @@ int scatter_rows(const char* src, int64_t lds, char* dst, int64_t row_bytes,
    x d values, float32 or bfloat16, rows lds elements apart) and each head, s = max(max|x| /
    127, 1e-12) and codes round(x / s) (half to even) clamped to +-127, at slot slots[t] of
    codes [slots, heads, d] and scales [slots, heads]. Returns as scatter_rows. */
+static inline float value_at(const void* src, int bf16, int64_t i) {
+  return bf16 ? bf2f(((const uint16_t*)src)[i]) : ((const float*)src)[i];
+}
+
 int scatter_int8_rows(const void* src, int64_t lds, int src_bf16, signed char* codes,
                       float* scales, int64_t heads, int64_t d, const int64_t* slots,
                       int64_t rows, int64_t num_slots) {
@@ -291,16 +295,14 @@ int scatter_int8_rows(const void* src, int64_t lds, int src_bf16, signed char* c
       const int64_t at = t * lds + h * d;
       float amax = 0.f;
       for (int64_t i = 0; i < d; ++i) {
-        const float x = src_bf16 ? bf2f(((const uint16_t*)src)[at + i]) : ((const float*)src)[at + i];
-        const float a = fabsf(x);
+        const float a = fabsf(value_at(src, src_bf16, at + i));
         amax = a > amax ? a : amax;
       }
       float s = amax / 127.0f;
       s = s < 1e-12f ? 1e-12f : s;
       signed char* c = codes + (slots[t] * heads + h) * d;
       for (int64_t i = 0; i < d; ++i) {
-        const float x = src_bf16 ? bf2f(((const uint16_t*)src)[at + i]) : ((const float*)src)[at + i];
-        float q = nearbyintf(x / s);
+        float q = nearbyintf(value_at(src, src_bf16, at + i) / s);
         q = q > 127.f ? 127.f : q < -127.f ? -127.f : q;
         c[i] = (signed char)q;
       }
@@ -377,9 +379,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ldx, ldd = x.stride(0), 0 if delta is None else delta.stride(0)
     xp, wp, op = x.data_ptr(), weight.data_ptr(), out.data_ptr()
     dp = None if delta is None else delta.data_ptr()
-    if rows < SPLIT_ROWS:  # a decode step's ~60 calls: no share bookkeeping
-        fn(xp, ldx, dp, ldd, wp, eps, op, d, rows, d)
-        return out
     es = x.element_size()
 
     def part(lo: int, hi: int) -> int:
@@ -399,11 +398,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul_bf16
-    ldg, gp, op = gate_up.stride(0), gate_up.data_ptr(), out.data_ptr()
-    if rows < SPLIT_ROWS:
-        fn(gp, ldg, op, n, rows, n)
-        return out
-    es = gate_up.element_size()
+    ldg, es = gate_up.stride(0), gate_up.element_size()
+    gp, op = gate_up.data_ptr(), out.data_ptr()
 
     def part(lo: int, hi: int) -> int:
         fn(gp + lo * ldg * es, ldg, op + lo * n * es, n, hi - lo, n)
@@ -424,9 +420,6 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     assert cos.is_contiguous() and signed_sin.is_contiguous() and cos.dtype == x.dtype
     fn = lib.rotary_f32 if x.dtype == torch.float32 else lib.rotary_bf16
     ldx, xp, cp, sp = x.stride(0), x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr()
-    if rows < SPLIT_ROWS:
-        fn(xp, ldx, heads, d, cp, sp, d, rows)
-        return x
     es = x.element_size()
 
     def part(lo: int, hi: int) -> int:
@@ -491,12 +484,17 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> b
         return False
     index = index.contiguous()
     row_bytes = src[0].numel() * src.element_size()
-    bad = lib.scatter_rows(src.data_ptr(), src.stride(0) * src.element_size(), dst.data_ptr(),
-                           row_bytes, index.data_ptr(), index.shape[0], dst.shape[0])
+    _check_slots(lib.scatter_rows(src.data_ptr(), src.stride(0) * src.element_size(),
+                                  dst.data_ptr(), row_bytes, index.data_ptr(), index.shape[0],
+                                  dst.shape[0]), index, dst.shape[0])
+    return True
+
+
+def _check_slots(bad: int, index: torch.Tensor, num_slots: int) -> None:
+    """A scatter kernel's return: 0, or the (1-based) row whose slot is out of range."""
     if bad:
         raise IndexError(f"index {int(index[bad - 1])} is out of range for a cache of "
-                         f"{dst.shape[0]} slots")
-    return True
+                         f"{num_slots} slots")
 
 
 def scatter_int8_rows(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,
@@ -518,10 +516,8 @@ def scatter_int8_rows(codes: torch.Tensor, scales: torch.Tensor, index: torch.Te
     if lib is None:
         return False
     index = index.contiguous()
-    bad = lib.scatter_int8_rows(src.data_ptr(), src.stride(0), int(src.dtype == torch.bfloat16),
-                                codes.data_ptr(), scales.data_ptr(), src.shape[1], src.shape[2],
-                                index.data_ptr(), index.shape[0], codes.shape[0])
-    if bad:
-        raise IndexError(f"index {int(index[bad - 1])} is out of range for a cache of "
-                         f"{codes.shape[0]} slots")
+    _check_slots(lib.scatter_int8_rows(
+        src.data_ptr(), src.stride(0), int(src.dtype == torch.bfloat16), codes.data_ptr(),
+        scales.data_ptr(), src.shape[1], src.shape[2], index.data_ptr(), index.shape[0],
+        codes.shape[0]), index, codes.shape[0])
     return True

@@ -77,6 +77,16 @@ SOURCE = r"""
 #include <time.h>
 #include <unistd.h>
 
+/* task(ctx, s) for s < shares on the calling thread: 0 or the first nonzero return */
+static int run_serially(int (*task)(void*, int64_t), void* ctx, int64_t shares) {
+  int rc = 0;
+  for (int64_t s = 0; s < shares; ++s) {
+    const int r = task(ctx, s);
+    if (r && !rc) rc = r;
+  }
+  return rc;
+}
+
 /* dtype codes shared with Python */
 enum { F32 = 0, BF16 = 1, I8 = 2 };
 
@@ -237,11 +247,6 @@ static inline __attribute__((always_inline)) void tile(const int MT, const int N
 }
 
 #if defined(__AVX512BF16__)
-/* bf16 x times bf16 w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16
-   exactly and adds both products to a float32 lane, 32 elements of k an instruction:
-   twice the products of widening to float32 and fma, which bounds `tile` from ~4 rows.
-   Every output is still summed in one order (lane-wise pairs over k, then the same
-   reduction) whatever the tile, so a row's result does not depend on the rows with it. */
 /* 32 int8 weights as bfloat16: exact, and the top halves of their float32 values (an
    integer of 7 bits leaves the low 16 bits of its float32 zero), so one word shuffle
    instead of a rounding conversion */
@@ -256,8 +261,13 @@ static inline __m512bh i8_to_bf16(const int8_t* p) {
   return (__m512bh)_mm512_permutex2var_epi16(lo, odd, hi);
 }
 
-/* WT: BF16 weights as they lie, or I8 ones converted to bf16 (their scale is applied to
-   the finished sums by put, as in `tile`) */
+/* bf16 x times bf16 w where the CPU has AVX512_BF16: vdpbf16ps multiplies pairs of bf16
+   exactly and adds both products to a float32 lane, 32 elements of k an instruction:
+   twice the products of widening to float32 and fma, which bounds `tile` from ~4 rows.
+   Every output is still summed in one order (lane-wise pairs over k, then the same
+   reduction) whatever the tile, so a row's result does not depend on the rows with it.
+   WT: BF16 weights as they lie, or I8 ones converted to bf16 (their scale is applied to
+   the finished sums by put, as in `tile`). */
 static inline __attribute__((always_inline)) void tile_dot(const int MT, const int NB,
                                                            const int WT, const job_t* j,
                                                            int64_t m0, int64_t n0) {
@@ -492,14 +502,8 @@ static void run(job_t* j, int threads) {
 int linear_parallel(task_fn task, void* ctx, int64_t shares, int threads) {
   if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
   if (threads > shares) threads = (int)shares;
-  if (threads <= 1 || pthread_mutex_trylock(&pool_mu) != 0) {
-    int rc = 0;
-    for (int64_t s = 0; s < shares; ++s) {
-      const int r = task(ctx, s);
-      if (r && !rc) rc = r;
-    }
-    return rc;
-  }
+  if (threads <= 1 || pthread_mutex_trylock(&pool_mu) != 0)
+    return run_serially(task, ctx, shares);
   const int nh = ensure_helpers(threads - 1);
   job_t j;
   memset(&j, 0, sizeof j);
@@ -578,10 +582,8 @@ int linear_run(const void* x, long ldx, int xt, const void* w, long ldw, int wt,
                const void* scale, int scale_t, const void* bias, int bias_t, void* y,
                long ldy, int yt, long m, long n, long k, int threads) { return -2; }
 void linear_set_spin_us(int us) {}
-int linear_parallel(int (*task)(void*, long), void* ctx, long shares, int threads) {
-  int rc = 0;
-  for (long s = 0; s < shares; ++s) { const int r = task(ctx, s); if (r && !rc) rc = r; }
-  return rc;
+int linear_parallel(int (*task)(void*, int64_t), void* ctx, int64_t shares, int threads) {
+  return run_serially(task, ctx, shares);
 }
 int linear_vector_width(void) { return 0; }
 int linear_bf16_dot(void) { return 0; }

@@ -14,8 +14,10 @@ It applies where every piece of a pass is one of those kernels (`applies`): a fl
 bfloat16 model (int8 weights too) without q/k norms, rows few enough for the linear
 kernel, every sequence's attention through the decode kernel, a KV cache of the model's
 dtype or of int8 codes (written as `kv_quant` quantizes, bit for bit). Attention's
-per-thread shares run on the linear kernel's thread pool (`linear_parallel`), whose
-helpers are awake from the matmul before. Anything else (prompts, large bf16 batches,
+per-thread shares, and the row-wise steps of a pass of several rows (norms, rotary and
+the KV write, SwiGLU, the residual add), run on the linear kernel's thread pool
+(`linear_parallel`), whose helpers are awake from the matmul before; the residual add
+after a layer's MLP is the next layer's norm's (x += delta first), as in the layer loop. Anything else (prompts, large bf16 batches,
 fp8 caches) runs the layer loop.
 """
 
@@ -145,39 +147,101 @@ static int attention_share(void* ctx, int64_t share) {
                          S->block_size, S->scale);
 }
 
+/* The row-wise steps between the matmuls. Each row's result depends on that row alone,
+   so a pass of several rows splits them over the pool's helpers, which are awake from
+   the matmul before; the sums are the same in any split. */
+enum {
+  NORM_IN,      /* xn = norm_in(x), after x += down of the layer before (delta) */
+  ROTARY_KV,    /* rotate q and k in qkv, write k and v to the cache */
+  NORM_POST,    /* x += o, xn = norm_post(x) */
+  SILU,         /* act = silu(gate) * up */
+  ADD_DOWN      /* x += down (the last layer; the others fold it into NORM_IN) */
+};
+
+typedef struct {
+  const kernels_t* K; const shape_t* S; const layer_t* L; const pass_t* P;
+  int step, shares; const void* delta;
+} rows_job_t;
+
+/* Below this many rows a pass runs its row-wise steps on the calling thread: a hand-off
+   costs more than the rows (1 row of SmolLM2: all of them ~2 us). */
+#define SPLIT_ROWS 4
+
+static int rows_share(void* ctx, int64_t share) {
+  const rows_job_t* r = (const rows_job_t*)ctx;
+  const kernels_t* K = r->K; const shape_t* S = r->S; const layer_t* L = r->L;
+  const pass_t* P = r->P;
+  const int64_t lo = P->t * share / r->shares, hi = P->t * (share + 1) / r->shares;
+  const int64_t n = hi - lo, H = S->hidden, h = S->heads, kvh = S->kv_heads;
+  const int64_t d = S->head_dim, qn = (h + 2 * kvh) * d, es = S->dt == 0 ? 4 : 2;
+  if (n <= 0) return 0;
+  char* x = (char*)P->x + lo * H * es;
+  char* xn = (char*)P->xn + lo * H * es;
+  switch (r->step) {
+    case NORM_IN:
+      K->norm(x, H, r->delta ? (const char*)r->delta + lo * H * es : NULL, H, L->norm_in,
+              S->eps, xn, H, n, H);
+      return 0;
+    case NORM_POST:
+      K->norm(x, H, (const char*)P->o + lo * H * es, H, L->norm_post, S->eps, xn, H, n, H);
+      return 0;
+    case SILU:
+      K->silu((const char*)P->gu + lo * 2 * S->inter * es, 2 * S->inter,
+              (char*)P->act + lo * S->inter * es, S->inter, n, S->inter);
+      return 0;
+    case ADD_DOWN:
+      add_into(S->dt, x, (const char*)P->down + lo * H * es, n * H);
+      return 0;
+    default: break;
+  }
+  char* rows = (char*)P->qkv + lo * qn * es;
+  K->rotary(rows, qn, h + kvh, d, (const char*)P->cos_ + lo * d * es,
+            (const char*)P->sin_ + lo * d * es, d, n);
+  const int64_t* slots = P->slots + lo;
+  int bad = L->k_scale
+      ? K->scatter_i8(rows + h * d * es, qn, S->dt == 1, L->k_cache, L->k_scale, kvh, d,
+                      slots, n, P->num_slots)
+      : K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, slots, n,
+                   P->num_slots);
+  if (!bad)
+    bad = L->k_scale
+        ? K->scatter_i8(rows + (h + kvh) * d * es, qn, S->dt == 1, L->v_cache, L->v_scale,
+                        kvh, d, slots, n, P->num_slots)
+        : K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
+                     slots, n, P->num_slots);
+  return bad ? -1 : 0;
+}
+
+static int row_step(const kernels_t* K, const shape_t* S, const layer_t* L, const pass_t* P,
+                    int step, const void* delta) {
+  rows_job_t job = {K, S, L, P, step, 1, delta};
+  if (P->t < SPLIT_ROWS || P->threads <= 1) return rows_share(&job, 0);
+  job.shares = P->threads < P->t ? P->threads : (int)P->t;
+  return K->parallel(rows_share, &job, job.shares, P->threads);
+}
+
 /* 0, or which step of which layer failed: -(layer * 8 + step + 1) */
 int decoder_stack(const kernels_t* K, const shape_t* S, const layer_t* layers,
                   const pass_t* P) {
   const int64_t H = S->hidden, h = S->heads, kvh = S->kv_heads, d = S->head_dim;
-  const int64_t qn = (h + 2 * kvh) * d, es = S->dt == 0 ? 4 : 2, t = P->t;
+  const int64_t qn = (h + 2 * kvh) * d;
   for (int64_t l = 0; l < S->layers; ++l) {
     const layer_t* L = layers + l;
     const int fail = -(int)(l * 8 + 1);
-    K->norm(P->x, H, NULL, 0, L->norm_in, S->eps, P->xn, H, t, H);
+    row_step(K, S, L, P, NORM_IN, l ? P->down : NULL);  /* x += down: the layer before's */
     if (project(K, S, L, 0, P->xn, H, P->qkv, qn, P)) return fail;
-    K->rotary(P->qkv, qn, h + kvh, d, P->cos_, P->sin_, d, t);
-    const char* rows = (const char*)P->qkv;
-    if (L->k_scale
-            ? K->scatter_i8(rows + h * d * es, qn, S->dt == 1, L->k_cache, L->k_scale, kvh, d,
-                            P->slots, t, P->num_slots) ||
-              K->scatter_i8(rows + (h + kvh) * d * es, qn, S->dt == 1, L->v_cache, L->v_scale,
-                            kvh, d, P->slots, t, P->num_slots)
-            : K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, P->slots,
-                         t, P->num_slots) ||
-              K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
-                         P->slots, t, P->num_slots))
-      return fail - 1;
+    if (row_step(K, S, L, P, ROTARY_KV, NULL)) return fail - 1;
     attention_job_t job = {K, S, L, P};
     if (P->shares == 1 ? attention_share(&job, 0)
                        : K->parallel(attention_share, &job, P->shares, P->threads))
       return fail - 2;
     if (project(K, S, L, 1, P->attn, h * d, P->o, H, P)) return fail - 3;
-    K->norm(P->x, H, P->o, H, L->norm_post, S->eps, P->xn, H, t, H);  /* x += o first */
+    row_step(K, S, L, P, NORM_POST, NULL);
     if (project(K, S, L, 2, P->xn, H, P->gu, 2 * S->inter, P)) return fail - 4;
-    K->silu(P->gu, 2 * S->inter, P->act, S->inter, t, S->inter);
+    row_step(K, S, L, P, SILU, NULL);
     if (project(K, S, L, 3, P->act, S->inter, P->down, H, P)) return fail - 5;
-    add_into(S->dt, P->x, P->down, t * H);
   }
+  if (S->layers) row_step(K, S, layers + S->layers - 1, P, ADD_DOWN, NULL);
   return 0;
 }
 """

@@ -15,6 +15,7 @@ from ridgeline.engine import (
     linear_kernel,
 )
 from ridgeline.engine.attention import build_attention_metadata
+from ridgeline.engine.models import layers
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.available() and linear_kernel.available()
@@ -162,3 +163,21 @@ def test_the_layer_table_follows_new_cache_storage_and_weight_updates(monkeypatc
     # the table in use points at the pool the engine has now
     key, (layers, _, _) = decode_stack._tables[model]
     assert key[1] == llm.engine.runner.kv_cache.k[0].data_ptr() == layers[0].k_cache
+
+
+@pytest.mark.skipif(linear_kernel.vector_width() != 16, reason="float32 rows past 16 take "
+                    "the stack on the 16-lane (AVX-512) kernel only")
+def test_float32_passes_past_the_kernels_16_rows_take_the_stack(monkeypatch):
+    # 20 sequences: decode passes of 17-20 rows, which `linear` gives to oneDNN; the stack
+    # gives them to the kernel, so it equals the layer loop with the kernel's products
+    # (the LM head, outside the stack, takes the kernel in both runs too)
+    assert decode_stack.max_rows(torch.float32, False) == decode_stack.FLOAT32_MAX_ROWS
+    assert decode_stack.max_rows(torch.float32, False) > layers.kernel_max_rows(torch.float32)
+    llm = LLM.from_hf_model(cached_model("qwen2"), num_kv_blocks=400, block_size=4,
+                            max_num_seqs=20, enable_prefix_caching=False)
+    prompts = random_prompts(20, 512, seed=13, min_len=4, max_len=30)
+    monkeypatch.setattr(layers, "KERNEL_MAX_ROWS", decode_stack.FLOAT32_MAX_ROWS)
+    ref, loop_calls = _generate(llm, monkeypatch, fused=False, prompts=prompts, max_tokens=6)
+    got, stack_calls = _generate(llm, monkeypatch, fused=True, prompts=prompts, max_tokens=6)
+    assert not loop_calls and max(stack_calls) > 16
+    assert got == ref

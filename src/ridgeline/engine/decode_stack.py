@@ -24,6 +24,7 @@ fp8 caches) runs the layer loop.
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from typing import Any
 
@@ -311,19 +312,44 @@ def _kernels(dtype: torch.dtype) -> _Kernels | None:
 
 _kernel_table: dict[torch.dtype, _Kernels | None] = {}
 
+#: float32 passes of up to this many rows run as one stack call where the linear kernel
+#: is 16 lanes wide (AVX-512), although `linear` gives products of more than 16 rows to
+#: oneDNN: its float32 matmuls are faster there (all of a step's projections, 2 threads:
+#: 32 rows 26.6 vs 31.3 ms, 64 rows 45.2 vs 59.0), but the stack saves the layer loop's
+#: dozen Python calls a layer and splits the row-wise steps. engine_bench's float32
+#: workload (124 of 264 passes at 41-64 rows), limits alternated on fresh prompts, 4 runs
+#: each, tok/s: 16 rows 293.7, 40 rows 304.4, 64 rows 318.6; another 4 runs 322.5 vs
+#: 333.9 (16 vs 64).
+FLOAT32_MAX_ROWS = 64
+
+
+def max_rows(dtype: torch.dtype, quantized: bool) -> int:
+    """The most rows of a pass the stack takes for a model of `dtype` (int8 weights:
+    `quantized`): as many as the linear kernel takes, and float32 up to FLOAT32_MAX_ROWS
+    on the 16-lane kernel."""
+    from ridgeline.engine.models.layers import kernel_max_rows
+
+    rows = kernel_max_rows(dtype, int8=quantized)
+    if dtype == torch.float32 and not quantized and _sixteen_lanes():
+        return max(rows, FLOAT32_MAX_ROWS)
+    return rows
+
+
+@functools.cache
+def _sixteen_lanes() -> bool:
+    return linear_kernel.vector_width() == 16
+
 
 def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
     """Whether a pass of `rows` tokens with this attention metadata can run as one
     `decoder_stack` call (see the module doc)."""
-    from ridgeline.engine.models.layers import kernel_max_rows
-
     dtype = model.dtype
     kb = meta.kernel
     if (dtype not in (torch.float32, torch.bfloat16) or kb is None or meta.prefill is not None
             or meta.fresh or meta.chunks or meta.groups
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
-            or rows > kernel_max_rows(dtype, int8=model.quantized)
+            or rows > max_rows(dtype, model.quantized)
             or load() is None):
         return False
     raw = cache.raw_blocks(0)

@@ -12,12 +12,15 @@ kernels, in the same order, with the same arguments (function pointers taken fro
 libraries), on buffers allocated once per pass: its output is bit for bit the layer loop's.
 It applies where every piece of a pass is one of those kernels (`applies`): a float32 or
 bfloat16 model (int8 weights too) without q/k norms, rows few enough for the linear
-kernel, every sequence's attention through the decode kernel, a KV cache of the model's
+kernel (`max_rows`; float32 passes of 17-64 rows too on AVX-512, where the layer loop
+gives the products to oneDNN: there the stack is the layer loop with the kernel's
+products), every sequence's attention through the decode kernel, a KV cache of the model's
 dtype or of int8 codes (written as `kv_quant` quantizes, bit for bit). Attention's
 per-thread shares, and the row-wise steps of a pass of several rows (norms, rotary and
 the KV write, SwiGLU, the residual add), run on the linear kernel's thread pool
-(`linear_parallel`), whose helpers are awake from the matmul before; the residual add
-after a layer's MLP is the next layer's norm's (x += delta first), as in the layer loop. Anything else (prompts, large bf16 batches,
+(`linear_parallel`), whose helpers are awake from the matmul before. The residual add
+after a layer's MLP is done by the next layer's input norm (x += delta, then the norm),
+the same sums as the layer loop's separate add. Anything else (prompts, large bf16 batches,
 fp8 caches) runs the layer loop.
 """
 
@@ -165,8 +168,9 @@ typedef struct {
 } rows_job_t;
 
 /* Below this many rows a pass runs its row-wise steps on the calling thread: a hand-off
-   costs more than the rows (1 row of SmolLM2: all of them ~2 us). */
-#define SPLIT_ROWS 4
+   costs about what the rows do (a SmolLM2 bf16 pass, HEAD vs split, alternated: 4 rows
+   7.67 -> 8.21 ms, 8 rows 9.08 -> 8.65, 16 rows 13.16 -> 12.80) */
+#define SPLIT_ROWS 8
 
 static int rows_share(void* ctx, int64_t share) {
   const rows_job_t* r = (const rows_job_t*)ctx;

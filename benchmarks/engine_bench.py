@@ -17,7 +17,8 @@ submitted at once. Baselines, in the same process, same weights, same thread cou
 Also: single-request decode speed of both engines, time to first token of a request
 whose 512-token prefix is cached versus one whose prefix is not, and the fraction of the
 matmul-only floor reached (the time the engine's own matmuls need for the forward passes
-it ran, measured on its weights afterwards, over its wall time), and of the floor that
+it ran, measured on its weights right before and right after the run, the mean of the two,
+over its wall time; `fraction_of_matmul_floor_range` gives each alone), and of the floor that
 adds the KV reads of its attention (every cached K/V byte read once per pass at the
 measured memory bandwidth). Prints one JSON object.
 """
@@ -92,16 +93,13 @@ GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 @torch.inference_mode()
-def matmul_floor(engine, passes: list[tuple[int, int]]) -> float:
-    """Seconds the engine's own matmuls need for `passes` (every projection of every layer
-    at the pass's token count, the LM head at its logit rows), at the speed measured
-    here for the model's own weights (float or int8) through its own Linear modules and
-    LM head, interpolated on a grid of row counts: a floor no schedule of these passes
-    goes below."""
+def matmul_speeds(engine) -> tuple[dict[int, float], dict[int, float]]:
+    """Seconds the engine's own matmuls take at each row count of GRID: every projection
+    of every layer (its own weights, so they stream from memory as in a real pass), and
+    the LM head, through its own Linear modules and LM head (float or int8)."""
     from ridgeline.engine.models.layers import int8_linear, linear
 
     model = engine.runner.model
-    # every layer's own weights, so they stream from memory as in a real pass
     projections = [m for layer in model.layers for m in (
         layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     hidden = model.cfg.hidden_size
@@ -125,6 +123,15 @@ def matmul_floor(engine, passes: list[tuple[int, int]]) -> float:
             lambda: [project(p, xs[p.in_features]) for p in projections], min_s=0.0, reps=3)
         xh = torch.randn(m, hidden, dtype=model.dtype)
         head_s[m] = median_seconds(lambda: head_product(xh), min_s=0.0, reps=3)
+    return layer_s, head_s
+
+
+def matmul_floor(speeds: tuple[dict[int, float], dict[int, float]],
+                 passes: list[tuple[int, int]]) -> float:
+    """Seconds the matmuls of `passes` need (every projection of every layer at the pass's
+    token count, the LM head at its logit rows) at `speeds` (matmul_speeds), interpolated
+    between the grid's row counts: a floor no schedule of these passes goes below."""
+    layer_s, head_s = speeds
 
     def at(table: dict[int, float], m: int) -> float:
         if m <= 0:
@@ -301,13 +308,23 @@ def main() -> None:
                     "output_tokens": sum(o for _, o in reqs), "quick": args.quick,
                     "machine": machine(torch.get_num_threads()),
                     "date": date.today().isoformat(), "torch": torch.__version__}
+    # the matmuls' speed right before and right after the run: the VM's speed moves by
+    # 10-20% within minutes, and a floor measured only after the run read 0.57-0.75 of it
+    # over three bf16 runs of one session; the mean of the two is the run's floor, each
+    # alone gives the fraction's range
+    before = matmul_speeds(engine)
     forwards = ForwardLog(engine.runner)
     ours = run_ridgeline(llm, reqs)
     forwards.close()
     loads["after_ridgeline"] = round(os.getloadavg()[0], 2)
-    floor = matmul_floor(engine, forwards.passes)
+    after = matmul_speeds(engine)
+    floors = [matmul_floor(speeds, forwards.passes) for speeds in (before, after)]
+    floor = sum(floors) / 2
     result["matmul_floor_seconds"] = round(floor, 2)
+    result["matmul_floor_seconds_before_after"] = [round(f, 2) for f in floors]
     result["fraction_of_matmul_floor"] = round(floor / ours["seconds"], 3)
+    result["fraction_of_matmul_floor_range"] = [round(min(floors) / ours["seconds"], 3),
+                                                round(max(floors) / ours["seconds"], 3)]
     # attention must read every cached K/V byte once per pass: at the measured memory
     # bandwidth that is a floor of its own, beside the matmuls'
     bandwidth = read_bandwidth_gbs()

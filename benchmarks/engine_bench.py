@@ -309,9 +309,9 @@ def main() -> None:
                     "machine": machine(torch.get_num_threads()),
                     "date": date.today().isoformat(), "torch": torch.__version__}
     # the matmuls' speed right before and right after the run: the VM's speed moves by
-    # 10-20% within minutes, and a floor measured only after the run read 0.57-0.75 of it
-    # over three bf16 runs of one session; the mean of the two is the run's floor, each
-    # alone gives the fraction's range
+    # 10-20% within minutes, and a floor measured only after the run gave fractions of
+    # 0.57-0.75 over three bf16 runs of one session; the mean of the two is the run's
+    # floor, each alone gives the fraction's range
     before = matmul_speeds(engine)
     forwards = ForwardLog(engine.runner)
     ours = run_ridgeline(llm, reqs)

@@ -21,8 +21,7 @@ Three paths in one source, chosen at compile time by `-march=native`
   FlashAttention does in bf16): 1.1-1.17x more on one thread, where it was FMA-bound; on
   two it is memory-bound (~30 GB/s of KV on a Zen 4 VM). int8 KV runs near the FMA
   issue limit (~45-50 GFLOP/s a thread), float32 KV at ~20 GB/s a thread. q and out may
-  be bfloat16 in every path (read
-  and written directly, no float32 copies).
+  be bfloat16 in every path (read and written directly, no float32 copies).
 - AVX2 + FMA without AVX-512: the same plan 8 wide, and it walks the KV heads of one
   sequence together so that its reads are contiguous (on a Zen 3 EPYC, 2-core VM shared
   with other jobs, against the portable path in the same run, best of 5 runs: one thread

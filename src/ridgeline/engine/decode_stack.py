@@ -172,6 +172,18 @@ typedef struct {
    7.67 -> 8.21 ms, 8 rows 9.08 -> 8.65, 16 rows 13.16 -> 12.80) */
 #define SPLIT_ROWS 8
 
+/* rows [lo, lo + n) of this pass's k or v (src, within the qkv rows) into the cache:
+   rows of the model's dtype, or int8 codes and their scales */
+static int write_rows(const kernels_t* K, const shape_t* S, const pass_t* P, const char* src,
+                      void* cache, float* scales, int64_t lo, int64_t n) {
+  const int64_t kvh = S->kv_heads, d = S->head_dim, es = S->dt == 0 ? 4 : 2;
+  const int64_t qn = (S->heads + 2 * kvh) * d;
+  if (scales)
+    return K->scatter_i8(src, qn, S->dt == 1, cache, scales, kvh, d, P->slots + lo, n,
+                         P->num_slots);
+  return K->scatter(src, qn * es, (char*)cache, kvh * d * es, P->slots + lo, n, P->num_slots);
+}
+
 static int rows_share(void* ctx, int64_t share) {
   const rows_job_t* r = (const rows_job_t*)ctx;
   const kernels_t* K = r->K; const shape_t* S = r->S; const layer_t* L = r->L;
@@ -182,11 +194,18 @@ static int rows_share(void* ctx, int64_t share) {
   if (n <= 0) return 0;
   char* x = (char*)P->x + lo * H * es;
   char* xn = (char*)P->xn + lo * H * es;
+  char* qkv = (char*)P->qkv + lo * qn * es;
   switch (r->step) {
     case NORM_IN:
       K->norm(x, H, r->delta ? (const char*)r->delta + lo * H * es : NULL, H, L->norm_in,
               S->eps, xn, H, n, H);
       return 0;
+    case ROTARY_KV:
+      K->rotary(qkv, qn, h + kvh, d, (const char*)P->cos_ + lo * d * es,
+                (const char*)P->sin_ + lo * d * es, d, n);
+      return write_rows(K, S, P, qkv + h * d * es, L->k_cache, L->k_scale, lo, n) ||
+                     write_rows(K, S, P, qkv + (h + kvh) * d * es, L->v_cache, L->v_scale, lo, n)
+                 ? -1 : 0;
     case NORM_POST:
       K->norm(x, H, (const char*)P->o + lo * H * es, H, L->norm_post, S->eps, xn, H, n, H);
       return 0;
@@ -194,27 +213,10 @@ static int rows_share(void* ctx, int64_t share) {
       K->silu((const char*)P->gu + lo * 2 * S->inter * es, 2 * S->inter,
               (char*)P->act + lo * S->inter * es, S->inter, n, S->inter);
       return 0;
-    case ADD_DOWN:
+    default:  /* ADD_DOWN */
       add_into(S->dt, x, (const char*)P->down + lo * H * es, n * H);
       return 0;
-    default: break;
   }
-  char* rows = (char*)P->qkv + lo * qn * es;
-  K->rotary(rows, qn, h + kvh, d, (const char*)P->cos_ + lo * d * es,
-            (const char*)P->sin_ + lo * d * es, d, n);
-  const int64_t* slots = P->slots + lo;
-  int bad = L->k_scale
-      ? K->scatter_i8(rows + h * d * es, qn, S->dt == 1, L->k_cache, L->k_scale, kvh, d,
-                      slots, n, P->num_slots)
-      : K->scatter(rows + h * d * es, qn * es, (char*)L->k_cache, kvh * d * es, slots, n,
-                   P->num_slots);
-  if (!bad)
-    bad = L->k_scale
-        ? K->scatter_i8(rows + (h + kvh) * d * es, qn, S->dt == 1, L->v_cache, L->v_scale,
-                        kvh, d, slots, n, P->num_slots)
-        : K->scatter(rows + (h + kvh) * d * es, qn * es, (char*)L->v_cache, kvh * d * es,
-                     slots, n, P->num_slots);
-  return bad ? -1 : 0;
 }
 
 static int row_step(const kernels_t* K, const shape_t* S, const layer_t* L, const pass_t* P,
@@ -380,10 +382,10 @@ def _weights(proj: Any) -> tuple[int, int, int, int, int, int]:
 
 def _layer_table(model: Any, cache: Any) -> tuple[Any, _Shape, int]:
     """The C view of the model's layers and KV blocks (pointers, dtype codes), its shape
-    and the cache's number of slots, built once per model and cache storage: rebuilding it took ~0.4 ms a pass (5% of
-    a single-request step). Weights change in place (`load_weights` copies into them), so
-    their pointers hold; the cache's storage is new after sleep/wake, and int8
-    quantization replaces the weights, so both are in the key."""
+    and the cache's number of slots, built once per model and cache storage: rebuilding it
+    took ~0.4 ms a pass (5% of a single-request step). Weights change in place
+    (`load_weights` copies into them), so their pointers hold; the cache's storage is new
+    after sleep/wake, and int8 quantization replaces the weights, so both are in the key."""
     blocks0 = cache.raw_blocks(0) or cache.int8_blocks(0)
     key = (id(cache), blocks0[0].data_ptr(), model.quantized)
     hit = _tables.get(model)

@@ -64,8 +64,8 @@ def platform(tmp_path: Path):
                                    "models": ["default"]}]},
     })
     platform = Platform(config)
-    alice, _ = platform.keys.create("acme", user="alice")
-    bob, _ = platform.keys.create("globex", user="bob")
+    alice, _ = platform.keys.create("acme", user="alice", scopes=["rag:write"])
+    bob, _ = platform.keys.create("globex", user="bob", scopes=["rag:read"])
     limited, _ = platform.keys.create("acme", user="carol", models=["other"])
     reader, _ = platform.keys.create("acme", user="dave", scopes=["rag:read"])
     slow, _ = platform.keys.create("acme", user="erin", limits=KeyLimits(rpm=2))
@@ -270,6 +270,7 @@ def test_rag_is_served_with_the_callers_tenant(platform) -> None:
            "acl": {"public": True}}
     with client(server, keys["alice"]) as c:
         assert c.post("/v1/rag/documents", json=doc).status_code == 200
+    with client(server, keys["reader"]) as c:  # a colleague may read a public document
         hits = c.post("/v1/rag/search", json={"query": "deploy password", "k": 3}).json()
         assert hits["data"] and hits["data"][0]["doc_id"] == "handbook"
     with client(server, keys["bob"]) as c:  # another tenant, even for a public document

@@ -427,3 +427,84 @@ def test_config_errors(tmp_path: Path) -> None:
     not_sqlite.write_text("not a database, but long enough to have a header " * 20)
     with pytest.raises(ConfigError, match="SQLite"):
         open_queue(QueueConfig(path=str(not_sqlite)))
+
+
+# ---- fairness across groups (tenants) --------------------------------------------------
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one-group-control", "by-tenant"])
+def test_one_tenants_backlog_does_not_starve_another(queue: JobQueue, grouped: bool) -> None:
+    """Tenant A queues 50 jobs, then tenant B one: B's job is among the first two leased.
+    The control queues the same jobs without groups: B's job waits behind all of A's."""
+    for i in range(50):
+        queue.enqueue("agent_task", {"i": i}, job_id=f"a{i}", group="A" if grouped else None)
+    queue.enqueue("agent_task", {}, job_id="b0", group="B" if grouped else None)
+    order = []
+    while (job := queue.lease("w")) is not None:
+        order.append(job.id)
+        assert queue.ack(job)
+    assert sorted(order) == sorted([f"a{i}" for i in range(50)] + ["b0"])  # none lost
+    if grouped:
+        assert "b0" in order[:2]
+        assert [j for j in order if j != "b0"] == [f"a{i}" for i in range(50)]  # FIFO in A
+    else:
+        assert order[-1] == "b0"  # the attack: FIFO across tenants starves B
+
+
+def test_groups_take_turns_and_retries_keep_their_group(queue: JobQueue) -> None:
+    for g in ("A", "B", "C"):
+        for i in range(3):
+            queue.enqueue("t", {}, job_id=f"{g}{i}", group=g)
+    first = [queue.lease("w") for _ in range(3)]
+    assert sorted(j.id[0] for j in first if j) == ["A", "B", "C"]  # one per group
+    assert queue.fail(first[0], "boom") == "queued"
+    rest = []
+    while (job := queue.lease("w")) is not None:
+        rest.append(job.id)
+        queue.ack(job)
+    assert sorted(rest) == sorted({f"{g}{i}" for g in "ABC" for i in range(3)}
+                                  - {first[1].id, first[2].id})
+    for j in first[1:]:
+        queue.ack(j)
+    assert queue.depth()["queued"] == queue.depth()["leased"] == 0
+
+
+# ---- dead-letter reconciliation --------------------------------------------------------
+
+
+def _bury(queue: JobQueue, n: int, prefix: str = "d") -> list[str]:
+    ids = []
+    for i in range(n):
+        ids.append(queue.enqueue("t", {}, job_id=f"{prefix}{i}", max_attempts=1))
+    while (job := queue.lease("w")) is not None:
+        assert queue.fail(job, "no") == "dead"
+    return ids
+
+
+def test_every_dead_job_is_reconciled_exactly_once_over_several_pages(queue: JobQueue) -> None:
+    ids = _bury(queue, 23)
+    # the attack's shape: a fixed page of the oldest dead jobs never reaches the rest
+    assert len(queue.dead_letters(limit=5)) == 5
+    assert [d["id"] for d in queue.dead_letters(limit=5)] == \
+        [d["id"] for d in queue.dead_letters(limit=5)]
+    seen: list[str] = []
+    for _ in range(10):
+        page = queue.dead_letters(limit=5, unreconciled=True)
+        if not page:
+            break
+        seen += [d["id"] for d in page]
+        assert queue.mark_reconciled([d["id"] for d in page]) == len(page)
+    assert sorted(seen) == sorted(ids) and len(seen) == len(set(seen))
+    assert queue.mark_reconciled(ids) == 0  # already done
+    assert len(queue.dead_letters(limit=100)) == 23  # still listed as dead
+    # marked out of order: the others stay unreconciled
+    more = _bury(queue, 3, prefix="e")
+    assert queue.mark_reconciled([more[1]]) == 1
+    assert [d["id"] for d in queue.dead_letters(limit=10, unreconciled=True)] == \
+        [more[0], more[2]]
+    # a requeued job that dies again is unreconciled again
+    assert queue.requeue_dead(ids[0])
+    job = queue.lease("w")
+    assert job is not None and job.id == ids[0] and queue.fail(job, "again") == "dead"
+    assert [d["id"] for d in queue.dead_letters(limit=10, unreconciled=True)] == \
+        [more[0], more[2], ids[0]]

@@ -17,10 +17,13 @@ from ridgeline.platform.principal import Principal
 from ridgeline.platform.rag import AgentMemory, DocumentIndex
 from ridgeline.platform.rag_api import rag_router
 
+ALL = frozenset({"rag:read", "rag:write", "memory:read", "memory:write"})
 KEYS = {
-    "sk-alice": Principal("k-alice", "acme", "alice", frozenset({"eng"})),
-    "sk-bob": Principal("k-bob", "acme", "bob"),
-    "sk-globex": Principal("k-globex", "globex", "alice", frozenset({"eng"})),
+    "sk-alice": Principal("k-alice", "acme", "alice", frozenset({"eng"}), ALL),
+    "sk-bob": Principal("k-bob", "acme", "bob", scopes=ALL),
+    "sk-globex": Principal("k-globex", "globex", "alice", frozenset({"eng"}), ALL),
+    "sk-none": Principal("k-none", "acme", "nobody", frozenset({"eng"})),
+    "sk-admin": Principal("k-admin", "acme", "root", admin=True),
 }
 TEXT = "To restart the gateway, drain its connections, stop the service and start it again."
 

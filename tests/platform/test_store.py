@@ -6,6 +6,7 @@ both too: placeholders, retried deadlocks, unreachable servers."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from postgres_server import PostgresServer, free_port, postgres_server_fixture
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError
 from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location
-from ridgeline.platform.principal import Principal
+from ridgeline.platform.principal import Principal, group_reader, user_reader
 from ridgeline.platform.store import TaskStatus, TaskStore, store_path
 from ridgeline.serve.protocol import error_for
 
@@ -116,6 +117,71 @@ def test_create_get_list_and_tenant_isolation(store: TaskStore) -> None:
     assert store.counts() == {"queued": 3, "in_progress": 1, "completed": 0, "failed": 0,
                               "cancelled": 0}
     assert a1.public()["object"] == "agent.task"
+
+
+def test_visibility_follows_the_principal(store: TaskStore) -> None:
+    """A task is seen by its key, its user (through any key) and its grantees; a colleague
+    of the same tenant gets the 404 of a missing task; an admin sees every task."""
+    task, _ = store.create_task(ALICE, {"instruction": "mine"},
+                                readers=[user_reader("erin"), group_reader("ops")])
+    graph, _ = store.create_task(ALICE, {"instruction": "g"}, kind="dag",
+                                 readers=[user_reader("erin")])
+    # a graph's node is created under a bare owner (no user), as GraphRunner does
+    node, _ = store.create_task(Principal(key_id="k-alice", tenant="acme"),
+                                {"instruction": "n", "node_id": "a"}, parent_id=graph.id)
+    alice_again = Principal(key_id="k-alice-2", tenant="acme", user="alice")
+    erin = Principal(key_id="k-erin", tenant="acme", user="erin")
+    ops = Principal(key_id="k-frank", tenant="acme", user="frank", groups=frozenset({"ops"}))
+    admin = Principal(key_id="k-root", tenant="admin", admin=True)
+    # same names in another tenant grant nothing
+    outsider = Principal(key_id="k-x", tenant="globex", user="erin",
+                         groups=frozenset({"ops"}))
+    for who, sees in [(ALICE, {task.id, graph.id, node.id}),
+                      (alice_again, {task.id, graph.id, node.id}),
+                      (erin, {task.id, graph.id, node.id}), (ops, {task.id}),
+                      (CAROL, set()), (outsider, set()),
+                      (admin, {task.id, graph.id, node.id})]:
+        assert {t["id"] for t in store.summaries(who)} == sees, who
+        for t in (task, graph, node):
+            if t.id in sees:
+                assert store.get(t.id, visible_to=who).id == t.id
+            else:
+                with pytest.raises(NotFoundError) as info:
+                    store.get(t.id, visible_to=who)
+                assert "no agent task" in str(info.value)
+    # a user is matched as a user, never as a group or a key id of the same name
+    lookalike = Principal(key_id="erin", tenant="acme", user="ops", groups=frozenset({"erin"}))
+    assert store.summaries(lookalike) == []
+
+
+def test_summaries_are_bounded_and_read_no_request(store: TaskStore) -> None:
+    big = {"instruction": "x" * 5000, "model": "m", "files": {f"f{i}": "z" * 100_000
+                                                               for i in range(20)},
+           "tools": ["a", "b"], "metadata": {"k": "v"}}
+    task, _ = store.create_task(ALICE, big)
+    store.finish(task.id, TaskStatus.FAILED, error="e" * 10_000, result={"big": "r" * 10**6})
+    [summary] = store.summaries(ALICE)
+    assert len(json.dumps(summary)) < 2000  # the request is 2 MB, the result 1 MB
+    assert summary["instruction"] == "x" * 200 and summary["instruction_chars"] == 5000
+    assert (summary["files"], summary["tools"], summary["metadata"]) == (20, 2, 1)
+    assert summary["status"] == "failed" and summary["error"] == "e" * 500
+    assert summary["object"] == "agent.task.summary" and "request" not in summary
+    # a task written before briefs and readers existed: summarised from its request, and
+    # still visible to the key that submitted it
+    store.db.execute("DELETE FROM task_briefs WHERE task_id = ?", (task.id,))
+    store.db.execute("DELETE FROM task_readers WHERE task_id = ?", (task.id,))
+    assert store.summaries(ALICE) == [summary]
+    assert store.summaries(Principal(key_id="k-alice-2", tenant="acme", user="alice")) == []
+
+
+def test_summaries_filter_by_status_and_limit(store: TaskStore) -> None:
+    ids = []
+    for i in range(5):
+        ids.append(store.create_task(ALICE, {"instruction": str(i)})[0].id)
+        time.sleep(0.002)
+    store.finish(ids[1], TaskStatus.COMPLETED)
+    assert [t["id"] for t in store.summaries(ALICE, limit=2)] == ids[:-3:-1]
+    assert [t["id"] for t in store.summaries(ALICE, status="completed")] == [ids[1]]
 
 
 def test_the_webhook_secret_is_stored_but_never_shown(store: TaskStore) -> None:

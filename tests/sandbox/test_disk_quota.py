@@ -1,17 +1,25 @@
-"""The sandbox's disk quota: enforced on what its trees really hold, while it runs."""
+"""The sandbox's disk quota: the workspace is a filesystem of `disk_bytes` and
+`disk_inodes` (volume.py), so every way to take disk ends at the limit with ENOSPC; the
+watcher stays as the backstop over the workspace and writable mounts together."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from ridgeline.errors import SandboxError
-from ridgeline.sandbox import Limits, Mount, SandboxSpec, create_sandbox
+from ridgeline.sandbox import Limits, Mount, SandboxPool, SandboxSpec, create_sandbox
 from ridgeline.sandbox.disk import allocated_bytes
 
 from sandbox_helpers import needs_bwrap
 
 pytestmark = needs_bwrap
 MiB = 1024 * 1024
+LIMIT = 32 * MiB
 # Writes 1 MiB at a time, slowly enough for the watcher to see it grow.
 FILL = ("python3 -c \"import time\n"
         "with open('{path}', 'wb') as f:\n"
@@ -19,25 +27,102 @@ FILL = ("python3 -c \"import time\n"
         "        f.write(b'x' * (1 << 20)); f.flush(); time.sleep(0.01)\n"
         "print('finished')\"")
 
+# Each attack prints how far it got and the error that stopped it.
+ATTACKS = {
+    # Written into a file that is in no directory: invisible to any walk.
+    "unlinked_open_file": """
+import errno, os
+f = open('ghost', 'wb'); os.unlink('ghost'); n = 0
+try:
+    while n < 300:
+        f.write(b'x' * (1 << 20)); f.flush(); n += 1
+    print('reached', n, 'none')
+except OSError as e:
+    print('reached', n, errno.errorcode[e.errno])
+""",
+    # Blocks taken in one call, long before a watcher's next walk.
+    "fallocate": """
+import errno, os
+fd = os.open('small', os.O_WRONLY | os.O_CREAT)
+os.posix_fallocate(fd, 0, 1 << 20)           # control: fallocate itself works here
+fd2 = os.open('big', os.O_WRONLY | os.O_CREAT)
+try:
+    os.posix_fallocate(fd2, 0, 2 << 30)
+    print('reached', os.fstat(fd2).st_blocks * 512 >> 20, 'none')
+except OSError as e:
+    print('reached', os.fstat(fd).st_blocks * 512 >> 20, errno.errorcode[e.errno])
+""",
+    # Empty files: no bytes to count, only inodes.
+    "inode_flood": """
+import errno, os
+os.mkdir('many'); n = 0
+try:
+    while n < 20000:
+        os.close(os.open(f'many/{n}', os.O_CREAT | os.O_WRONLY)); n += 1
+    print('reached', n, 'none')
+except OSError as e:
+    print('reached', n, errno.errorcode[e.errno])
+""",
+    # A chain deeper than any open-file limit a walker has, then a fill below it.
+    "deep_chain_then_fill": """
+import errno, os
+for _ in range(3000):
+    os.mkdir('d'); os.chdir('d')
+n = 0
+try:
+    with open('fill', 'wb') as f:
+        while n < 300:
+            f.write(b'x' * (1 << 20)); f.flush(); n += 1
+    print('reached', n, 'none')
+except OSError as e:
+    print('reached', n, errno.errorcode[e.errno])
+""",
+}
+
 
 def _quota_sandbox(**extra) -> object:
-    return create_sandbox(SandboxSpec(limits=Limits(disk_bytes=32 * MiB,
-                                                    max_file_size_bytes=1024 * MiB), **extra))
+    limits = {"disk_bytes": LIMIT, "disk_inodes": 4000, "max_file_size_bytes": 4096 * MiB,
+              **extra.pop("limits", {})}
+    return create_sandbox(SandboxSpec(limits=Limits(**limits), **extra))
 
 
-def test_filling_the_workspace_is_killed_and_reported():
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_every_way_to_take_disk_ends_at_the_limit(attack):
+    with _quota_sandbox() as sb:
+        assert os.path.ismount(sb.workspace_dir)
+        r = sb.run(["python3", "-c", textwrap.dedent(ATTACKS[attack])], timeout=120)
+        word, reached, err = r.stdout.split()
+        # The attack ran (up to the limit) and the filesystem refused the rest.
+        assert word == "reached" and err == "ENOSPC", r
+        if attack == "inode_flood":
+            assert 3500 <= int(reached) <= 4000
+        elif attack == "fallocate":
+            assert int(reached) >= 1  # the control allocation held
+        elif attack == "deep_chain_then_fill":
+            assert 12 <= int(reached) <= LIMIT // MiB  # 3,000 directories hold 12 MiB
+        else:
+            assert 24 <= int(reached) <= LIMIT // MiB
+        used = os.statvfs(sb.workspace_dir)
+        assert (used.f_blocks - used.f_bfree) * used.f_frsize <= LIMIT + MiB
+        # The host holds no more than the image, whatever happened inside.
+        assert os.stat(sb.dir / "disk.img").st_blocks * 512 < LIMIT + 8 * MiB
+        assert sb.run("echo still usable").stdout == "still usable\n"
+        assert r.killed_by is None  # refused, not killed: the agent's own failure
+
+
+def test_filling_the_workspace_stops_at_the_limit_and_keeps_the_files():
     with _quota_sandbox() as sb:
         r = sb.run(FILL.format(path="big"), timeout=60)
-        assert r.killed_by == "disk" and "finished" not in r.stdout, r
-        assert "disk quota" in r.stderr
-        written = allocated_bytes(sb.workspace_dir)
-        assert 32 * MiB < written < 200 * MiB   # it ran, over the limit, then was stopped
-        assert sb.run("echo still usable").stdout == "still usable\n"
+        assert not r.ok and "finished" not in r.stdout and "No space left" in r.stderr, r
+        written = (sb.workspace_dir / "big").stat().st_size
+        assert 24 * MiB <= written <= LIMIT
         # Nothing is deleted: the caller decides what to do with the files.
-        assert (sb.workspace_dir / "big").exists()
+        assert sb.run("rm big && echo freed").stdout == "freed\n"
+        assert sb.run(FILL.format(path="big").replace("range(400)", "range(16)")).ok
 
 
 def test_writable_mounts_count_too(tmp_path):
+    """Writable mounts are host directories: the watcher bounds the total."""
     out = tmp_path / "out"
     out.mkdir()
     with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
@@ -63,11 +148,129 @@ def test_sparse_files_count_what_they_hold():
         assert allocated_bytes(sb.workspace_dir) < MiB
 
 
-def test_snapshot_over_the_quota_is_refused():
+def test_host_writes_meet_the_same_limit():
     with create_sandbox(SandboxSpec(limits=Limits(disk_bytes=8 * MiB))) as sb:
-        # Written from the host, so the watcher has not killed anything yet.
         sb.write_file("a.bin", b"a" * (4 * MiB))
         sb.snapshot()                  # under the quota: fine
-        sb.write_file("b.bin", b"b" * (6 * MiB))
-        with pytest.raises(SandboxError, match="snapshot"):
-            sb.snapshot()
+        with pytest.raises(OSError, match="No space left"):
+            sb.write_file("b.bin", b"b" * (6 * MiB))
+
+
+def test_a_seed_larger_than_the_disk_is_refused(tmp_path):
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "big").write_bytes(os.urandom(3 * MiB))
+    with pytest.raises((OSError, SandboxError)):
+        create_sandbox(SandboxSpec(workspace_from=seed, limits=Limits(disk_bytes=MiB)))
+    with create_sandbox(SandboxSpec(workspace_from=seed, limits=Limits(disk_bytes=4 * MiB))) as sb:
+        assert sb.read_file("big") == (seed / "big").read_bytes()   # control: it fits
+
+
+def _loop_of(point) -> str:
+    for line in open("/proc/self/mountinfo"):
+        fields = line.split()
+        if fields[4] == str(point):
+            return fields[fields.index("-") + 2]
+    return ""
+
+
+def _backing(dev: str) -> str:
+    try:
+        return open(f"/sys/block/{os.path.basename(dev)}/loop/backing_file").read().strip()
+    except OSError:
+        return ""
+
+
+def test_close_unmounts_and_frees_the_volume_even_with_later_sandboxes_alive():
+    import time
+    a = _quota_sandbox()
+    ws, image = a.workspace_dir, a.dir / "disk.img"
+    dev = _loop_of(ws)
+    assert dev.startswith("/dev/loop") and str(image) in _backing(dev)  # control
+    # Started after `a`: its launcher's mount namespace began as a copy of the host's,
+    # `a`'s volume included; it must not keep that filesystem alive.
+    with _quota_sandbox() as b:
+        assert b.run("echo hi").stdout == "hi\n"
+        a.close()
+        assert _loop_of(ws) == "" and not image.exists()
+        deadline = time.monotonic() + 10
+        while str(image) in _backing(dev) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert str(image) not in _backing(dev)
+
+
+def test_a_pool_member_that_filled_its_disk_comes_back_clean(tmp_path):
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "keep.txt").write_text("seed\n")
+    spec = SandboxSpec(workspace_from=seed, limits=Limits(disk_bytes=LIMIT, disk_inodes=2000))
+    with SandboxPool(spec, size=1) as pool:
+        sb = pool.acquire()
+        r = sb.run("head -c 64M /dev/zero > fill; "
+                   "python3 -c \"import os\nfor i in range(5000): open(f'f{i}', 'w')\"")
+        assert "No space left" in r.stderr  # control: it filled inodes and blocks
+        pool.release(sb)
+        again = pool.acquire(timeout=60)
+        assert again.list_files() == ["keep.txt"]
+        r = again.run(FILL.format(path="big").replace("range(400)", "range(16)"))
+        assert r.ok and r.stdout == "finished\n"
+        pool.release(again)
+
+
+def test_stale_volumes_of_a_dead_process_are_unmounted(tmp_path):
+    """A process that died without closing its sandbox leaves a mounted volume; the
+    next provider on the same root unmounts it."""
+    root = tmp_path / "root"
+    code = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from ridgeline.sandbox import Limits, SandboxSpec, get_provider
+        sb = get_provider("bwrap", root_dir=Path({str(root)!r})).create(
+            SandboxSpec(limits=Limits(disk_bytes=8 << 20)))
+        print(sb.workspace_dir, flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    ws = out.stdout.strip()
+    assert ws and _loop_of(ws), out.stderr      # control: the crash left it mounted
+    from ridgeline.sandbox import get_provider
+    get_provider("bwrap", root_dir=root)
+    assert _loop_of(ws) == ""
+
+
+def test_an_unmeasurable_tree_counts_as_over_the_quota(tmp_path):
+    """The watcher (for writable mounts, and without volumes): a chain deeper than the
+    open-file limit breaks the walk, which must count as over the quota, never 0."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    fd = os.open(tree, os.O_RDONLY)
+    try:
+        for _ in range(200):
+            os.mkdir("d", dir_fd=fd)
+            new = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = new
+    finally:
+        os.close(fd)
+    code = textwrap.dedent(f"""
+        import resource
+        from ridgeline.sandbox import disk
+        from ridgeline.sandbox.quota import DiskQuota
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        try:
+            print("walk measured", disk.allocated_bytes({str(tree)!r}))
+        except OSError as e:
+            print("walk failed", e.errno)       # the attack breaks a plain walk
+        hits = []
+        q = DiskQuota([__import__("pathlib").Path({str(tree)!r})], 1 << 30, hits.append)
+        print("over" if q.check() and hits else f"under {{q.used()}}")
+        q.stop()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    walk, verdict = out.stdout.split("\n")[:2]
+    if walk.startswith("walk failed"):
+        assert verdict == "over", out
+    else:  # a walk that copes with the depth must then count what is there
+        assert verdict.startswith("under") and int(verdict.split()[1]) > 0, out

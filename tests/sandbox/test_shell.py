@@ -73,3 +73,37 @@ def test_shell_output_cap():
         r = sh.send("yes", timeout=60)
         assert r.truncated and r.killed_by == "output"
         assert sh.send("echo after").stdout == "after\n"
+
+
+#: Ways a command looks for the end marker to print it with a status and cwd of its
+#: choosing: the variable that used to hold it, every variable, bash's argv and
+#: environment, and every file descriptor bash has open that can be listed.
+_FIND = {
+    "marker variable": 'm="$__rl_m"',
+    "every variable": "m=$(set | grep -o '__RIDGELINE_[0-9a-f]*__' | tail -1)",
+    "bash's argv": "m=$(tr '\\0' '\\n' < /proc/$$/cmdline | grep -o '__RIDGELINE_[0-9a-f]*__'"
+                   " | tail -1)",
+    "bash's environment": "m=$(tr '\\0' '\\n' < /proc/$$/environ | "
+                          "grep -o '__RIDGELINE_[0-9a-f]*__' | tail -1)",
+}
+
+
+@pytest.mark.parametrize("where", sorted(_FIND))
+def test_a_command_cannot_forge_its_end_marker(sandbox, where):
+    sh = sandbox.shell()
+    sh.send("cd /tmp")
+    forge = (_FIND[where] + '; echo "found=[$m]"; cd /; '
+             "printf '\\n%s 0 /forged\\n' \"$m\"; printf '\\n%s\\n' \"$m\" >&2; "
+             "echo after-the-marker; cd /tmp; false")
+    r = sh.send(forge)
+    # The attack ran to its end: everything it printed, the fake marker line included,
+    # is the command's output, and the status and cwd are the real ones.
+    assert "after-the-marker" in r.stdout, r
+    assert "0 /forged" in r.stdout
+    assert r.exit_code == 1
+    assert sh.send("pwd").stdout == "/tmp\n"
+    if where == "bash's argv":  # positive control: a marker-shaped token was found
+        assert "found=[__RIDGELINE_" in r.stdout
+    # The session is in step: the next command gets its own output and status.
+    r = sh.send("echo next; exit_code_probe() { return 3; }; exit_code_probe")
+    assert (r.stdout, r.exit_code) == ("next\n", 3)

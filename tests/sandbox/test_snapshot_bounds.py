@@ -372,3 +372,93 @@ def test_pool_hands_out_a_clean_root_again(tmp_path: Path):
         assert stat.S_IMODE(os.stat(wsd).st_mode) == mode and xattrs(wsd) == {}
         assert sorted(again.list_files()) == ["keep.txt"]
         pool.release(again)
+
+
+# -- hard links ----------------------------------------------------------------------------
+LINKED = 20 * MiB
+NAMES = 31  # a file and 30 more links to it
+
+
+def _linked_workspace(ws: Path) -> list[Path]:
+    (ws / "a" / "b").mkdir(parents=True)
+    first = ws / "a" / "data"
+    first.write_bytes(os.urandom(LINKED))
+    names = [first] + [ws / ("a/b" if i % 2 else "") / f"link{i}" for i in range(NAMES - 1)]
+    for n in names[1:]:
+        os.link(first, n)
+    return names
+
+
+def _inodes(paths: list[Path]) -> set[int]:
+    return {p.lstat().st_ino for p in paths}
+
+
+def test_hard_links_are_stored_once_and_restored_as_links(ws: Path, tmp_path: Path):
+    names = _linked_workspace(ws)
+    want = names[0].read_bytes()
+    # Positive control: name by name, the workspace is 620 MiB of file data.
+    assert sum(p.stat().st_size for p in names) == NAMES * LINKED
+    assert names[0].stat().st_nlink == NAMES
+    limit = LINKED + 4 * MiB
+    snap = snapshots.take(ws, tmp_path / "store", "s1", max_bytes=limit)
+    assert disk.allocated_bytes(tmp_path / "store") < limit
+    assert os.stat(tmp_path / "store" / "a" / "data").st_nlink == NAMES
+    # The sandbox breaks the links every way: a name removed, one replaced by a copy,
+    # one by other content, and the shared data changed in place.
+    names[3].unlink()
+    names[4].unlink()
+    shutil.copyfile(names[0], names[4])
+    names[5].unlink()
+    names[5].write_bytes(b"other")
+    with open(names[0], "r+b") as f:
+        f.write(b"changed")
+    snapshots.restore(ws, snap)
+    assert len(_inodes(names)) == 1 and names[0].stat().st_nlink == NAMES
+    assert names[7].read_bytes() == want
+    assert disk.allocated_bytes(ws) < limit
+    # Restoring again changes nothing (the links are recognised as unchanged) ...
+    before = names[0].stat()
+    snapshots.restore(ws, snap)
+    after = names[0].stat()
+    assert (after.st_ino, after.st_ctime_ns) == (before.st_ino, before.st_ctime_ns)
+    # ... and the next snapshot shares the store's inode instead of copying.
+    snapshots.take(ws, tmp_path / "store2", "s2", previous=snap, max_bytes=limit)
+    assert os.stat(tmp_path / "store2" / "link8").st_ino == os.stat(
+        tmp_path / "store" / "a" / "data").st_ino
+
+
+def test_a_copy_that_grows_past_the_limit_is_refused(ws: Path, tmp_path: Path, monkeypatch):
+    """The size check runs before copying; a file that grows meanwhile (a running
+    sandbox) is caught by counting what the copy really stored."""
+    (ws / "f").write_bytes(os.urandom(MiB))
+    (ws / "g").write_bytes(os.urandom(MiB))
+    real = snapshots._copy_fd
+
+    def grow_then_copy(src, dst):  # the sandbox appends while we copy
+        w = os.open(f"/proc/self/fd/{src}", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(w, os.urandom(4 * MiB))
+        finally:
+            os.close(w)
+        real(src, dst)
+    monkeypatch.setattr(snapshots, "_copy_fd", grow_then_copy)
+    with pytest.raises(SandboxError, match="over the snapshot limit"):
+        snapshots.take(ws, tmp_path / "store", "s1", max_bytes=3 * MiB)
+    assert not (tmp_path / "store").exists()
+    monkeypatch.undo()
+    # Positive control: the same workspace (grown to 6 MiB) fits under a larger limit.
+    snapshots.take(ws, tmp_path / "store", "s1", max_bytes=16 * MiB)
+
+
+@needs_bwrap
+def test_sandbox_snapshot_keeps_hard_links(make_sandbox):
+    sb = make_sandbox(limits={"disk_bytes": 64 * MiB})
+    r = sb.run(["sh", "-c", "head -c 20971520 /dev/urandom > data && "
+                "for i in $(seq 30); do ln data l$i; done && stat -c %h data"])
+    assert r.ok and r.stdout.split() == ["31"], r.stderr  # positive control: 31 names
+    snap = sb.snapshot()  # 620 MiB name by name, 20 MiB stored
+    r = sb.run(["sh", "-c", "rm l1 l2 && cp data l3.tmp && mv l3.tmp l3 && echo x > l4"])
+    assert r.ok
+    sb.restore(snap)
+    r = sb.run(["sh", "-c", "stat -c '%h %i' data l1 l3 l4 l30 | sort -u"])
+    assert r.ok and len(r.stdout.splitlines()) == 1 and r.stdout.startswith("31 "), r.stdout

@@ -14,6 +14,13 @@ pure function of the children's statuses, so it is safe to run from any worker, 
 of times (child tasks are created under per-node idempotency keys: two workers advancing
 the same graph at once create each node once). A crash between a child finishing and the
 graph advancing is repaired by `advance_all`, which the API runs periodically.
+
+Quotas. A graph is one request but makes many tasks, so each node is admitted under the
+submitting key before its task is created (`admit`: one request of the key's rpm, and no
+more live nodes than its concurrency); a node refused now stays unstarted and is tried
+again on the next advance (a child finishing, or `advance_all`). A graph holds at most
+`MAX_GRAPH_NODES` nodes after expansion. A planner's subtask ids are made unique (a
+suffix when one is taken): a plan can never name a node twice.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ridgeline.errors import RidgelineError
+from ridgeline.errors import RateLimitError, RidgelineError
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import JobQueue
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
@@ -33,6 +40,8 @@ log = logging.getLogger(__name__)
 
 MAX_NODES = 64
 MAX_EXPANSION = 16
+#: Nodes a graph may reach through its planners' subtasks (its request holds <= MAX_NODES).
+MAX_GRAPH_NODES = 128
 
 
 class GraphError(RidgelineError):
@@ -87,11 +96,14 @@ class GraphRunner:
     task's request (model, limits, tools, webhook-free)."""
 
     def __init__(self, store: TaskStore, queue: JobQueue, enqueue: Any,
-                 on_finish: Callable[[TaskRecord], None] | None = None) -> None:
+                 on_finish: Callable[[TaskRecord], None] | None = None,
+                 admit: Callable[[Principal, int], None] | None = None) -> None:
         self.store = store
         self.queue = queue
         self.enqueue = enqueue  # (store, queue, task) -> None, as the API enqueues
         self.on_finish = on_finish  # a graph reached a terminal state (webhooks)
+        # (owner, its graph's live nodes) -> None, or RateLimitError: may a node start now
+        self.admit = admit
 
     def state(self, dag: TaskRecord) -> tuple[list[GraphNode], set[str]]:
         """The graph as it stands and the planners already expanded: kept in the graph
@@ -139,10 +151,19 @@ class GraphRunner:
         if len(done) == len(nodes):
             self._finish(dag_id, TaskStatus.COMPLETED, result=self._result(nodes, children))
             return TaskStatus.COMPLETED
+        live = sum(1 for c in children.values() if not c.status.terminal)
         for node in nodes:
             if node.id not in children and all(d in done for d in node.depends_on):
+                if self.admit is not None:
+                    try:
+                        self.admit(Principal(key_id=dag.key_id, tenant=dag.tenant), live)
+                    except RateLimitError as e:  # the next advance tries again
+                        log.info("graph %s: node %s waits for its key's quota: %s",
+                                 dag_id, node.id, e)
+                        break
                 child = self._start(dag, node, [children[d] for d in node.depends_on])
                 children[node.id] = child
+                live += 1
         return TaskStatus.IN_PROGRESS
 
     def advance_all(self) -> int:
@@ -192,9 +213,21 @@ class GraphRunner:
             subtasks = json.loads(summary)
             if not isinstance(subtasks, list) or not 1 <= len(subtasks) <= MAX_EXPANSION:
                 raise ValueError(f"expected a list of 1 to {MAX_EXPANSION} subtasks")
-            new = [GraphNode(id=f"{planner.id}.{s['id']}", instruction=s["instruction"],
-                             depends_on=[planner.id], replay=s.get("replay"))
-                   for s in subtasks]
+            if len(nodes) + len(subtasks) > MAX_GRAPH_NODES:
+                raise ValueError(f"the graph would have {len(nodes) + len(subtasks)} nodes, "
+                                 f"over the limit of {MAX_GRAPH_NODES}")
+            taken = {n.id for n in nodes}
+            new = []
+            for sub in subtasks:
+                # a name the graph holds already (or the plan twice) gets a suffix: two
+                # nodes with one id would make the graph unable to tell them apart
+                base = node_id = f"{planner.id}.{sub['id']}"
+                k = 2
+                while node_id in taken:
+                    node_id, k = f"{base}-{k}", k + 1
+                taken.add(node_id)
+                new.append(GraphNode(id=node_id, instruction=sub["instruction"],
+                                     depends_on=[planner.id], replay=sub.get("replay")))
         except (ValueError, KeyError, TypeError) as e:
             # the plan is unusable: the graph continues as if the planner had no subtasks
             expanded.add(planner.id)
@@ -210,7 +243,7 @@ class GraphRunner:
                                                         if d != planner.id] + new_ids})
             out.append(n)
         out += new
-        order_of(out)
+        order_of(out)  # cannot fail: the new ids are unique and depend only on the planner
         expanded.add(planner.id)
         self._save(dag, out, expanded)
         self.store.append_event(dag.id, "dag.expanded", {"node": planner.id, "added": new_ids})

@@ -31,8 +31,16 @@ on its allow-list (403 ``model_not_allowed``); then rpm, tpm (charged on an esti
 the prompt plus `max_tokens`, corrected by the upstream's `usage`) and concurrency are
 taken (429 with Retry-After). Usage is counted per key, model and day from the upstream's
 `usage`; streams ask the upstream for it (``stream_options.include_usage``) and the
-usage-only chunk is dropped unless the client asked for it too. Requests refused before
-they are admitted (malformed, unknown model, over a limit) count nowhere.
+usage-only chunk is dropped unless the client asked for it too. An answer without `usage`
+is charged an estimate (the request's and the answer's size over `chars_per_token`; a
+stream's completion at one token per chunk), never nothing. Requests refused before
+they are admitted (malformed, unknown model, over a limit) count nowhere. A whole
+(non-streamed) request whose client leaves is cancelled: the upstream call is closed and
+the concurrency slot freed at once, not when the upstream would have finished.
+
+Agent tasks are metered the same way: workers call `admit` and `account` with the
+submitting key (`ridgeline.platform.worker.MeteredModel`), so a task's model calls share
+its key's rpm, tpm, concurrency and usage rows with the key's own requests.
 
 The hot path: one shared `httpx.AsyncClient` with keep-alive connections, the body
 parsed once and re-serialised only with the fields the gateway changes, key lookups
@@ -66,7 +74,7 @@ from ridgeline.errors import (
 from ridgeline.llm.openai_client import normalise_base_url
 from ridgeline.platform.http import install_error_handlers, principal_dependency
 from ridgeline.platform.keys import KeyStore
-from ridgeline.platform.limits import Admission, KeyLimits, RateLimiter
+from ridgeline.platform.limits import Admission, KeyLimits, KeyRateLimitError, RateLimiter
 from ridgeline.platform.principal import Principal
 from ridgeline.serve.protocol import FAST_SUFFIX, RequestError, base_model_name, error_body
 
@@ -263,6 +271,7 @@ class _Call:
     stream: bool
     client_wants_usage: bool
     estimated_tokens: int
+    prompt_estimate: int = 0         # the body's size in tokens, charged when no usage comes
     encoded: dict[str, bytes] = field(default_factory=dict)  # upstream body per model name
 
     def upstream_body(self, model: str) -> bytes:
@@ -447,8 +456,7 @@ class Gateway:
                 raise ModelNotAllowedError(f"this API key may not use the model {_clip(base)!r}",
                                            hint="ask an admin to add it to the key's models")
         await self._ensure_known(call.names)
-        limits = self.keystore.limits(principal.key_id) if self.keystore else KeyLimits()
-        admission = self.limiter.admit(principal.key_id, limits, call.estimated_tokens)
+        admission = self.admit(principal, call.estimated_tokens)
         operation = "chat" if kind == "chat" else "text_completion"
         # A stream's span ends when its first bytes are relayed (the time to first token).
         with self.tracer.start_as_current_span(
@@ -461,7 +469,9 @@ class Gateway:
                 if call.stream:
                     response = await self._stream(call, principal, admission)
                 else:
-                    response = await self._whole(call, principal, admission)
+                    response = await self._until_disconnect(
+                        request, self._whole(call, principal, admission), call, principal,
+                        admission)
             except Exception as e:
                 span.set_attribute("error.type", type(e).__name__)
                 raise
@@ -472,6 +482,31 @@ class Gateway:
             if "x-ridgeline-upstream" in response.headers:
                 span.set_attribute("server.address", response.headers["x-ridgeline-upstream"])
             return response
+
+    async def _until_disconnect(self, request: Request, work: Awaitable[Response], call: _Call,
+                                principal: Principal, admission: Admission) -> Response:
+        """`work`, cancelled if the client disconnects first: the upstream request is
+        closed (the upstream sees the client leave) and the caller frees the slot now."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        if task.cancelled() or (not task.done()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            # the prompt was sent (charged by its estimate); the answer was cut off
+            self._account(principal, call.names[0],
+                          {"prompt_tokens": max(1, call.prompt_estimate)}, error=True,
+                          admission=admission)
+            log.info("a client left before its answer: request cancelled")
+            return Response(status_code=499)
+        return task.result()
 
     def _parse(self, raw: bytes, kind: Literal["chat", "completions"]) -> _Call:
         """Only what routing and quotas need is checked here; the upstream validates the
@@ -505,7 +540,7 @@ class Gateway:
         # The body's size stands in for the prompt's (tools and all); usage corrects it.
         estimate = math.ceil(len(raw) / self.config.chars_per_token) + max_tokens * n * prompts
         return _Call(kind, raw, body, names, stream, bool(options and options.get("include_usage")),
-                     estimate)
+                     estimate, prompt_estimate=math.ceil(len(raw) / self.config.chars_per_token))
 
     async def _first_answer(self, call: _Call, principal: Principal, admission: Admission,
                             attempt: Callable[[Upstream, str, bytes], Awaitable[T]],
@@ -547,6 +582,10 @@ class Gateway:
             self._account(principal, target.model, None, error=True, admission=admission)
             return _refusal(_Refused(r.status_code, r.content), target.headers())
         usage = _usage_of(r.content)
+        if usage is None:  # charged an estimate, never nothing
+            usage = {"prompt_tokens": max(1, call.prompt_estimate),
+                     "completion_tokens": max(1, math.ceil(
+                         len(r.content) / self.config.chars_per_token))}
         self._account(principal, target.model, usage, error=False, admission=admission)
         span = trace.get_current_span()
         span.set_attribute("gen_ai.response.model", target.model)
@@ -636,7 +675,7 @@ class Gateway:
             self._account(principal, target.model, None, error=True, admission=admission)
             admission.release()
             return _refusal(opened, target.headers())
-        relay = _SSERelay(call.client_wants_usage)
+        relay = _SSERelay(call.client_wants_usage, call.prompt_estimate)
 
         async def close() -> None:
             admission.release()
@@ -676,6 +715,30 @@ class Gateway:
                           admission=admission, keep_estimate=not ended)
 
     # -- accounting -----------------------------------------------------------------------------
+    def admit(self, principal: Principal, tokens: int) -> Admission:
+        """Take one request, `tokens` estimated tokens and a concurrency slot from the key's
+        quotas (`KeyRateLimitError` if over one); the caller `account`s and releases it."""
+        limits = self.keystore.limits(principal.key_id) if self.keystore else KeyLimits()
+        return self.limiter.admit(principal.key_id, limits, tokens)
+
+    def admit_task(self, principal: Principal, live_tasks: int = 0) -> None:
+        """May the key start one more agent task (a graph's node) now: one request of its
+        rpm, and fewer than its `max_concurrency` live tasks (`live_tasks`: of the graph)."""
+        limits = self.keystore.limits(principal.key_id) if self.keystore else KeyLimits()
+        if limits.max_concurrency is not None and live_tasks >= limits.max_concurrency:
+            raise KeyRateLimitError(
+                f"API key {principal.key_id} has {live_tasks} tasks of this graph running, "
+                f"its limit of {limits.max_concurrency}", limit="concurrency",
+                retry_after_s=1.0, hint="the next node starts when one finishes")
+        self.limiter.admit(principal.key_id, limits).release()
+
+    def account(self, principal: Principal, model: str, admission: Admission, *,
+                prompt_tokens: int, completion_tokens: int, error: bool = False) -> None:
+        """Settle an admitted call with the tokens it used and count it in the key's usage."""
+        self._account(principal, model, {"prompt_tokens": prompt_tokens,
+                                         "completion_tokens": completion_tokens},
+                      error=error, admission=admission)
+
     def _account(self, principal: Principal, model: str, usage: dict[str, Any] | None, *,
                  error: bool, admission: Admission, keep_estimate: bool = False) -> None:
         prompt = _int(usage, "prompt_tokens")
@@ -700,11 +763,21 @@ class _SSERelay:
     """Cuts the upstream's bytes into events, keeps the usage they report and drops the
     usage-only chunk the client did not ask for; everything else passes unchanged."""
 
-    def __init__(self, client_wants_usage: bool) -> None:
+    def __init__(self, client_wants_usage: bool, prompt_estimate: int = 0) -> None:
         self.keep_usage = client_wants_usage
-        self.usage: dict[str, Any] | None = None
+        self._usage: dict[str, Any] | None = None
         self.error = False
         self._buffer = b""
+        self._prompt_estimate = prompt_estimate
+        self._events = 0  # data events seen: a chunk carries about one token
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        """The upstream's usage; without one, an estimate once anything was relayed."""
+        if self._usage is not None or not self._events:
+            return self._usage
+        return {"prompt_tokens": max(1, self._prompt_estimate),
+                "completion_tokens": max(1, self._events - 1)}  # less [DONE]
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._buffer + chunk
@@ -716,12 +789,14 @@ class _SSERelay:
             return b""
         self._buffer = data[end + 2:]
         complete = data[:end + 2]
+        self._events += complete.count(b"data:")
         if b'"usage"' not in complete and b'"error"' not in complete:
             return complete  # the common case: content chunks, passed as they are
         return b"".join(self._event(e) for e in complete.split(b"\n\n") if e)
 
     def finish(self) -> bytes:
         rest, self._buffer = self._buffer, b""
+        self._events += rest.count(b"data:")
         return self._event(rest) if rest.strip() else b""
 
     def _event(self, event: bytes) -> bytes:
@@ -741,7 +816,7 @@ class _SSERelay:
             self.error = True
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            self.usage = usage
+            self._usage = usage
             if not self.keep_usage and not obj.get("choices"):
                 return b""  # the usage-only chunk the gateway asked for, not the client
         return out
@@ -789,6 +864,13 @@ class _PassThrough(StreamingResponse):
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message the
+    server sends is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _fast_base(name: str) -> str | None:

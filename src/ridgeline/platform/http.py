@@ -8,6 +8,12 @@ identity from its API key.
     @app.get("/v1/things")
     async def things(who: Principal = Depends(principal)) -> ...
 
+Routes that take a body declare none to FastAPI (which would read and parse it before
+the key is checked): they authenticate first and then `read_body`, which refuses a body
+over its limit from `Content-Length` or, for a chunked one, as soon as the bytes read pass
+it. A 401 or 413 closes the connection, so an unread body is not drained either.
+`install_docs` serves `/openapi.json`, `/docs` and `/redoc` to holders of a key only.
+
 `install_error_handlers` answers a `RidgelineError` with its status and the body
 ``{"error": {"message", "type", "param", "code"}}`` (`serve.protocol.error_for`; a 429
 also carries Retry-After, a 401 ``WWW-Authenticate: Bearer``), FastAPI's validation
@@ -23,20 +29,25 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ridgeline.errors import AuthenticationError, RateLimitError, RidgelineError
+from ridgeline.errors import (
+    AuthenticationError, PayloadTooLargeError, RateLimitError, RidgelineError,
+)
 from ridgeline.platform.keys import InvalidApiKeyError, KeyStore
 from ridgeline.platform.limits import retry_after_header
 from ridgeline.platform.principal import Principal
 from ridgeline.serve.protocol import error_body, error_for, error_type
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 
 def error_response(exc: RidgelineError) -> JSONResponse:
@@ -47,7 +58,43 @@ def error_response(exc: RidgelineError) -> JSONResponse:
         headers["retry-after"] = retry_after_header(exc.retry_after_s)
     if isinstance(exc, AuthenticationError):
         headers["www-authenticate"] = "Bearer"
+    if isinstance(exc, (AuthenticationError, PayloadTooLargeError)):
+        # the request's body may still be on its way: close rather than drain it
+        headers["connection"] = "close"
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) from its Content-Length or as soon as the bytes
+    read pass `limit`, so a chunked body is never buffered past it either. Call it only
+    after the caller is authenticated."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+def parse_body(raw: bytes, model: type[M]) -> M:
+    """`model` from a JSON body read by `read_body`, or the validation error FastAPI
+    raises for a declared body (its locations start with "body"), so the 400 names the
+    field the same way."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors()]) from None
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"the request body is over this route's limit of {limit} "
+                                "bytes", hint="send a smaller request")
 
 
 def internal_error_body(request_id: str) -> dict[str, Any]:
@@ -157,5 +204,25 @@ def principal_dependency(keystore: KeyStore) -> Callable[[Request], Awaitable[Pr
     return principal
 
 
-__all__ = ["bearer_token", "error_response", "install_error_handlers", "internal_error_body",
-           "principal_dependency", "request_id_of", "validation_error_body"]
+def install_docs(app: FastAPI, principal: Callable[..., Any]) -> None:
+    """`/openapi.json`, `/docs` and `/redoc` behind the API key (the app must be made
+    with ``openapi_url=None, docs_url=None, redoc_url=None``): the schema names every
+    route and parameter, which is no business of a caller without a key."""
+    title = app.title
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(_: Principal = Depends(principal)) -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(_: Principal = Depends(principal)) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - docs")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(_: Principal = Depends(principal)) -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
+
+
+__all__ = ["bearer_token", "error_response", "install_docs", "install_error_handlers",
+           "internal_error_body", "parse_body", "principal_dependency", "read_body", "request_id_of",
+           "validation_error_body"]

@@ -10,6 +10,12 @@ dead-letter state. Two backends behind one `JobQueue` protocol:
   state change is one Lua script, so a stale lease holder can never ack, fail or extend a
   job another worker now holds.
 
+Fairness. Every job belongs to a `group` (the platform uses the submitting tenant). A lease
+serves the group whose last lease is the oldest among the groups with a ready job, then the
+oldest ready job of that group: round robin over groups, FIFO within one. So one tenant's
+thousand queued jobs delay another tenant's single job by at most one lease per group
+ahead of it, not by the whole backlog.
+
 A job is leased by one worker at a time for `lease_s` seconds; the worker extends the lease
 with `heartbeat` while it works and ends it with `ack` (done) or `fail` (retry or dead).
 A worker that dies stops heartbeating; its lease expires and the next `lease` call takes the
@@ -58,14 +64,17 @@ class Job:
 @runtime_checkable
 class JobQueue(Protocol):
     def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
-                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
-        """Add a job; idempotent on `job_id` (an existing id is returned, nothing added)."""
+                max_attempts: int | None = None, delay_s: float = 0.0,
+                group: str | None = None) -> str:
+        """Add a job; idempotent on `job_id` (an existing id is returned, nothing added).
+        `group`: who the job is fair-shared for (None: the common group)."""
         ...
 
     def lease(self, worker: str, *, kinds: Sequence[str] | None = None,
               lease_s: float | None = None, wait_s: float = 0.0) -> Job | None:
-        """The oldest ready job of `kinds` (all when None), or one whose lease expired;
-        waits up to `wait_s` for one. None when there is none."""
+        """A ready job of `kinds` (all when None), or one whose lease expired: the oldest
+        of the group served least recently; waits up to `wait_s` for one. None when there
+        is none."""
         ...
 
     def heartbeat(self, job: Job, *, lease_s: float | None = None) -> bool:
@@ -90,9 +99,16 @@ class JobQueue(Protocol):
         """Job counts by state: queued, leased, done, dead, cancelled."""
         ...
 
-    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_letters(self, limit: int = 100, *,
+                     unreconciled: bool = False) -> list[dict[str, Any]]:
         """Dead jobs, oldest death first: id, kind, payload, attempts, max_attempts,
-        last_error."""
+        last_error. `unreconciled`: only those not yet passed to `mark_reconciled`."""
+        ...
+
+    def mark_reconciled(self, job_ids: Sequence[str]) -> int:
+        """Record that these dead jobs were dealt with (their tasks ended), so
+        `dead_letters(unreconciled=True)` moves past them; how many were marked. A job
+        requeued and dead again is unreconciled again."""
         ...
 
     def requeue_dead(self, job_id: str) -> bool:
@@ -133,6 +149,14 @@ def open_queue(config: QueueConfig) -> JobQueue:
         return RedisJobQueue(config)
     raise ConfigError(f"unknown queue backend {config.backend!r}",
                       hint="set queue.backend to 'sqlite' or 'redis'")
+
+
+def _group(group: str | None) -> str:
+    if group is None:
+        return ""
+    if not isinstance(group, str):
+        raise ConfigError(f"job group must be a string, got {type(group).__name__}")
+    return group
 
 
 def _new_token() -> str:
@@ -250,6 +274,24 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (due_at, seq) WHERE state IN ('queued', 'leased');
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
+CREATE TABLE IF NOT EXISTS job_groups (
+    grp    TEXT PRIMARY KEY,
+    served INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+# Added after the first release: a file made before them gains the columns on open.
+_COLUMNS = {"grp": "TEXT NOT NULL DEFAULT ''", "reconciled": "INTEGER NOT NULL DEFAULT 0"}
+
+# job_groups holds one row per group with live jobs; `served` orders them for the next
+# lease (the serial of the group's last lease; 0: never served, so a new group goes first).
+_SCHEMA_AFTER_COLUMNS = """
+CREATE INDEX IF NOT EXISTS jobs_fair ON jobs (grp, due_at, seq)
+    WHERE state IN ('queued', 'leased');
+CREATE INDEX IF NOT EXISTS jobs_dead_todo ON jobs (updated_at, seq)
+    WHERE state = 'dead' AND reconciled = 0;
+INSERT OR IGNORE INTO job_groups (grp)
+    SELECT DISTINCT grp FROM jobs WHERE state IN ('queued', 'leased');
 """
 
 
@@ -278,6 +320,11 @@ class SqliteJobQueue(_QueueBase):
             conn = self._conn()
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
+            have = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+            for name, decl in _COLUMNS.items():
+                if name not in have:
+                    conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+            conn.executescript(_SCHEMA_AFTER_COLUMNS)
         except sqlite3.DatabaseError as e:
             self.close()
             raise ConfigError(f"queue.path {self.path!r} is not a usable SQLite database: {e}",
@@ -323,34 +370,60 @@ class SqliteJobQueue(_QueueBase):
         return result
 
     def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
-                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
+                max_attempts: int | None = None, delay_s: float = 0.0,
+                group: str | None = None) -> str:
         self._check_kind(kind)
         job_id = job_id or uuid.uuid4().hex
         body = _dump_payload(payload)
         attempts = self._max_attempts(max_attempts)
+        grp = _group(group)
         now = time.time()
-        self._conn().execute(
-            "INSERT OR IGNORE INTO jobs (id, kind, payload, state, attempts, max_attempts,"
-            " due_at, created_at, updated_at) VALUES (?, ?, ?, 'queued', 0, ?, ?, ?, ?)",
-            (job_id, kind, body, attempts, now + max(0.0, delay_s), now, now))
+
+        # one transaction: a lease never sees the job without its group's row (it would
+        # drop the row of a group with no live job)
+        def add(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT OR IGNORE INTO jobs (id, kind, payload, state, attempts, max_attempts,"
+                " due_at, created_at, updated_at, grp)"
+                " VALUES (?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
+                (job_id, kind, body, attempts, now + max(0.0, delay_s), now, now, grp))
+            conn.execute("INSERT OR IGNORE INTO job_groups (grp) VALUES (?)", (grp,))
+
+        self._write(add)
         self._notify()
         return job_id
 
     def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
         if kinds is not None and not kinds:
             return None
-        where = "state IN ('queued', 'leased') AND due_at <= ?"
+        where = "grp = ? AND state IN ('queued', 'leased') AND due_at <= ?"
         if kinds is not None:
             where += f" AND kind IN ({','.join('?' * len(kinds))})"
-        # INDEXED BY: walk the live rows in due order and stop at the first match (the
-        # planner would otherwise pick jobs_state and sort every queued row per lease).
-        select = (f"SELECT * FROM jobs INDEXED BY jobs_live WHERE {where}"
+        # INDEXED BY: walk the group's live rows in due order and stop at the first match
+        # (the planner would otherwise pick jobs_state and sort every queued row per lease).
+        select = (f"SELECT * FROM jobs INDEXED BY jobs_fair WHERE {where}"
                   " ORDER BY due_at, seq LIMIT 1")
+        live = ("SELECT 1 FROM jobs INDEXED BY jobs_fair WHERE grp = ?"
+                " AND state IN ('queued', 'leased') LIMIT 1")
+
+        def ready(conn: sqlite3.Connection, now: float) -> sqlite3.Row | None:
+            """The next job of the least recently served group that has one ready."""
+            groups = [r[0] for r in conn.execute(
+                "SELECT grp FROM job_groups ORDER BY served, grp")]
+            for grp in groups:
+                row = conn.execute(select, (grp, now, *(kinds or ()))).fetchone()
+                if row is not None:
+                    conn.execute("UPDATE job_groups SET served = (SELECT MAX(served) + 1"
+                                 " FROM job_groups) WHERE grp = ?", (grp,))
+                    return row
+                if conn.execute(live, (grp,)).fetchone() is None:
+                    conn.execute("DELETE FROM job_groups WHERE grp = ?", (grp,))
+            return None
 
         def take(conn: sqlite3.Connection) -> Job | None:
             now = time.time()
             while True:
-                row = conn.execute(select, (now, *(kinds or ()))).fetchone()
+                row = ready(conn, now)
                 if row is None:
                     return None
                 last_error = row["last_error"]
@@ -418,22 +491,47 @@ class SqliteJobQueue(_QueueBase):
             counts[state] = n
         return counts
 
-    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
-        rows = self._conn().execute(
-            "SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
-            " WHERE state = 'dead' ORDER BY updated_at, seq LIMIT ?", (int(limit),))
+    def dead_letters(self, limit: int = 100, *,
+                     unreconciled: bool = False) -> list[dict[str, Any]]:
+        if unreconciled:
+            query = ("SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
+                     " INDEXED BY jobs_dead_todo WHERE state = 'dead' AND reconciled = 0"
+                     " ORDER BY updated_at, seq LIMIT ?")
+        else:
+            query = ("SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
+                     " WHERE state = 'dead' ORDER BY updated_at, seq LIMIT ?")
+        rows = self._conn().execute(query, (int(limit),))
         return [{"id": r["id"], "kind": r["kind"], "payload": json.loads(r["payload"]),
                  "attempts": r["attempts"], "max_attempts": r["max_attempts"],
                  "last_error": r["last_error"]} for r in rows]
 
+    def mark_reconciled(self, job_ids: Sequence[str]) -> int:
+        ids = list(job_ids)
+        marked = 0
+        for i in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
+            part = ids[i:i + 500]
+            cur = self._conn().execute(
+                f"UPDATE jobs SET reconciled = 1 WHERE state = 'dead' AND reconciled = 0"
+                f" AND id IN ({','.join('?' * len(part))})", part)
+            marked += cur.rowcount
+        return marked
+
     def requeue_dead(self, job_id: str) -> bool:
         now = time.time()
-        cur = self._conn().execute(
-            "UPDATE jobs SET state = 'queued', attempts = 0, due_at = ?, lease_token = NULL,"
-            " updated_at = ? WHERE id = ? AND state = 'dead'", (now, now, job_id))
-        if cur.rowcount == 1:
+
+        def requeue(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(
+                "UPDATE jobs SET state = 'queued', attempts = 0, due_at = ?, lease_token = NULL,"
+                " reconciled = 0, updated_at = ? WHERE id = ? AND state = 'dead'"
+                " RETURNING grp", (now, now, job_id)).fetchall()
+            if cur:
+                conn.execute("INSERT OR IGNORE INTO job_groups (grp) VALUES (?)", (cur[0][0],))
+            return bool(cur)
+
+        ok: bool = self._write(requeue)
+        if ok:
             self._notify()
-        return cur.rowcount == 1
+        return ok
 
     def info(self, job_id: str) -> dict[str, Any] | None:
         row = self._conn().execute(
@@ -455,11 +553,16 @@ class SqliteJobQueue(_QueueBase):
 # Redis
 # ---------------------------------------------------------------------------------------
 
-# Keys, for prefix P: P:job:<id> (hash: state, attempts, lease token, stream entry...),
-# P:stream:<kind> (the kind's stream, consumer group P), P:delayed (sorted set of job ids
-# by due time), P:dead (dead-letter stream), P:depth (hash of counts by state), P:kinds
-# (set of kinds seen), P:cursor:<kind> (where XAUTOCLAIM's scan of the group's pending
-# list goes on). Times are the server's clock (TIME), so workers' clocks do not matter.
+# Keys, for prefix P: P:job:<id> (hash: state, attempts, lease token, stream entry, the
+# stream it is in...), P:lane:<n>:<kind>:<group> (the stream of one kind and fairness group,
+# consumer group P), P:lanes (hash: lane stream -> kind) and P:lane_group (lane stream ->
+# group), P:served (hash: group -> serial of its last lease; P:serial counts), P:delayed
+# (sorted set of job ids by due time), P:dead (dead-letter stream), P:dead_cursor (the
+# dead entry up to which every job is reconciled), P:depth (hash of counts by state),
+# P:cursor:<stream> (where XAUTOCLAIM's scan of the group's pending list goes on).
+# P:stream:<kind> and P:kinds are the streams of jobs queued before groups existed: they
+# are still served, as lanes of group "". Times are the server's clock (TIME), so
+# workers' clocks do not matter.
 #
 # The lease clock is the pending entry's idle time. Every entry a worker holds has its idle
 # time set (XCLAIM ... IDLE) to MAX_LEASE - lease, so it reaches MAX_LEASE exactly when the
@@ -473,19 +576,25 @@ local function now_ms()
 end
 local function job_key(id) return P .. ':job:' .. id end
 local function stream_key(kind) return P .. ':stream:' .. kind end
+local function job_stream(job, kind)  -- the lane the job is in (older jobs: their kind's)
+  return redis.call('HGET', job, 'lane') or stream_key(kind)
+end
 local function count(from, to)
   if from then redis.call('HINCRBY', P .. ':depth', from, -1) end
   if to then redis.call('HINCRBY', P .. ':depth', to, 1) end
 end
 local function push(job, id, kind)
-  local s = stream_key(kind)
+  local s = job_stream(job, kind)
+  if redis.call('HSETNX', P .. ':lanes', s, kind) == 1 then
+    redis.call('HSET', P .. ':lane_group', s, redis.call('HGET', job, 'group') or '')
+  end
   redis.pcall('XGROUP', 'CREATE', s, G, '0', 'MKSTREAM')  -- BUSYGROUP when it exists
   redis.call('HSET', job, 'entry', redis.call('XADD', s, '*', 'id', id))
 end
 local function release(job, kind)  -- drop the job's stream entry (and pending entry)
   local e = redis.call('HGET', job, 'entry')
   if e then
-    local s = stream_key(kind)
+    local s = job_stream(job, kind)
     redis.call('XACK', s, G, e)
     redis.call('XDEL', s, e)
     redis.call('HDEL', job, 'entry')
@@ -496,6 +605,7 @@ local function bury(job, id, kind, err)  -- to the dead-letter stream
   local d = redis.call('XADD', P .. ':dead', '*', 'id', id)
   redis.call('HSET', job, 'state', 'dead', 'last_error', err, 'dead_entry', d,
              'lease_token', '')
+  redis.call('HDEL', job, 'reconciled')
 end
 local function holds(job, token)  -- is this lease token the job's current lease?
   local h = redis.call('HMGET', job, 'state', 'lease_token')
@@ -505,12 +615,15 @@ end
 
 _LUA_ENQUEUE = _LUA_COMMON + """
 local id, kind, payload, max, delay = ARGV[3], ARGV[4], ARGV[5], ARGV[6], tonumber(ARGV[7])
+local group = ARGV[8]
 local job = job_key(id)
 if redis.call('EXISTS', job) == 1 then return 0 end
 local now = now_ms()
+-- the length prefix keeps (kind, group) pairs apart whatever characters they hold
+local lane = P .. ':lane:' .. #kind .. ':' .. kind .. ':' .. group
 redis.call('HSET', job, 'id', id, 'kind', kind, 'payload', payload, 'state', 'queued',
-           'attempts', 0, 'max_attempts', max, 'created_ms', now)
-redis.call('SADD', P .. ':kinds', kind)
+           'attempts', 0, 'max_attempts', max, 'created_ms', now, 'lane', lane,
+           'group', group)
 if delay > 0 then
   redis.call('ZADD', P .. ':delayed', now + delay, id)
 else
@@ -533,13 +646,26 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0
   if h[1] == 'queued' then push(job, id, h[2]) end
 end
 
-local kinds = {}
+-- the lanes (streams) of the kinds asked for: {stream, kind, group}
+local wanted = nil
 if #ARGV > 6 then
-  for i = 7, #ARGV do kinds[#kinds + 1] = ARGV[i] end
-else
-  kinds = redis.call('SMEMBERS', P .. ':kinds')
-  table.sort(kinds)
+  wanted = {}
+  for i = 7, #ARGV do wanted[ARGV[i]] = true end
 end
+local lanes = {}
+local groups = redis.call('HGETALL', P .. ':lane_group')
+local group_of = {}
+for i = 1, #groups, 2 do group_of[groups[i]] = groups[i + 1] end
+local all = redis.call('HGETALL', P .. ':lanes')
+for i = 1, #all, 2 do
+  if wanted == nil or wanted[all[i + 1]] then
+    lanes[#lanes + 1] = {all[i], all[i + 1], group_of[all[i]] or ''}
+  end
+end
+for _, kind in ipairs(redis.call('SMEMBERS', P .. ':kinds')) do  -- pre-group streams
+  if wanted == nil or wanted[kind] then lanes[#lanes + 1] = {stream_key(kind), kind, ''} end
+end
+table.sort(lanes, function(a, b) return a[1] < b[1] end)
 
 local function grant(job, id, kind, s, eid, last_error)
   local attempts = redis.call('HINCRBY', job, 'attempts', 1)
@@ -551,11 +677,15 @@ local function grant(job, id, kind, s, eid, last_error)
   return {id, kind, h[1], attempts, tonumber(h[2]), token, h[3] or false}
 end
 
+local function served(group)
+  redis.call('HSET', P .. ':served', group, redis.call('INCR', P .. ':serial'))
+end
+
 -- 1. leases that expired: their holders stopped heartbeating
-for _, kind in ipairs(kinds) do
-  local s = stream_key(kind)
+for _, lane in ipairs(lanes) do
+  local s, kind = lane[1], lane[2]
   if redis.call('EXISTS', s) == 1 then
-    local ckey = P .. ':cursor:' .. kind
+    local ckey = P .. ':cursor:' .. s
     local cursor = redis.call('GET', ckey) or '0-0'
     for _ = 1, 10 do
       local r = redis.call('XAUTOCLAIM', s, G, worker, max_idle, cursor, 'COUNT', 1)
@@ -578,6 +708,7 @@ for _, kind in ipairs(kinds) do
             count('leased', 'dead')
           else
             redis.call('SET', ckey, cursor)
+            served(lane[3])
             return grant(job, id, kind, s, eid, err)
           end
         end
@@ -588,38 +719,54 @@ for _, kind in ipairs(kinds) do
   end
 end
 
--- 2. the oldest entry not yet delivered, over all the kinds' streams
+-- 2. the next entry not yet delivered: of the group served least recently (round robin
+-- over groups), the oldest of its lanes
 local function older(a, b)
   local am, as = string.match(a, '(%d+)-(%d+)')
   local bm, bs = string.match(b, '(%d+)-(%d+)')
   am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
   return am < bm or (am == bm and as < bs)
 end
+local serial = {}
+local s_all = redis.call('HGETALL', P .. ':served')
+for i = 1, #s_all, 2 do serial[s_all[i]] = tonumber(s_all[i + 1]) end
 for _ = 1, 100 do
-  local best_kind, best_id = nil, nil
-  for _, kind in ipairs(kinds) do
-    local s = stream_key(kind)
+  local best, best_id, best_serial = nil, nil, nil
+  for _, lane in ipairs(lanes) do
+    local s = lane[1]
     if redis.call('EXISTS', s) == 1 then
-      for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
-        local f = {}
-        for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-        if f['name'] == G then
-          local nxt = redis.call('XRANGE', s, '(' .. f['last-delivered-id'], '+', 'COUNT', 1)
-          if nxt[1] and (best_id == nil or older(nxt[1][1], best_id)) then
-            best_kind, best_id = kind, nxt[1][1]
+      if redis.call('XLEN', s) == 0 and redis.call('HEXISTS', P .. ':lanes', s) == 1 then
+        -- an empty lane: forget it (a later job of its kind and group makes it again)
+        redis.call('DEL', s, P .. ':cursor:' .. s)
+        redis.call('HDEL', P .. ':lanes', s)
+        redis.call('HDEL', P .. ':lane_group', s)
+      else
+        for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+          local f = {}
+          for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+          if f['name'] == G then
+            local nxt = redis.call('XRANGE', s, '(' .. f['last-delivered-id'], '+', 'COUNT', 1)
+            if nxt[1] then
+              local rank = serial[lane[3]] or 0
+              if best == nil or rank < best_serial
+                  or (rank == best_serial and older(nxt[1][1], best_id)) then
+                best, best_id, best_serial = lane, nxt[1][1], rank
+              end
+            end
           end
         end
       end
     end
   end
-  if not best_kind then return false end
-  local s = stream_key(best_kind)
+  if not best then return false end
+  local s, best_kind = best[1], best[2]
   local got = redis.call('XREADGROUP', 'GROUP', G, worker, 'COUNT', 1, 'STREAMS', s, '>')
   local eid, id = got[1][2][1][1], got[1][2][1][2][2]
   local job = job_key(id)
   local h = redis.call('HMGET', job, 'state', 'entry')
   if h[1] == 'queued' and h[2] == eid then
     count('queued', 'leased')
+    served(best[3])
     return grant(job, id, best_kind, s, eid, nil)
   end
   redis.call('XACK', s, G, eid)  -- an orphan entry (its job was cancelled or removed)
@@ -633,7 +780,8 @@ local id, token, lease, max_idle = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber
 local job = job_key(id)
 if not holds(job, token) then return 0 end
 local h = redis.call('HMGET', job, 'kind', 'worker', 'entry')
-redis.call('XCLAIM', stream_key(h[1]), G, h[2], 0, h[3], 'IDLE', max_idle - lease, 'JUSTID')
+redis.call('XCLAIM', job_stream(job, h[1]), G, h[2], 0, h[3], 'IDLE', max_idle - lease,
+           'JUSTID')
 redis.call('HSET', job, 'lease_until_ms', now_ms() + lease)
 return 1
 """
@@ -688,11 +836,39 @@ local job = job_key(id)
 local h = redis.call('HMGET', job, 'state', 'kind', 'dead_entry')
 if h[1] ~= 'dead' then return 0 end
 if h[3] then redis.call('XDEL', P .. ':dead', h[3]) end
-redis.call('HDEL', job, 'dead_entry')
+redis.call('HDEL', job, 'dead_entry', 'reconciled')
 redis.call('HSET', job, 'state', 'queued', 'attempts', 0)
 push(job, id, h[2])
 count('dead', 'queued')
 return 1
+"""
+
+_LUA_RECONCILED = _LUA_COMMON + """
+local marked = 0
+for i = 3, #ARGV do
+  local job = job_key(ARGV[i])
+  if redis.call('HGET', job, 'state') == 'dead' and
+      redis.call('HSETNX', job, 'reconciled', '1') == 1 then
+    marked = marked + 1
+  end
+end
+-- move the cursor over the reconciled head of the dead-letter stream, so the next
+-- unreconciled page starts after it
+local ckey = P .. ':dead_cursor'
+local cursor = redis.call('GET', ckey) or '0-0'
+for _ = 1, 20 do
+  local page = redis.call('XRANGE', P .. ':dead', '(' .. cursor, '+', 'COUNT', 100)
+  if #page == 0 then break end
+  local stop = false
+  for _, e in ipairs(page) do
+    local h = redis.call('HMGET', job_key(e[2][2]), 'state', 'dead_entry', 'reconciled')
+    if h[1] == 'dead' and h[2] == e[1] and not h[3] then stop = true break end
+    cursor = e[1]
+  end
+  if stop then break end
+end
+redis.call('SET', ckey, cursor)
+return marked
 """
 
 
@@ -739,7 +915,7 @@ class RedisJobQueue(_QueueBase):
         self._max_idle_ms = int(MAX_LEASE_S * 1000)
         scripts = {"enqueue": _LUA_ENQUEUE, "lease": _LUA_LEASE, "heartbeat": _LUA_HEARTBEAT,
                    "ack": _LUA_ACK, "fail": _LUA_FAIL, "cancel": _LUA_CANCEL,
-                   "requeue_dead": _LUA_REQUEUE_DEAD}
+                   "requeue_dead": _LUA_REQUEUE_DEAD, "reconciled": _LUA_RECONCILED}
         self._scripts = {name: self._redis.register_script(src)
                          for name, src in scripts.items()}
 
@@ -752,12 +928,14 @@ class RedisJobQueue(_QueueBase):
         return max(0, math.ceil(seconds * 1000))
 
     def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
-                max_attempts: int | None = None, delay_s: float = 0.0) -> str:
+                max_attempts: int | None = None, delay_s: float = 0.0,
+                group: str | None = None) -> str:
         self._check_kind(kind)
         job_id = job_id or uuid.uuid4().hex
         body = _dump_payload(payload)
         attempts = self._max_attempts(max_attempts)
-        if self._run("enqueue", job_id, kind, body, attempts, self._ms(delay_s)):
+        if self._run("enqueue", job_id, kind, body, attempts, self._ms(delay_s),
+                     _group(group)):
             self._notify()
         return job_id
 
@@ -798,21 +976,43 @@ class RedisJobQueue(_QueueBase):
             counts[state] = int(n)
         return counts
 
-    def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+    def dead_letters(self, limit: int = 100, *,
+                     unreconciled: bool = False) -> list[dict[str, Any]]:
         self._check_open()
-        entries = self._redis.xrange(f"{self.prefix}:dead", count=int(limit))
-        pipe = self._redis.pipeline(transaction=False)
-        for _, fields in entries:
-            pipe.hmget(f"{self.prefix}:job:{fields['id']}", "id", "kind", "payload",
-                       "attempts", "max_attempts", "last_error")
-        out = []
-        for job_id, kind, payload, attempts, max_attempts, last_error in pipe.execute():
-            if job_id is None:
-                continue
-            out.append({"id": job_id, "kind": kind, "payload": json.loads(payload),
-                        "attempts": int(attempts), "max_attempts": int(max_attempts),
-                        "last_error": last_error})
+        limit = int(limit)
+        start = "-"
+        if unreconciled:
+            cursor = self._redis.get(f"{self.prefix}:dead_cursor")
+            start = f"({cursor}" if cursor else "-"
+        out: list[dict[str, Any]] = []
+        # unreconciled: entries past the cursor may be reconciled already (marked out of
+        # order) and are skipped, a page at a time
+        for _ in range(50 if unreconciled else 1):
+            entries = self._redis.xrange(f"{self.prefix}:dead", min=start,
+                                         count=max(limit, 100) if unreconciled else limit)
+            if not entries:
+                break
+            pipe = self._redis.pipeline(transaction=False)
+            for _, fields in entries:
+                pipe.hmget(f"{self.prefix}:job:{fields['id']}", "id", "kind", "payload",
+                           "attempts", "max_attempts", "last_error", "state", "dead_entry",
+                           "reconciled")
+            for (entry, _), row in zip(entries, pipe.execute()):
+                job_id, kind, payload, attempts, max_attempts, last_error, state, dead_entry, \
+                    reconciled = row
+                if job_id is None or (unreconciled and (
+                        state != "dead" or dead_entry != entry or reconciled)):
+                    continue
+                out.append({"id": job_id, "kind": kind, "payload": json.loads(payload),
+                            "attempts": int(attempts), "max_attempts": int(max_attempts),
+                            "last_error": last_error})
+                if len(out) >= limit:
+                    return out
+            start = f"({entries[-1][0]}"
         return out
+
+    def mark_reconciled(self, job_ids: Sequence[str]) -> int:
+        return int(self._run("reconciled", *job_ids))
 
     def requeue_dead(self, job_id: str) -> bool:
         ok = bool(self._run("requeue_dead", job_id))

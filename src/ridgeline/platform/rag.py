@@ -53,6 +53,10 @@ RESERVED_FIELDS = frozenset({"tenant", "owner", "user", "scope", "acl", "acl_use
                              "acl_groups", "acl_public", "chunk", "start", "end", "text"})
 MAX_METADATA_BYTES = 64 * 1024
 
+#: the key scopes for documents and memory, the same over HTTP and as an agent's tools
+RAG_READ, RAG_WRITE = "rag:read", "rag:write"
+MEMORY_READ, MEMORY_WRITE = "memory:read", "memory:write"
+
 
 class RagRequestError(RequestError):
     """A malformed RAG or memory request: an empty query, k out of range, a bad filter

@@ -29,15 +29,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ridgeline.agent.config import AgentConfig
 from ridgeline.agent.environment import ToolEnvironment
 from ridgeline.agent.tools import Workbench
-from ridgeline.errors import PermissionDeniedError, RidgelineError
+from ridgeline.errors import NotFoundError, PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
 from ridgeline.platform.gateway import Gateway, gateway_router
-from ridgeline.platform.http import install_error_handlers, principal_dependency
+from ridgeline.platform.http import install_docs, install_error_handlers, principal_dependency
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import open_queue
-from ridgeline.platform.rag import AgentMemory, DocumentIndex, open_index, open_memory
+from ridgeline.platform.rag import (
+    MEMORY_READ, MEMORY_WRITE, RAG_READ, AgentMemory, DocumentIndex, open_index, open_memory,
+)
 from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
@@ -46,7 +48,9 @@ from ridgeline.platform.openapi_tools import load_openapi_tools
 from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.platform.tools import SQLIdempotencyStore, ToolCallContext, ToolRegistry
 from ridgeline.platform.urls import check_outbound_url
-from ridgeline.platform.webhooks import WebhookDispatcher, WebhookOutbox, new_secret
+from ridgeline.platform.webhooks import (
+    WebhookDispatcher, WebhookOutbox, new_secret, task_webhook_data,
+)
 from ridgeline.serve.protocol import RequestError
 from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
 
@@ -54,6 +58,20 @@ log = logging.getLogger(__name__)
 
 #: Tasks queued longer than this without their job in the queue are enqueued again.
 ORPHAN_AFTER_S = 30.0
+#: Dead jobs reconciled per query in `maintenance` (all of them are, a page at a time).
+DEAD_LETTER_PAGE = 1000
+#: The dashboard shows text tenants and models wrote: it may run only its own same-origin
+#: script and style files (no inline script, handler or style), talk only to this origin,
+#: never be framed, and Trusted Types make an HTML-string sink throw instead of parsing.
+DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                 "connect-src 'self'; base-uri 'none'; form-action 'none'; "
+                 "frame-ancestors 'none'; require-trusted-types-for 'script'; "
+                 "trusted-types 'none'")
+DASHBOARD_HEADERS = {"content-security-policy": DASHBOARD_CSP,
+                     "x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
+                     "x-frame-options": "DENY", "cache-control": "no-cache"}
+DASHBOARD_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8",
+                    "dashboard.css": "text/css; charset=utf-8"}
 
 
 class Platform:
@@ -68,7 +86,9 @@ class Platform:
             update={"path": store_path(config.keys.path, config.data_dir)}))
         self.outbox = WebhookOutbox(store_path(config.webhooks_url or config.webhooks_path,
                                                config.data_dir), config.webhooks)
-        self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished)
+        # a graph's nodes are admitted under its key like requests (rpm, live nodes)
+        self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished,
+                                  admit=lambda who, live: self.gateway.admit_task(who, live))
         # one gateway per platform: its rate limiter also meters task submissions
         self.gateway = Gateway(config.gateway, self.keys)
         self.model_factory = model_factory
@@ -84,6 +104,7 @@ class Platform:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rag: tuple[DocumentIndex, AgentMemory] | None = None
+        self.dead_letter_page = DEAD_LETTER_PAGE
 
     def rag(self) -> tuple[DocumentIndex, AgentMemory]:
         """The document index and agent memory, opened on first use (the embedded Qdrant
@@ -102,7 +123,7 @@ class Platform:
         ACL) and the REST tools of the configured OpenAPI specs."""
         platform = self
 
-        @self.tools.tool(name="search_documents", scopes=("rag:read",))
+        @self.tools.tool(name="search_documents", scopes=(RAG_READ,))
         def search_documents(query: str, k: int = 5, *, ctx: ToolCallContext) -> str:
             """Search the documents this task's owner may read; returns the best passages."""
             index, _ = platform.rag()
@@ -111,13 +132,13 @@ class Platform:
                 return "no matching documents"
             return "\n\n".join(f"[{h.doc_id} #{h.chunk}] {h.text}" for h in hits)
 
-        @self.tools.tool(name="remember", scopes=("memory:write",), side_effects=True)
+        @self.tools.tool(name="remember", scopes=(MEMORY_WRITE,), side_effects=True)
         def remember(text: str, *, ctx: ToolCallContext) -> str:
             """Keep a note in this owner's long-term memory for later tasks."""
             _, memory = platform.rag()
             return memory.remember(ctx.principal, "agent", text)
 
-        @self.tools.tool(name="recall", scopes=("memory:read",))
+        @self.tools.tool(name="recall", scopes=(MEMORY_READ,))
         def recall(query: str, k: int = 5, *, ctx: ToolCallContext) -> str:
             """Notes from this owner's long-term memory that match the query."""
             _, memory = platform.rag()
@@ -176,7 +197,8 @@ class Platform:
         if hook and task.status.terminal:
             try:
                 self.outbox.submit(hook["url"], f"agent_task.{task.status.value}",
-                                   task.public(), hook["secret"],
+                                   task_webhook_data(task, self.config.webhooks.public_url),
+                                   hook["secret"], owner=task.tenant,
                                    idempotency_key=f"{task.id}:{task.status.value}")
             except RidgelineError as e:  # e.g. the host now resolves to a private address
                 self.store.append_event(task.id, "webhook.refused", {"error": str(e)[:500]})
@@ -191,9 +213,10 @@ class Platform:
             config = config.model_copy(update={
                 "base_url": first.base_url,
                 "api_key_env": first.api_key_env or config.api_key_env})
+        # gateway: every model call a task makes is admitted and charged under its key
         return AgentWorker(config, self.store, self.queue,
                            model_factory=self.model_factory, env_factory=self.env_factory,
-                           on_finish=self.task_finished, name=name)
+                           on_finish=self.task_finished, name=name, gateway=self.gateway)
 
     def maintenance(self, now: float | None = None) -> dict[str, int]:
         """Repair what a crash between two writes can leave (safe to run anywhere, any
@@ -205,17 +228,29 @@ class Platform:
             if now - task.created_at > ORPHAN_AFTER_S and self.queue.info(task.id) is None:
                 enqueue(self.store, self.queue, task)
                 requeued += 1
-        for letter in self.queue.dead_letters(limit=1000):
-            if letter["kind"] != AGENT_TASK:
-                continue
-            with contextlib.suppress(Exception):
-                task = self.store.get(letter["id"])
-                if not task.status.terminal and self.store.finish(
-                        task.id, TaskStatus.FAILED,
-                        error=f"gave up after {letter['attempts']} attempts: "
-                              f"{letter.get('last_error')}"):
-                    self.task_finished(self.store.get(task.id))
-                    dead += 1
+        # Every dead job once: a page of the unreconciled ones at a time, each marked when
+        # its task is ended (a fixed page of the oldest would never reach the newer ones).
+        while letters := self.queue.dead_letters(limit=self.dead_letter_page,
+                                                 unreconciled=True):
+            done = []
+            for letter in letters:
+                if letter["kind"] == AGENT_TASK:
+                    try:
+                        task = self.store.get(letter["id"])
+                        if not task.status.terminal and self.store.finish(
+                                task.id, TaskStatus.FAILED,
+                                error=f"gave up after {letter['attempts']} attempts: "
+                                      f"{letter.get('last_error')}"):
+                            self.task_finished(self.store.get(task.id))
+                            dead += 1
+                    except NotFoundError:
+                        pass  # a job without a task: nothing to end
+                    except Exception as e:  # left unmarked: the next round tries again
+                        log.error("dead job %s: ending its task failed: %s", letter["id"], e)
+                        continue
+                done.append(letter["id"])
+            if not done or self.queue.mark_reconciled(done) == 0:
+                break  # no progress this round (the store is failing): try again later
         cancelled = 0
         for task in self.store.list(None, status=TaskStatus.IN_PROGRESS.value, kind="agent",
                                     cancel_requested=True, limit=10_000):
@@ -284,8 +319,11 @@ class Platform:
             if background:
                 self.stop_background()
 
-        app = FastAPI(title="Ridgeline platform", lifespan=lifespan)
+        # the schema and its pages only behind a key (install_docs)
+        app = FastAPI(title="Ridgeline platform", lifespan=lifespan, openapi_url=None,
+                      docs_url=None, redoc_url=None)
         install_error_handlers(app)
+        install_docs(app, principal)
         app.include_router(gateway_router(gateway, principal))
         index, memory = self.rag()
         app.include_router(rag_router(index, memory, principal))
@@ -314,7 +352,15 @@ class Platform:
         @app.get("/dashboard", response_class=HTMLResponse)
         async def dashboard() -> HTMLResponse:
             page = resources.files("ridgeline.platform").joinpath("static/dashboard.html")
-            return HTMLResponse(page.read_text())
+            return HTMLResponse(page.read_text(), headers=DASHBOARD_HEADERS)
+
+        @app.get("/dashboard/{name}", include_in_schema=False)
+        async def dashboard_asset(name: str) -> Response:
+            if name not in DASHBOARD_ASSETS:  # a fixed list: no path from the URL is opened
+                raise NotFoundError(f"no dashboard file {name!r}", hint="open /dashboard")
+            asset = resources.files("ridgeline.platform").joinpath(f"static/{name}")
+            return Response(asset.read_bytes(), media_type=DASHBOARD_ASSETS[name],
+                            headers=DASHBOARD_HEADERS)
 
         app.state.platform = self
         app.state.gateway = gateway

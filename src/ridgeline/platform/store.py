@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -32,7 +33,11 @@ from typing import Any
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError
 from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location
-from ridgeline.platform.principal import Principal
+from ridgeline.platform.principal import Principal, key_reader, user_reader
+
+#: what a task list shows of a request (the whole request is on the single-task route)
+BRIEF_INSTRUCTION_CHARS = 200
+BRIEF_ERROR_CHARS = 500
 
 
 class TaskStatus(str, Enum):
@@ -77,6 +82,30 @@ class TaskRecord:
                 "updated_at": self.updated_at, "attempts": self.attempts,
                 "parent_id": self.parent_id, "request": request, "result": self.result,
                 "error": self.error}
+
+
+def brief_of(request: dict[str, Any]) -> dict[str, Any]:
+    """The bounded part of a request a task list shows, whatever the request's size:
+    the start of the instruction and how many files, tools and metadata entries it has."""
+    instruction = str(request.get("instruction") or "")
+    node = request.get("node_id")
+    return {"instruction": instruction[:BRIEF_INSTRUCTION_CHARS],
+            "instruction_chars": len(instruction),
+            "model": str(request.get("model") or "")[:200],
+            "node_id": None if node is None else str(node)[:200],
+            "files": len(request.get("files") or {}),
+            "tools": len(request.get("tools") or []),
+            "metadata": len(request.get("metadata") or {})}
+
+
+def task_summary(row: tuple[Any, ...], brief: dict[str, Any]) -> dict[str, Any]:
+    """A task as `GET /v1/agent/tasks` lists it (row: id, kind, status, attempts,
+    parent_id, created_at, updated_at, error): no request body, no result."""
+    error = row[7]
+    return {"id": row[0], "object": "agent.task.summary", "kind": row[1], "status": row[2],
+            "created_at": row[5], "updated_at": row[6], "attempts": row[3],
+            "parent_id": row[4], **brief,
+            "error": error if error is None else error[:BRIEF_ERROR_CHARS]}
 
 
 @dataclass
@@ -138,6 +167,16 @@ CREATE TABLE IF NOT EXISTS task_checkpoints (
     workspace BLOB,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS task_readers (
+    task_id TEXT NOT NULL,
+    reader TEXT NOT NULL,
+    PRIMARY KEY (task_id, reader)
+);
+CREATE INDEX IF NOT EXISTS task_readers_reader ON task_readers (reader, task_id);
+CREATE TABLE IF NOT EXISTS task_briefs (
+    task_id TEXT PRIMARY KEY,
+    brief TEXT NOT NULL
+);
 """
 
 _COLUMNS = ("id, tenant, key_id, kind, status, request, result, error, attempts, "
@@ -167,10 +206,21 @@ class TaskStore:
     # -- tasks ---------------------------------------------------------------------------
     def create_task(self, principal: Principal, request: dict[str, Any], *, kind: str = "agent",
                     idempotency_key: str | None = None, parent_id: str | None = None,
-                    task_id: str | None = None) -> tuple[TaskRecord, bool]:
+                    task_id: str | None = None, readers: Iterable[str] = (),
+                    fingerprint: dict[str, Any] | None = None) -> tuple[TaskRecord, bool]:
         """A new queued task, or the existing one for this tenant's idempotency key
-        (`created` False). The same key with a different request is a ConflictError."""
-        digest = canonical_hash({"kind": kind, "request": request})
+        (`created` False). The same key with a different request is a ConflictError.
+
+        Who may see it (`get(visible_to=...)`): the submitting key and its user, the
+        `readers` granted at submission (`principal.user_reader`, `group_reader`), and a
+        graph node also whoever may see its graph."""
+        grants = {key_reader(principal.key_id), *readers}
+        if principal.user:
+            grants.add(user_reader(principal.user))
+        # `fingerprint`: what a retry with the key must repeat, when the stored request
+        # holds what the server generated (a webhook secret), which a retry cannot repeat
+        digest = canonical_hash({"kind": kind, "request": request if fingerprint is None
+                                 else fingerprint})
         now = time.time()
         task_id = task_id or f"task_{uuid.uuid4().hex}"
 
@@ -193,6 +243,13 @@ class TaskStore:
                        (task_id, principal.tenant, principal.key_id, kind,
                         TaskStatus.QUEUED.value, json.dumps(request), digest, idempotency_key,
                         parent_id, now, now))
+            if parent_id is not None:  # a graph's node is visible to whoever sees the graph
+                grants.update(r for (r,) in tx.fetchall(
+                    "SELECT reader FROM task_readers WHERE task_id = ?", (parent_id,)))
+            tx.executemany("INSERT INTO task_readers (task_id, reader) VALUES (?, ?)",
+                           [(task_id, r) for r in sorted(grants)])
+            tx.execute("INSERT INTO task_briefs (task_id, brief) VALUES (?, ?)",
+                       (task_id, json.dumps(brief_of(request))))
             self._append(tx, task_id, "task.created", {"status": "queued"}, now)
             return None
 
@@ -202,13 +259,44 @@ class TaskStore:
         self._notify()
         return self.get(task_id), True
 
-    def get(self, task_id: str, tenant: str | None = None) -> TaskRecord:
+    def get(self, task_id: str, tenant: str | None = None, *,
+            visible_to: Principal | None = None) -> TaskRecord:
         """The task; with `tenant`, another tenant's task is reported as missing (404,
-        never 403, so ids of other tenants cannot be probed)."""
+        never 403, so ids of other tenants cannot be probed). With `visible_to`, so is a
+        task of the caller's tenant that was neither submitted by nor granted to the caller
+        (an admin sees every task)."""
         row = self.db.fetchone(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?", (task_id,))
         if row is None or (tenant is not None and row[1] != tenant):
             raise _not_found(task_id)
+        if visible_to is not None and not visible_to.admin:
+            clause, args = _visible_clause(visible_to)
+            if row[1] != visible_to.tenant or self.db.fetchone(
+                    f"SELECT 1 FROM tasks WHERE id = ? AND {clause}", (task_id, *args)) is None:
+                raise _not_found(task_id)
         return _record(row)
+
+    def summaries(self, visible_to: Principal, *, status: str | None = None,
+                  limit: int = 50) -> list[dict[str, Any]]:
+        """The tasks `visible_to` may see (an admin: all), newest first, as bounded
+        summaries (`task_summary`): requests and results are not read."""
+        sql = ("SELECT t.id, t.kind, t.status, t.attempts, t.parent_id, t.created_at, "
+               "t.updated_at, t.error, b.brief, "
+               # only a task written before briefs existed has its request read
+               "CASE WHEN b.brief IS NULL THEN t.request END "
+               "FROM tasks t LEFT JOIN task_briefs b ON b.task_id = t.id WHERE 1=1")
+        args: list[Any] = []
+        if not visible_to.admin:
+            clause, more = _visible_clause(visible_to, "t.")
+            sql += f" AND t.tenant = ? AND {clause}"
+            args += [visible_to.tenant, *more]
+        if status is not None:
+            sql += " AND t.status = ?"
+            args.append(status)
+        sql += " ORDER BY t.created_at DESC LIMIT ?"
+        args.append(int(limit))
+        return [task_summary(r, json.loads(r[8]) if r[8] is not None
+                             else brief_of(json.loads(r[9])))
+                for r in self.db.fetchall(sql, args)]
 
     def list(self, tenant: str | None, *, status: str | None = None, parent_id: str | None = None,
              kind: str | None = None, cancel_requested: bool | None = None,
@@ -396,6 +484,17 @@ class TaskStore:
 
     def delete_checkpoint(self, task_id: str) -> None:
         self.db.execute("DELETE FROM task_checkpoints WHERE task_id = ?", (task_id,))
+
+
+def _visible_clause(who: Principal, prefix: str = "") -> tuple[str, list[Any]]:
+    """SQL that holds for the tasks `who` submitted (its key) or was granted (its key,
+    user or one of its groups among the task's readers). The key_id test keeps tasks
+    written before reader rows existed visible to their submitting key."""
+    ids = sorted(who.reader_ids())
+    marks = ", ".join("?" for _ in ids)
+    return (f"({prefix}key_id = ? OR {prefix}id IN "
+            f"(SELECT task_id FROM task_readers WHERE reader IN ({marks})))",
+            [who.key_id, *ids])
 
 
 def _task_lock(task_id: str) -> str:

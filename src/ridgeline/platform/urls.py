@@ -305,9 +305,18 @@ class _PinnedBackend(httpcore.NetworkBackend):
         self._inner.sleep(seconds)
 
 
+#: An async `getaddrinfo(host, port)`: `socket.getaddrinfo`'s answer for a TCP connection.
+AsyncResolver = typing.Callable[[str, int], typing.Awaitable[list[tuple[typing.Any, ...]]]]
+
+
+async def _anyio_resolver(host: str, port: int) -> list[tuple[typing.Any, ...]]:
+    return await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
 class _AsyncPinnedBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self, allow_private: bool) -> None:
+    def __init__(self, allow_private: bool, resolver: AsyncResolver | None = None) -> None:
         self._allow_private = allow_private
+        self._resolver = resolver or _anyio_resolver
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
@@ -319,7 +328,7 @@ class _AsyncPinnedBackend(httpcore.AsyncNetworkBackend):
             addresses = [str(literal)]
         else:
             try:
-                infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                infos = await self._resolver(host, port)
             except (socket.gaierror, UnicodeError) as e:
                 raise httpcore.ConnectError(f"host {host!r} does not resolve ({e})") from None
             try:
@@ -373,16 +382,19 @@ class SafeTransport(httpx.HTTPTransport):
 
 
 class AsyncSafeTransport(httpx.AsyncHTTPTransport):
-    """The asyncio/trio twin of `SafeTransport`."""
+    """The asyncio/trio twin of `SafeTransport`. `resolver` replaces the host lookup (by
+    default anyio's `getaddrinfo` on a worker thread); its answer is checked the same way."""
 
     def __init__(self, *, allow_private: bool = False,
                  verify: ssl.SSLContext | str | bool = True,
                  limits: httpx.Limits = httpx.Limits(max_connections=100,
-                                                     max_keepalive_connections=20)) -> None:
+                                                     max_keepalive_connections=20),
+                 resolver: AsyncResolver | None = None) -> None:
         super().__init__(verify=verify, trust_env=False, limits=limits)
         self.allow_private = allow_private
         self._pool = httpcore.AsyncConnectionPool(
-            network_backend=_AsyncPinnedBackend(allow_private), **_pool_kwargs(verify, limits))
+            network_backend=_AsyncPinnedBackend(allow_private, resolver),
+            **_pool_kwargs(verify, limits))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         check_outbound_url(str(request.url), allow_private=self.allow_private, resolve=False)
@@ -398,8 +410,11 @@ def safe_client(*, allow_private: bool = False, timeout: float = 10.0,
 
 
 def safe_async_client(*, allow_private: bool = False, timeout: float = 10.0,
+                      resolver: AsyncResolver | None = None,
+                      limits: httpx.Limits | None = None,
                       **kwargs: typing.Any) -> httpx.AsyncClient:
     """An `httpx.AsyncClient` over `AsyncSafeTransport`."""
     kwargs.setdefault("follow_redirects", False)
-    return httpx.AsyncClient(transport=AsyncSafeTransport(allow_private=allow_private),
-                             timeout=timeout, trust_env=False, **kwargs)
+    transport = AsyncSafeTransport(allow_private=allow_private, resolver=resolver,
+                                   **({"limits": limits} if limits is not None else {}))
+    return httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False, **kwargs)

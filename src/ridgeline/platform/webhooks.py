@@ -9,7 +9,21 @@ delivery's URL, signed body, secret and state (pending -> delivered | dead). `su
 checks the URL against SSRF (`ridgeline.platform.urls`) and the body's size before
 anything is stored.
 `WebhookDispatcher` sends what is due: `run_once` for a caller's own loop, `start`/`stop`
-for a background thread woken by each submit and by a timer.
+for a background loop woken by each submit, by each finished attempt and by a timer.
+
+One slow receiver must not hold up the others (they belong to other tenants). Every
+attempt has one total deadline, `timeout_s`, over the DNS lookup, the connection, sending
+the body and the response (a receiver trickling a byte at a time is cut off at the
+deadline, not kept alive by each byte), and reads at most `max_response_bytes` of the
+response. Attempts run as independent tasks on the dispatcher's own event loop: the
+background loop claims a due delivery whenever a slot is free and records each outcome as
+it comes, with no batch to wait for. At most `concurrency` attempts are in flight, at most
+`max_per_target` to one origin and at most `max_per_owner` for one owner (the tenant a
+platform task belongs to), so a tenant with many slow targets fills only its own share of
+the slots; deliveries of full targets and owners are skipped by the claim, not queued
+behind them. A DNS lookup cannot be interrupted: an attempt that times out during one
+keeps its slot until the lookup thread returns, so abandoned lookups stay within the same
+caps. The caps are per dispatcher (per process).
 
 Delivery is at least once: the webhook id (`webhook-id`, also the delivery id) is the same
 on every attempt, so receivers dedupe on it. A dispatcher *claims* what it sends by moving
@@ -24,28 +38,35 @@ longer (up to max_delay_s). A URL refused when it is sent (its name now resolves
 internal address) is dead at once. Redirects are not followed (a redirect is an error).
 
 The body is `{"type", "timestamp", "data"}`, fixed at submit, so every attempt sends the
-same bytes; the signature's `webhook-timestamp` is the wall-clock time of each attempt
+same bytes (for agent tasks `data` is `task_webhook_data`: a bounded summary with links to
+the full task, never the request itself); the signature's `webhook-timestamp` is the wall-clock time of each attempt
 (receivers reject old ones), while scheduling uses the dispatcher's clock, which tests
 replace. Secrets are stored in the table (signing needs them): protect the database as such.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import email.utils
 import hashlib
 import hmac
 import json
+import concurrent.futures
+import contextlib
+import contextvars
+import functools
 import logging
 import random
 import secrets as _secrets
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +78,8 @@ from ridgeline.errors import (
     ConfigError, ConflictError, NotFoundError, PayloadTooLargeError, RidgelineError,
 )
 from ridgeline.platform.db import Transaction, is_postgres_url, open_database, resolve_location
-from ridgeline.platform.urls import UnsafeURLError, check_outbound_url, safe_client
+from ridgeline.platform.store import TaskRecord
+from ridgeline.platform.urls import UnsafeURLError, check_outbound_url, safe_async_client
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +171,65 @@ def verify(secret: str | Sequence[str], headers: Mapping[str, str], body: bytes 
     raise WebhookSignatureError("no webhook signature matches")
 
 
+# ---- what a task's webhook says --------------------------------------------------------------
+
+#: Bounds of the free text a task webhook carries (characters), and of its metadata
+#: (bytes of JSON); what is cut is fetched through the links.
+SUMMARY_CHARS = 4000
+ERROR_CHARS = 2000
+METADATA_BYTES = 4096
+_RESULT_SCALARS = ("exit_status", "steps", "wall_s", "workspace_bytes")
+
+
+def _clip(text: str, limit: int) -> tuple[str, bool]:
+    return (text, False) if len(text) <= limit else (text[:limit], True)
+
+
+def task_webhook_data(task: TaskRecord, public_url: str | None = None) -> dict[str, Any]:
+    """The `data` of a task's webhook: its id, status and a summary of its result,
+    bounded whatever the task's size, and links to fetch the rest with an API key. Never
+    the request (its files and instruction can be megabytes, over `max_body_bytes`)."""
+    truncated = False
+    result = task.result if isinstance(task.result, dict) else {}
+    summary: dict[str, Any] = {}
+    for key in _RESULT_SCALARS:
+        value = result.get(key)
+        if isinstance(value, (bool, int, float)):
+            summary[key] = value
+        elif isinstance(value, str):
+            summary[key], cut = _clip(value, 200)
+            truncated |= cut
+    usage = result.get("usage")
+    if isinstance(usage, dict):
+        summary["usage"] = {k: v for k, v in usage.items() if k in ("prompt_tokens",
+                            "completion_tokens") and isinstance(v, (int, float))}
+    if isinstance(result.get("summary"), str):
+        summary["summary"], cut = _clip(result["summary"], SUMMARY_CHARS)
+        truncated |= cut
+    nodes = result.get("nodes")
+    if isinstance(nodes, dict):   # a graph: how many nodes ended how (ids are in the task)
+        statuses: dict[str, int] = {}
+        for node in nodes.values():
+            status = str(node.get("status")) if isinstance(node, dict) else "unknown"
+            statuses[status[:40]] = statuses.get(status[:40], 0) + 1
+        summary["nodes"] = dict(list(sorted(statuses.items()))[:16])
+    error = None
+    if task.error is not None:
+        error, cut = _clip(str(task.error), ERROR_CHARS)
+        truncated |= cut
+    metadata = task.request.get("metadata") if isinstance(task.request, dict) else None
+    if metadata and len(json.dumps(metadata).encode()) > METADATA_BYTES:
+        metadata, truncated = None, True
+    path = f"{(public_url or '').rstrip('/')}/v1/agent/tasks/{task.id}"
+    return {"id": task.id, "object": "agent.task", "kind": task.kind,
+            "status": task.status.value, "created_at": task.created_at,
+            "updated_at": task.updated_at, "attempts": task.attempts,
+            "parent_id": task.parent_id, "error": error, "result": summary or None,
+            "metadata": metadata or {}, "truncated": truncated,
+            "links": {"task": path, "events": path + "/events",
+                      "workspace": path + "/workspace"}}
+
+
 # ---- config and records --------------------------------------------------------------------
 
 
@@ -162,12 +243,21 @@ class WebhookConfig(BaseModel):
                                "(Retry-After included)")
     jitter: bool = Field(True, description="full jitter: each delay uniform in [0, cap], so "
                          "receivers that fail together are not retried together")
-    timeout_s: float = Field(10.0, gt=0, description="per attempt: connect and each read")
+    timeout_s: float = Field(10.0, gt=0, description="total deadline of one attempt: DNS, "
+                             "connect, sending the body and reading the response")
+    max_response_bytes: int = Field(64 * 1024, ge=0, description="most of a response body "
+                                    "read; the rest is left unread and the connection closed")
     allow_private_targets: bool = Field(False, description="admit private and loopback "
                                         "URLs (on-prem, tests); link-local never")
     max_body_bytes: int = Field(256 * 1024, ge=64, description="largest signed body")
-    concurrency: int = Field(4, ge=1, description="deliveries sent at once")
+    concurrency: int = Field(16, ge=1, description="attempts in flight at once")
+    max_per_target: int = Field(4, ge=1, description="attempts in flight to one origin "
+                                "(scheme, host, port)")
+    max_per_owner: int = Field(8, ge=1, description="attempts in flight for one owner (a "
+                               "platform task's tenant); keep it below concurrency")
     batch_size: int = Field(64, ge=1, description="deliveries claimed per run_once")
+    public_url: str | None = Field(None, description="the platform's base URL, for the links "
+                                   "in task webhooks (paths only when unset)")
     poll_interval_s: float = Field(5.0, gt=0, description="longest sleep of the background "
                                    "thread (deliveries submitted by other processes)")
 
@@ -187,6 +277,7 @@ class Delivery:
     last_error: str | None        # the last failure's (kept after a later success)
     delivered_at: float | None
     idempotency_key: str | None
+    owner: str | None = None      # whose share of the dispatcher's slots it uses
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -194,7 +285,7 @@ class Delivery:
 
 
 _COLUMNS = ("id, url, event_type, body, state, attempts, next_attempt_at, created_at, "
-            "updated_at, last_status, last_error, delivered_at, idempotency_key")
+            "updated_at, last_status, last_error, delivered_at, idempotency_key, owner")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS webhook_deliveries (
@@ -212,7 +303,9 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
     updated_at REAL NOT NULL,
     last_status INTEGER,
     last_error TEXT,
-    delivered_at REAL{insertion_order}
+    delivered_at REAL,
+    target TEXT,
+    owner TEXT{insertion_order}
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due
     ON webhook_deliveries (state, next_attempt_at);
@@ -226,6 +319,53 @@ _INSERTION_ORDER = {"sqlite": ("", "rowid"), "postgresql": (",\n    seq BIGSERIA
 
 def _row(r: tuple[Any, ...]) -> Delivery:
     return Delivery(*r)
+
+
+def delivery_target(url: str) -> str:
+    """The origin a URL calls (`scheme://host:port`): the unit of `max_per_target`."""
+    u = httpx.URL(url)
+    return f"{u.scheme}://{u.host}:{u.port or (443 if u.scheme == 'https' else 80)}"
+
+
+@dataclass
+class InFlight:
+    """Attempts in flight, in all, per target and per owner, against the caps."""
+
+    max_total: int
+    max_per_target: int
+    max_per_owner: int
+    total: int = 0
+    targets: dict[str, int] = field(default_factory=dict)
+    owners: dict[str, int] = field(default_factory=dict)
+
+    def admits(self, target: str, owner: str | None) -> bool:
+        return (self.total < self.max_total
+                and self.targets.get(target, 0) < self.max_per_target
+                and (owner is None or self.owners.get(owner, 0) < self.max_per_owner))
+
+    def add(self, target: str, owner: str | None) -> None:
+        self.total += 1
+        self.targets[target] = self.targets.get(target, 0) + 1
+        if owner is not None:
+            self.owners[owner] = self.owners.get(owner, 0) + 1
+
+    def remove(self, target: str, owner: str | None) -> None:
+        self.total -= 1
+        for counts, key in ((self.targets, target), (self.owners, owner)):
+            if key is not None:
+                counts[key] -= 1
+                if counts[key] <= 0:
+                    del counts[key]
+
+    def full_targets(self) -> list[str]:
+        return sorted(t for t, n in self.targets.items() if n >= self.max_per_target)
+
+    def full_owners(self) -> list[str]:
+        return sorted(o for o, n in self.owners.items() if n >= self.max_per_owner)
+
+    def copy(self) -> InFlight:
+        return InFlight(self.max_total, self.max_per_target, self.max_per_owner, self.total,
+                        dict(self.targets), dict(self.owners))
 
 
 # ---- the outbox ----------------------------------------------------------------------------
@@ -249,6 +389,21 @@ class WebhookOutbox:
         self._db = open_database(location, pool_size=pool_size)
         column, self._order = _INSERTION_ORDER[self._db.dialect]
         self._db.executescript(_SCHEMA.format(insertion_order=column))
+        self._db.run(self._add_columns)
+
+    def _add_columns(self, tx: Transaction) -> None:
+        """Columns added since the table's first version (`target`, `owner`: the
+        dispatcher's caps), for outboxes made before them."""
+        tx.lock("webhook-deliveries-schema")
+        if self._db.dialect == "sqlite":
+            have = {r[1] for r in tx.fetchall("PRAGMA table_info(webhook_deliveries)")}
+        else:
+            have = {r[0] for r in tx.fetchall(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = "
+                "'webhook_deliveries' AND table_schema = current_schema()")}
+        for column in ("target", "owner"):
+            if column not in have:
+                tx.execute(f"ALTER TABLE webhook_deliveries ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -280,11 +435,14 @@ class WebhookOutbox:
     # -- writing --
 
     def submit(self, url: str, event_type: str, payload: dict[str, Any],
-               secret: str | Sequence[str], *, idempotency_key: str | None = None) -> str:
+               secret: str | Sequence[str], *, idempotency_key: str | None = None,
+               owner: str | None = None) -> str:
         """Store a delivery and return its id (the `webhook-id`). Everything is checked
-        before anything is stored: the URL (SSRF), the secret, the body's size. The same
-        `idempotency_key` returns the first delivery's id; with a different request it is
-        a `ConflictError`. Keys are global to the outbox: namespace them (tenant, task)."""
+        before anything is stored: the URL (SSRF; this resolves its host, so call it off
+        any event loop), the secret, the body's size. The same `idempotency_key` returns
+        the first delivery's id; with a different request it is a `ConflictError`. Keys
+        are global to the outbox: namespace them (tenant, task). `owner` (a tenant) is
+        whose share of the dispatcher's slots its attempts use."""
         url = check_outbound_url(url, allow_private=self.config.allow_private_targets)
         if not isinstance(event_type, str) or not event_type.strip() or len(event_type) > 200:
             raise RidgelineError("event_type must be a non-empty string of at most 200 "
@@ -327,9 +485,10 @@ class WebhookOutbox:
             tx.execute(
                 "INSERT INTO webhook_deliveries (id, url, event_type, body, secret, "
                 "idempotency_key, request_hash, state, attempts, next_attempt_at, "
-                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?)",
+                "created_at, updated_at, target, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?)",
                 (delivery_id, url, event_type, body, " ".join(keys), idempotency_key,
-                 request_hash, now, now, now))
+                 request_hash, now, now, now, delivery_target(url), owner))
             return None
 
         found = self._db.run(store)
@@ -397,16 +556,31 @@ class WebhookOutbox:
 
     # -- the dispatcher's side --
 
-    def claim_due(self, now: float, limit: int, lease_s: float) -> list[tuple[Delivery, list[str]]]:
+    def claim_due(self, now: float, limit: int, lease_s: float, *,
+                  in_flight: InFlight | None = None) -> list[tuple[Delivery, list[str]]]:
         """Take due deliveries for one attempt each: count the attempt and push the next one
-        `lease_s` ahead, so no other dispatcher sends them meanwhile. With their secrets."""
+        `lease_s` ahead, so no other dispatcher sends them meanwhile. With their secrets.
+        With `in_flight`, only those its caps admit (targets and owners already full are
+        left out of the query, so they cannot crowd the others out of `limit`)."""
         def claim(tx: Transaction) -> list[tuple[Any, ...]]:
+            local = in_flight.copy() if in_flight is not None else None
+            where, args = "", []
+            if local is not None:
+                for column, full in (("target", local.full_targets()),
+                                     ("owner", local.full_owners())):
+                    if full:
+                        where += (f" AND ({column} IS NULL OR {column} NOT IN "
+                                  f"({', '.join('?' * len(full))}))")
+                        args += full
             candidates = tx.fetchall(
-                "SELECT id FROM webhook_deliveries WHERE state = 'pending' AND "
-                f"next_attempt_at <= ? ORDER BY next_attempt_at, created_at, {self._order} "
-                "LIMIT ?", (now, limit))
+                "SELECT id, url, owner FROM webhook_deliveries WHERE state = 'pending' AND "
+                f"next_attempt_at <= ?{where} ORDER BY next_attempt_at, created_at, "
+                f"{self._order} LIMIT ?", (now, *args, limit))
             claimed = []
-            for (delivery_id,) in candidates:
+            for delivery_id, url, owner in candidates:
+                target = delivery_target(url)
+                if local is not None and not local.admits(target, owner):
+                    continue
                 # conditional: a dispatcher that claimed it first (PostgreSQL lets two
                 # read the same candidates) has moved its next attempt past `now`
                 if tx.execute("UPDATE webhook_deliveries SET attempts = attempts + 1, "
@@ -417,6 +591,8 @@ class WebhookOutbox:
                                       "WHERE id = ?", (delivery_id,))
                     assert row is not None
                     claimed.append(row)
+                    if local is not None:
+                        local.add(target, owner)
             return claimed
 
         return [(_row(r[:-1]), str(r[-1]).split(" ")) for r in self._db.run(claim)]
@@ -475,28 +651,87 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+#: The lookups (resolver threads) of the attempt running in this task, so its slot is held
+#: until they return even when the attempt gave up on them.
+_LOOKUPS: contextvars.ContextVar[list[concurrent.futures.Future[Any]] | None] = \
+    contextvars.ContextVar("webhook_lookups", default=None)
+
+
+def _getaddrinfo(host: str, port: int) -> list[tuple[Any, ...]]:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
 class WebhookDispatcher:
-    """Sends due deliveries; `run_once` in a caller's loop or `start` for a thread."""
+    """Sends due deliveries; `run_once` in a caller's loop or `start` for a background loop.
+
+    Attempts run on the dispatcher's own event loop (a thread it starts on first use), so
+    none of them blocks a caller's loop; database calls and DNS lookups run on its own
+    small thread pools."""
 
     def __init__(self, outbox: WebhookOutbox, config: WebhookConfig | None = None,
-                 client: httpx.Client | None = None, *,
+                 client: httpx.AsyncClient | None = None, *,
                  clock: Callable[[], float] = time.time,
                  rng: random.Random | None = None) -> None:
         self.outbox = outbox
         self.config = config or outbox.config
+        c = self.config
+        # one lookup at most per slot (a slot is held until its lookup returns): never queued
+        self._dns = ThreadPoolExecutor(c.concurrency, thread_name_prefix="webhook-dns")
+        self._io = ThreadPoolExecutor(4, thread_name_prefix="webhook-db")
         # The default client connects only to addresses it checked (DNS rebinding); a
         # client passed in is trusted to do the same.
-        self._client = client or safe_client(allow_private=self.config.allow_private_targets,
-                                             timeout=self.config.timeout_s)
+        self._client = client or safe_async_client(
+            allow_private=c.allow_private_targets, timeout=c.timeout_s, resolver=self._resolve,
+            limits=httpx.Limits(max_connections=max(100, 2 * c.concurrency),
+                                max_keepalive_connections=c.concurrency))
         self._owns_client = client is None
         self._clock = clock
         self._rng = rng or random.Random()
-        self._pool = ThreadPoolExecutor(self.config.concurrency,
-                                        thread_name_prefix="webhook-send")
-        self._run_lock = threading.Lock()     # one run_once at a time per dispatcher
-        self._wake = threading.Event()
+        self._rng_lock = threading.Lock()
+        self._lock = threading.Lock()          # the in-flight counts
+        self._claim_lock = threading.Lock()    # one claim at a time: counts and claims agree
+        self._in_flight = InFlight(c.concurrency, c.max_per_target, c.max_per_owner)
+        self._start_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._wake: asyncio.Event | None = None
+        self._serving: concurrent.futures.Future[None] | None = None
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+    # -- the event loop --
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="webhook-dispatcher",
+                                          daemon=True)
+                thread.start()
+                self._loop, self._loop_thread = loop, thread
+            return self._loop
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._ensure_loop()).result()
+
+    async def _in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._io, functools.partial(fn, *args))
+
+    async def _resolve(self, host: str, port: int) -> list[tuple[Any, ...]]:
+        """The client's host lookup: on the dispatcher's DNS threads, recorded against the
+        running attempt (see `_LOOKUPS`)."""
+        future = self._dns.submit(_getaddrinfo, host, port)
+        lookups = _LOOKUPS.get()
+        if lookups is not None:
+            lookups.append(future)
+        return await asyncio.wrap_future(future)
+
+    def _notify(self) -> None:
+        """Wake the background loop (from any thread)."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):   # the loop is closing
+                loop.call_soon_threadsafe(wake.set)
 
     # -- one pass --
 
@@ -504,51 +739,125 @@ class WebhookDispatcher:
         """The wait after failed attempt number `attempt` (1-based), before Retry-After."""
         cap = min(self.config.max_delay_s,
                   self.config.base_delay_s * 2.0 ** min(attempt - 1, 60))
-        return self._rng.uniform(0.0, cap) if self.config.jitter else cap
+        if not self.config.jitter:
+            return cap
+        with self._rng_lock:
+            return self._rng.uniform(0.0, cap)
 
     def run_once(self, now: float | None = None) -> int:
-        """Send every delivery due at `now` once; the number sent. Outcomes are recorded
-        in claim order, so a seeded `rng` gives the same delays every run."""
-        with self._run_lock:
+        """Send the deliveries due at `now` once (up to `batch_size`, within the caps) and
+        wait for them; the number sent. For a caller's own loop and for tests: the
+        background loop (`start`) never waits for a batch."""
+        return int(self._call(self._pass(now)))
+
+    async def _pass(self, now: float | None) -> int:
+        tasks = await self._launch(now, self.config.batch_size)
+        if tasks:
+            await asyncio.gather(*tasks)
+        return len(tasks)
+
+    def _free_slots(self) -> int:
+        with self._lock:
+            return self.config.concurrency - self._in_flight.total
+
+    async def _launch(self, now: float | None, limit: int) -> list[asyncio.Task[None]]:
+        """Claim what the free slots and the caps admit, and start an attempt for each."""
+        claimed = await self._in_io(self._claim, now, limit)
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(self._run(d, secrets, now)) for d, secrets in claimed]
+
+    def _claim(self, now: float | None, limit: int) -> list[tuple[Delivery, list[str]]]:
+        with self._claim_lock:
+            with self._lock:
+                snapshot = self._in_flight.copy()
+            limit = min(limit, snapshot.max_total - snapshot.total)
+            if limit <= 0:
+                return []
             at = self._clock() if now is None else now
             lease = 2 * self.config.timeout_s + 30.0
-            claimed = self.outbox.claim_due(at, self.config.batch_size, lease)
-            if not claimed:
-                return 0
-            attempts = list(self._pool.map(lambda c: self.attempt(*c), claimed))
-            for (delivery, _), result in zip(claimed, attempts):
-                self._record(delivery, result, self._clock() if now is None else now)
-            return len(claimed)
+            claimed = self.outbox.claim_due(at, limit, lease, in_flight=snapshot)
+            with self._lock:
+                for d, _ in claimed:
+                    self._in_flight.add(delivery_target(d.url), d.owner)
+            return claimed
+
+    async def _run(self, d: Delivery, secrets: list[str], now: float | None) -> None:
+        lookups: list[concurrent.futures.Future[Any]] = []
+        token = _LOOKUPS.set(lookups)
+        try:
+            result = await self._attempt(d, secrets)
+            try:
+                await self._in_io(self._record, d, result,
+                                  self._clock() if now is None else now)
+            except Exception:   # the lease runs out and the delivery is sent again
+                log.exception("webhook %s: could not record the attempt", d.id)
+        finally:
+            _LOOKUPS.reset(token)
+            pending = [f for f in lookups if not f.done()]
+            if pending:   # a lookup still runs on its thread: the slot stays taken
+                asyncio.get_running_loop().create_task(self._release_after(d, pending))
+            else:
+                self._release(d)
+
+    async def _release_after(self, d: Delivery,
+                             pending: list[concurrent.futures.Future[Any]]) -> None:
+        try:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending),
+                                 return_exceptions=True)
+        finally:
+            self._release(d)
+
+    def _release(self, d: Delivery) -> None:
+        with self._lock:
+            self._in_flight.remove(delivery_target(d.url), d.owner)
+        self._notify()
 
     def attempt(self, delivery: Delivery, secrets: Sequence[str]) -> Attempt:
-        """POST one delivery once and classify what came back."""
+        """POST one delivery once and classify what came back (from a thread that is not
+        the dispatcher's loop)."""
+        return self._call(self._attempt(delivery, list(secrets)))   # type: ignore[no-any-return]
+
+    async def _attempt(self, delivery: Delivery, secrets: Sequence[str]) -> Attempt:
         body = delivery.body.encode()
         headers = {"content-type": "application/json",
                    "user-agent": "ridgeline-webhooks/1",
+                   "accept-encoding": "identity",   # the size cap counts the bytes received
                    **signed_headers(secrets, delivery.id, int(time.time()), body)}
+        timeout = self.config.timeout_s
+        status: int | None = None
+        retry_after: str | None = None
+        excerpt = ""
         try:
             check_outbound_url(delivery.url, allow_private=self.config.allow_private_targets,
                                resolve=False)
-            with self._client.stream("POST", delivery.url, content=body, headers=headers,
-                                     timeout=self.config.timeout_s) as r:
-                excerpt = _excerpt(r)
+            # the one deadline over everything, DNS included: a receiver that trickles a
+            # byte at a time would keep a per-read timeout from ever firing
+            async with asyncio.timeout(timeout):
+                async with self._client.stream("POST", delivery.url, content=body,
+                                               headers=headers, timeout=timeout) as r:
+                    status, retry_after = r.status_code, r.headers.get("retry-after")
+                    excerpt = await _excerpt(r, self.config.max_response_bytes)
         except UnsafeURLError as e:
             return Attempt("permanent", None, f"refused: {e}")
-        except httpx.TimeoutException as e:
-            return Attempt("retry", None, f"timed out after {self.config.timeout_s:g} s "
-                           f"({type(e).__name__})")
+        except (TimeoutError, httpx.TimeoutException) as e:
+            if status is None:
+                return Attempt("retry", None, f"timed out after {timeout:g} s "
+                               f"({type(e).__name__}; the deadline covers DNS, connect, "
+                               "request and response)")
+            # the status came in time and decides; the body trickled past the deadline
         except httpx.HTTPError as e:
-            return Attempt("retry", None, f"{type(e).__name__}: {e}")
+            if status is None:
+                return Attempt("retry", None, f"{type(e).__name__}: {e}")
         except Exception as e:   # a bug must not stop the other deliveries; keep it visible
             log.exception("webhook %s: unexpected error", delivery.id)
             return Attempt("retry", None, f"{type(e).__name__}: {e}")
-        status = r.status_code
+        assert status is not None
         if 200 <= status < 300:
             return Attempt("delivered", status, None)
         error = f"HTTP {status}" + (f": {excerpt}" if excerpt else "")
         if 400 <= status < 500 and status not in RETRYABLE_4XX:
             return Attempt("permanent", status, error)
-        return Attempt("retry", status, error, retry_after_seconds(r.headers.get("retry-after")))
+        return Attempt("retry", status, error, retry_after_seconds(retry_after))
 
     def _record(self, d: Delivery, result: Attempt, now: float) -> None:
         if result.outcome == "delivered":
@@ -570,36 +879,91 @@ class WebhookDispatcher:
             delay = max(delay, min(result.retry_after_s, self.config.max_delay_s))
         self.outbox.mark_retry(d.id, result.status, error, now, now + delay)
 
-    # -- the background thread --
+    # -- the background loop --
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._serving is not None and not self._serving.done()
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._serving is not None:
             return
         self._stop.clear()
-        self.outbox.add_listener(self._wake.set)
-        self._thread = threading.Thread(target=self._loop, name="webhook-dispatcher",
-                                        daemon=True)
-        self._thread.start()
+        loop = self._ensure_loop()
+        self.outbox.add_listener(self._notify)
+        ready = threading.Event()
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(ready), loop)
+        ready.wait(5)   # its wake-up event exists before a submit can call for it
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop the thread after its current pass (sends in flight finish or time out)."""
-        if self._thread is None:
+        """Stop the background loop; attempts in flight finish or reach their deadline."""
+        if self._serving is None:
             return
-        self.outbox.remove_listener(self._wake.set)
+        self.outbox.remove_listener(self._notify)
         self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
-        self._thread = None
+        self._notify()
+        try:
+            self._serving.result(timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning("webhook dispatcher did not stop within %s s", timeout)
+        except Exception:
+            log.exception("webhook dispatcher loop failed")
+        self._serving = None
+
+    async def _serve(self, ready: threading.Event) -> None:
+        self._wake = wake = asyncio.Event()
+        ready.set()
+        running: set[asyncio.Task[None]] = set()
+        while not self._stop.is_set():
+            wake.clear()
+            launched: list[asyncio.Task[None]] = []
+            try:
+                launched = await self._launch(None, self.config.batch_size)
+            except Exception:   # e.g. the database busy for long: try again next round
+                log.exception("webhook dispatcher pass failed")
+            for task in launched:
+                running.add(task)
+                task.add_done_callback(running.discard)
+            if launched and self._free_slots() > 0:
+                continue   # more may be due right now
+            wait = self.config.poll_interval_s
+            try:
+                next_due = await self._in_io(self.outbox.next_due_at)
+            except Exception:
+                next_due = None
+            if next_due is not None and next_due > self._clock():
+                wait = min(wait, next_due - self._clock())
+            # due now but not claimable (slots or caps full): a finished attempt wakes us
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), wait)
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
 
     def close(self) -> None:
         self.stop()
-        self._pool.shutdown(wait=True)
+        loop, thread = self._loop, self._loop_thread
+        if loop is not None and thread is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(10)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            if not thread.is_alive():
+                loop.close()
+            self._loop = self._loop_thread = None
+        elif self._owns_client:
+            asyncio.run(self._client.aclose())
+        self._io.shutdown(wait=True)
+        # a lookup stuck in the resolver cannot be interrupted; its thread ends with it
+        self._dns.shutdown(wait=False, cancel_futures=True)
+
+    async def _shutdown(self) -> None:
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
         if self._owns_client:
-            self._client.close()
+            await self._client.aclose()
 
     def __enter__(self) -> WebhookDispatcher:
         return self
@@ -607,32 +971,18 @@ class WebhookDispatcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            sent = 0
-            try:
-                sent = self.run_once()
-            except Exception:   # e.g. the database busy for long: try again next round
-                log.exception("webhook dispatcher pass failed")
-            if sent >= self.config.batch_size:
-                continue   # more may be due right now
-            wait = self.config.poll_interval_s
-            next_due = self.outbox.next_due_at()
-            if next_due is not None:
-                wait = min(wait, max(0.0, next_due - self._clock()))
-            self._wake.wait(wait)
-            self._wake.clear()
 
-
-def _excerpt(response: httpx.Response, limit: int = 300) -> str:
-    """The start of a response body, for the delivery's last error (never all of it)."""
-    chunks: list[bytes] = []
+async def _excerpt(response: httpx.Response, max_bytes: int, limit: int = 300) -> str:
+    """Read at most `max_bytes` of a response body (the rest is never read) and return
+    its start, for the delivery's last error."""
+    head = b""
     size = 0
-    for chunk in response.iter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= limit:
-            break
-    text = b"".join(chunks)[:limit].decode("utf-8", "replace").strip()
+    if max_bytes > 0:
+        async for chunk in response.aiter_raw():
+            if len(head) < limit:
+                head += chunk[:limit - len(head)]
+            size += len(chunk)
+            if size >= max_bytes:
+                break
+    text = head.decode("utf-8", "replace").strip()
     return " ".join(text.split())
-

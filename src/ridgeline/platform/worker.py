@@ -15,19 +15,28 @@ goes to another worker), so the worker is written for redelivery:
   result instead of acting twice.
 - The sandbox is created on the first action that needs it: a task that only talks or
   only uses registry tools costs no sandbox.
+
+Every model call a task makes is admitted and charged under the key that submitted it
+(`MeteredModel`, given the platform's gateway): the key's rpm, tpm and concurrency apply to
+its agents as to its own requests, and each call is a usage row. A call over a limit waits
+(up to `quota_wait_s`) and then fails the task with the quota's error, never as an
+infrastructure error. Model errors reach task events without the model endpoint's URL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import re
 import signal
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -37,7 +46,9 @@ from ridgeline.agent.loop import Agent, Episode, InstructionTask
 from ridgeline.agent.tools import Workbench
 from ridgeline.agent.trajectory import ExitStatus, StepRecord
 from ridgeline.errors import ConfigError, ModelEndpointError, RidgelineError, SandboxError
-from ridgeline.llm.base import ChatModel
+from ridgeline.llm.base import ChatModel, Completion, Message, Sampling, ToolSpec
+from ridgeline.platform.limits import KeyRateLimitError
+from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import Job, JobQueue
 from ridgeline.platform.replay import REPLAY_MODEL, ReplayModel
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
@@ -69,6 +80,8 @@ class WorkerConfig(BaseModel):
     command_timeout_s: float = Field(120.0, gt=0)
     allow_replay_model: bool = Field(False, description="accept tasks whose model is 'replay' "
                                      "(scripted replies: load tests and demos only)")
+    quota_wait_s: float = Field(300.0, ge=0, description="how long a task's model call waits "
+                                "for its key's rpm/tpm/concurrency before the task fails")
 
 
 class TaskCancelled(Exception):
@@ -144,6 +157,117 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
+class TaskQuotaError(KeyRateLimitError):
+    """A task's model call stayed over its key's quota longer than `quota_wait_s`: the
+    task fails with this (the key's limit, not the infrastructure)."""
+
+
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
+
+
+def redact_endpoint(text: str) -> str:
+    """A model error as a tenant may read it: no URL (the model server's address is the
+    deployment's, not the tenant's)."""
+    return _URL.sub("<model endpoint>", text)
+
+
+class Gateway(Protocol):
+    """What a worker needs of `ridgeline.platform.gateway.Gateway`."""
+
+    def admit(self, principal: Principal, tokens: int) -> Any: ...
+
+    def account(self, principal: Principal, model: str, admission: Any, *,
+                prompt_tokens: int, completion_tokens: int, error: bool = False) -> None: ...
+
+
+class MeteredModel:
+    """A task's model with every call admitted and charged under the submitting key by the
+    gateway's limiter and usage accounting (the same buckets and rows as the key's own
+    requests): over a limit, the call waits for it (checking `interrupt`) up to `wait_s`,
+    then raises `TaskQuotaError`. A call whose answer reports no usage is charged an
+    estimate (characters / 4 of prompt and reply), never nothing."""
+
+    def __init__(self, inner: ChatModel, gateway: Gateway, principal: Principal, model: str,
+                 *, wait_s: float, interrupt: Callable[[], None] = lambda: None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.inner = inner
+        self.gateway = gateway
+        self.principal = principal
+        self.name = model  # not the inner client's name: that one holds the endpoint URL
+        self.model = model
+        self.wait_s = wait_s
+        self.interrupt = interrupt
+        self.sleep = sleep
+        self.supports_tools = getattr(inner, "supports_tools", False)
+
+    @property
+    def context_window(self) -> int:
+        return self.inner.context_window
+
+    def count_tokens(self, messages: list[Message]) -> int:
+        return self.inner.count_tokens(messages)
+
+    def _admit(self, tokens: int) -> Any:
+        waited = 0.0
+        while True:
+            try:
+                return self.gateway.admit(self.principal, tokens)
+            except KeyRateLimitError as e:
+                pause = max(0.05, min(1.0, e.retry_after_s or 1.0))
+                if waited + pause > self.wait_s:
+                    raise TaskQuotaError(
+                        f"the task's model calls are over its API key's {e.limit} limit: "
+                        f"{e.message} (waited {waited:.0f} s)", limit=e.limit,
+                        retry_after_s=e.retry_after_s,
+                        hint="raise the key's limits, or run fewer tasks at once") from None
+            self.interrupt()  # cancelled or draining: stop waiting
+            self.sleep(pause)
+            waited += pause
+
+    def chat(self, messages: list[Message], tools: list[ToolSpec] | None = None,
+             sampling: Sampling | None = None) -> Completion:
+        max_tokens = (sampling or Sampling()).max_tokens
+        prompt_estimate = max(1, _chars_tokens(messages, tools))
+        admission = self._admit(prompt_estimate + max_tokens)
+        try:
+            try:
+                completion = self.inner.chat(messages, tools=tools, sampling=sampling)
+            except RidgelineError as e:
+                self.gateway.account(self.principal, self.model, admission,
+                                     prompt_tokens=0, completion_tokens=0, error=True)
+                _redact_error(e)
+                raise
+            except BaseException:
+                self.gateway.account(self.principal, self.model, admission,
+                                     prompt_tokens=0, completion_tokens=0, error=True)
+                raise
+            prompt, done = completion.usage.prompt_tokens, completion.usage.completion_tokens
+            if prompt + done <= 0:  # no usage reported: an estimate, never free
+                prompt = prompt_estimate
+                done = max(1, math.ceil((len(completion.text) + sum(
+                    len(str(c.arguments)) + len(c.name) for c in completion.tool_calls)) / 4))
+            self.gateway.account(self.principal, self.model, admission,
+                                 prompt_tokens=prompt, completion_tokens=done)
+            return completion
+        finally:
+            admission.release()
+
+
+def _chars_tokens(messages: list[Message], tools: list[ToolSpec] | None) -> int:
+    chars = sum(len(m.content) + sum(len(str(c.arguments)) for c in m.tool_calls)
+                for m in messages)
+    chars += sum(len(t.description) + len(str(t.parameters)) for t in tools or ())
+    return math.ceil(chars / 4) + 4 * len(messages)
+
+
+def _redact_error(e: RidgelineError) -> None:
+    """Strip URLs from a model error in place (its type and hint stay)."""
+    e.message = redact_endpoint(e.message)
+    if e.hint is not None:
+        e.hint = redact_endpoint(e.hint)
+    e.args = (e.message if e.hint is None else f"{e.message} ({e.hint})",)
+
+
 ModelFactory = Callable[[TaskRecord], ChatModel]
 EnvFactory = Callable[[TaskRecord, Sandbox, "TaskRun"], ToolEnvironment]
 FinishHook = Callable[[TaskRecord], None]
@@ -213,6 +337,21 @@ class TaskRun:
         if self.worker.draining.is_set():
             raise WorkerDraining(self.task.id)
 
+    def principal(self) -> Principal:
+        """The submitter as stored with the task: whose quotas and usage its calls use."""
+        p = self.task.request.get("principal") or {}
+        return Principal(key_id=self.task.key_id, tenant=self.task.tenant, user=p.get("user"))
+
+    def interrupt(self) -> None:
+        """Raised into a model call waiting for quota: the task was cancelled, the worker
+        is shutting down, or the lease is gone."""
+        if self.store.cancel_requested(self.task.id):
+            raise TaskCancelled(self.task.id)
+        if self.worker.draining.is_set():
+            raise WorkerDraining(self.task.id)
+        if self.heartbeat.lost.is_set():
+            raise LeaseLost(self.task.id)
+
     def run(self) -> None:
         request = self.task.request
         cfg = self.worker.config
@@ -220,6 +359,11 @@ class TaskRun:
                                    time_limit_s=float(request.get("time_limit_s", 900.0)),
                                    command_timeout_s=cfg.command_timeout_s)
         model = self.worker.model_factory(self.task)
+        # 'replay' answers from the task's own script, no model server: nothing to meter
+        if self.worker.gateway is not None and not isinstance(model, ReplayModel):
+            model = MeteredModel(model, self.worker.gateway, self.principal(),
+                                 request.get("model") or "default", wait_s=cfg.quota_wait_s,
+                                 interrupt=self.interrupt)
         env = self.worker.env_factory(self.task, self.sandbox, self)  # type: ignore[arg-type]
         agent = Agent(model, agent_config)
         episode = Episode(agent, InstructionTask(request["instruction"], id=self.task.id), env,
@@ -249,13 +393,14 @@ class TaskRun:
         body = {"exit_status": r.status.value, "summary": r.summary, "steps": r.steps,
                 "usage": {"prompt_tokens": r.prompt_tokens,
                           "completion_tokens": r.completion_tokens},
-                "wall_s": r.wall_s, "error": r.error,
+                "wall_s": r.wall_s,
+                "error": redact_endpoint(r.error) if r.error else r.error,
                 "workspace_bytes": len(self._workspace) if self._workspace else 0}
         if result.exception is not None and not ok and r.status is ExitStatus.ERROR:
             # the model endpoint or the sandbox broke: infrastructure, retried by the queue
             raise result.exception
         self.store.finish(self.task.id, TaskStatus.COMPLETED if ok else TaskStatus.FAILED,
-                          result=body, error=None if ok else (r.error or r.status.value),
+                          result=body, error=None if ok else (body["error"] or r.status.value),
                           attempt=self.attempt)
 
 
@@ -341,8 +486,12 @@ class AgentWorker:
 
     def __init__(self, config: WorkerConfig, store: TaskStore, queue: JobQueue, *,
                  model_factory: ModelFactory | None = None, env_factory: EnvFactory | None = None,
-                 on_finish: FinishHook | None = None, name: str | None = None) -> None:
+                 on_finish: FinishHook | None = None, name: str | None = None,
+                 gateway: Gateway | None = None) -> None:
         self.config = config
+        # admits and charges every model call under the task's key (None: unmetered, for
+        # a worker with no platform around it)
+        self.gateway = gateway
         self.store = store
         self.queue = queue
         self.model_factory = model_factory or default_model_factory(config)
@@ -426,7 +575,8 @@ class AgentWorker:
         except RidgelineError as e:
             if not isinstance(e, INFRASTRUCTURE_ERRORS):  # the request itself is wrong:
                 self.store.finish(job.id, TaskStatus.FAILED,  # retrying cannot help
-                                  error=f"{type(e).__name__}: {e}", attempt=task.attempts)
+                                  error=redact_endpoint(f"{type(e).__name__}: {e}"),
+                                  attempt=task.attempts)
                 self.queue.ack(job)
                 self._finished(job.id)
                 return
@@ -441,8 +591,9 @@ class AgentWorker:
     def _retry_or_fail(self, job: Job, task: TaskRecord, e: BaseException) -> None:
         """Infrastructure failed: the queue retries the job (from the last checkpoint)
         until its attempts run out, then the task fails with the last error."""
-        error = f"{type(e).__name__}: {e}"
-        log.warning("task %s attempt %d failed: %s", job.id, task.attempts, error)
+        log.warning("task %s attempt %d failed: %s: %s", job.id, task.attempts,
+                    type(e).__name__, e)  # the log keeps the URL; the task's events do not
+        error = redact_endpoint(f"{type(e).__name__}: {e}")
         state = self.queue.fail(job, error, retry_in_s=min(30.0, 2.0 ** task.attempts))
         if state == "dead":
             self.store.finish(job.id, TaskStatus.FAILED, error=error, attempt=task.attempts)

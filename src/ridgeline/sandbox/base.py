@@ -90,8 +90,16 @@ class Limits(_SpecModel):
     max_file_size_bytes: int | None = Field(1024**3, gt=0, description="size of any one file")
     disk_bytes: int | None = Field(
         10 * 1024**3, gt=0, description="disk the workspace and writable mounts may hold "
-        "(allocated bytes, so sparse files count what they hold); over it every process of "
-        "the sandbox is killed, and snapshots are refused")
+        "(allocated bytes, so sparse files count what they hold). The workspace is a "
+        "filesystem of this size (writes past it fail with ENOSPC); over it in total, every "
+        "process of the sandbox is killed, and snapshots are refused")
+    disk_inodes: int = Field(1_000_000, ge=16, description="files, directories and links "
+                             "the workspace may hold (its filesystem's inode count)")
+    weak_limits: bool = Field(
+        False, description="accept weaker enforcement where this machine lacks the strong "
+        "one: without loop devices the disk quota is a watcher that kills after the fact, "
+        "and without cgroup controllers memory and processes are per-process rlimits. "
+        "Off (the default), such a sandbox is refused with the reason")
     max_output_bytes: int = Field(1024 * 1024, gt=0, description="captured per stream")
 
 

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
 from ridgeline.errors import SandboxError
-from ridgeline.sandbox.base import ExecResult, NetworkPolicy, SandboxSpec, ShellSession
+from ridgeline.sandbox import volume
+from ridgeline.sandbox.base import ExecResult, Limits, NetworkPolicy, SandboxSpec, ShellSession
 from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, SandboxCgroup,
                                        kill_tree)
 from ridgeline.sandbox.host_sandbox import HostSandbox, default_root, prepare_root
@@ -95,9 +96,11 @@ class _Launcher:
     never waits for the move: moving a thread between v1 cgroups costs up to a
     millisecond, the kernel waiting for an RCU grace period)."""
 
-    def __init__(self, cgroup: SandboxCgroup | None, stage_at: Path | None = None) -> None:
+    def __init__(self, cgroup: SandboxCgroup | None, stage_at: Path | None = None,
+                 volumes: tuple[Path, Path] | None = None) -> None:
         self._cg = cgroup
         self._stage_at = stage_at
+        self._volumes = volumes  # (sandbox root, this sandbox's directory)
         self.staged: StagedSources | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._next: ExecGroup | None = None
@@ -114,6 +117,10 @@ class _Launcher:
                 self._cg.adopt_current_thread()
             if self._stage_at is not None:
                 self.staged = StagedSources(self._stage_at)
+                if self._volumes is not None:
+                    # The copy of the host's mounts this thread just got holds the other
+                    # sandboxes' volumes: dropped, so none outlives its sandbox here.
+                    volume.detach_all(*self._volumes)
             ready.set_result(None)
         except BaseException as e:  # noqa: BLE001 - reported to the constructor
             ready.set_exception(e)
@@ -131,7 +138,7 @@ class _Launcher:
                     fut.set_result(fn())
                 else:
                     group = self._enter_exec_group()
-                    fut.set_result((fn(), group))
+                    fut.set_result((fn(group), group))
                     self._next = None
                     self._enter_exec_group()  # the next one, while nobody waits
             except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -166,9 +173,9 @@ class _Launcher:
         """Run `fn` on the launcher thread (in its mount namespace)."""
         return self._call("call", fn)
 
-    def spawn(self, fn: Callable[[], T]) -> tuple[T, ExecGroup | None]:
-        """Run `fn` (which starts a process) in a fresh exec group; returns its result
-        and that group."""
+    def spawn(self, fn: Callable[[ExecGroup | None], T]) -> tuple[T, ExecGroup | None]:
+        """Run `fn(group)` (which starts a process) in a fresh exec group; returns its
+        result and that group."""
         return self._call("exec", fn)
 
     def stop(self) -> None:
@@ -222,8 +229,13 @@ class BwrapProvider:
         self.prlimit = _find("prlimit", "util-linux")
         self.setpriv = _find("setpriv", "util-linux")
         self.privileged = os.geteuid() == 0
-        self.cgroups = CgroupHost.detect()
-        self.root = prepare_root(root_dir or default_root())
+        self.cgroups, self.cgroup_reason = CgroupHost.detect_with_reason()
+        root = root_dir or default_root()
+        volume.sweep_stale(root)  # before prepare_root deletes their directories
+        self.root = prepare_root(root)
+        # A filesystem per sandbox bounds its disk (volume.py), where the machine allows.
+        self.volume_reason = volume.unavailable_reason(self.root)
+        self.volumes = volume.Templates(self.root) if self.volume_reason is None else None
         # As root: a host uid per sandbox, and the mount point for staged bind sources.
         self.identities = IdentityAllocator() if self.privileged else None
         self.stage_at = stage_point() if self.privileged else None
@@ -240,6 +252,9 @@ class BwrapSandbox(HostSandbox):
     backend = "bwrap"
 
     def __init__(self, provider: BwrapProvider, spec: SandboxSpec) -> None:
+        _refuse_weak_limits(provider, spec.limits)
+        self._p = provider
+        self._volume: volume.Volume | None = None
         self.host_id: HostIdentity | None = (provider.identities.acquire()
                                              if provider.identities is not None else None)
         try:
@@ -249,7 +264,6 @@ class BwrapSandbox(HostSandbox):
             if self.host_id is not None:
                 self.host_id.release()
             raise
-        self._p = provider
         self._lent: list[tuple[Path, int, int]] = []
         self._proc: subprocess.Popen | None = None
         self._pidfd: int | None = None
@@ -263,7 +277,7 @@ class BwrapSandbox(HostSandbox):
             if provider.cgroups is not None:
                 self._cg = provider.cgroups.create(self.id, lim.memory_bytes, lim.max_processes)
             self._lend_writable_mounts()
-            self._launcher = _Launcher(self._cg, provider.stage_at)
+            self._launcher = _Launcher(self._cg, provider.stage_at, (provider.root, self.dir))
             self._env = {**BASE_ENV, **spec.env}
             self._init_cwd = self._prepare_cwd()
             tmp_size = lim.memory_bytes  # tmpfs pages count against memory anyway
@@ -278,6 +292,17 @@ class BwrapSandbox(HostSandbox):
         except BaseException:
             self.close()
             raise
+
+    def _attach_storage(self, ws: Path) -> None:
+        lim = self.spec.limits
+        if lim.disk_bytes is not None and self._p.volumes is not None:
+            self._volume = volume.Volume(self._p.volumes, self.dir / "disk.img", ws,
+                                         lim.disk_bytes, lim.disk_inodes)
+
+    def _release_storage(self) -> None:
+        vol = getattr(self, "_volume", None)
+        if vol is not None:
+            vol.release()
 
     def _lend_writable_mounts(self) -> None:
         """A writable mount's directory is the sandbox uid's while the sandbox lives
@@ -351,6 +376,8 @@ class BwrapSandbox(HostSandbox):
         log_path = self.dir / "bwrap.log"
         try:
             argv = self._as_sandbox_user(self._bwrap_argv(info_w, own_netns))
+            if self._cg is not None:
+                argv = self._cg.enter_argv(None) + argv
             with open(log_path, "wb") as log:
                 def spawn() -> subprocess.Popen:
                     if self._launcher.staged is not None:
@@ -486,9 +513,10 @@ class BwrapSandbox(HostSandbox):
             full_env = {"PATH": BASE_ENV["PATH"]}
         full = [*launcher, *self._rlimits, *self._nsenter, *inner]
 
-        def start() -> subprocess.Popen:
+        def start(group: ExecGroup | None = None) -> subprocess.Popen:
+            argv = self._cg.enter_argv(group) + full if self._cg is not None else full
             try:
-                return subprocess.Popen(full, env=full_env, **kwargs)
+                return subprocess.Popen(argv, env=full_env, **kwargs)
             except OSError as e:
                 busy = " (the sandbox is at its process limit)" if e.errno == 11 else ""
                 raise SandboxError(f"could not start a command in sandbox {self.id}: "
@@ -506,9 +534,11 @@ class BwrapSandbox(HostSandbox):
 
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
-            stdin: bytes | None = None) -> ExecResult:
+            stdin: bytes | None = None, pass_fds: tuple[int, ...] = ()) -> ExecResult:
         """Run one command to completion. Background processes it leaves keep running
-        (like `docker exec`); at the timeout every process it started is killed."""
+        (like `docker exec`); at the timeout every process it started is killed.
+        `pass_fds`: host descriptors the command inherits at the same numbers (the
+        verifier's report socket)."""
         limit = self._timeout(timeout)
         self._check_running()
         oom_before = self._cg.oom_kills() if self._cg else 0
@@ -516,7 +546,8 @@ class BwrapSandbox(HostSandbox):
         t0 = time.monotonic()
         proc, group = self._spawn(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE if stdin
                                   is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, start_new_session=True)
+                                  stderr=subprocess.PIPE, start_new_session=True,
+                                  pass_fds=pass_fds)
 
         def kill() -> None:
             if group is not None:
@@ -577,6 +608,27 @@ class BwrapSandbox(HostSandbox):
     @property
     def env(self) -> dict[str, str]:
         return dict(self._env)
+
+
+def _refuse_weak_limits(provider: BwrapProvider, lim: Limits) -> None:
+    """Refuse a sandbox whose limits this machine could only enforce weakly, unless
+    `lim.weak_limits` accepts that; the error says what is missing and why."""
+    why = []
+    if lim.disk_bytes is not None and provider.volumes is None:
+        why.append("its disk quota would only be a watcher that kills after the fact "
+                   "(unlinked open files, fallocate and inode floods get past it), as no "
+                   f"filesystem of its own can be made: {provider.volume_reason}")
+    if (lim.memory_bytes is not None or lim.max_processes is not None) and provider.cgroups is None:
+        why.append("its memory and process limits would only be per-process rlimits "
+                   "(several processes together exceed them), as no cgroup controllers "
+                   f"are usable: {provider.cgroup_reason}")
+    if why and not lim.weak_limits:
+        raise SandboxError(
+            "sandbox refused: " + "; and ".join(why),
+            hint="run as root with /dev/loop-control, mkfs.ext4 (e2fsprogs) and cgroup v1 "
+                 "memory/pids/cpu or a delegated cgroup v2 group (`systemd-run --scope -p "
+                 "Delegate=yes ...`, or RIDGELINE_CGROUP_PARENT); or accept the weaker "
+                 "limits with Limits(weak_limits=True)")
 
 
 def _host_safe(env: dict[str, str]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import logging
 import os
 import queue
 import secrets
@@ -22,7 +23,7 @@ import weakref
 from pathlib import Path
 
 from ridgeline.errors import NotFoundError, SandboxError
-from ridgeline.sandbox import disk
+from ridgeline.sandbox import disk, hostfs
 from ridgeline.sandbox import snapshot as snapshots
 from ridgeline.sandbox.base import ExecResult, HealthReport, SandboxSpec, ShellSession
 from ridgeline.sandbox.quota import DiskQuota
@@ -32,13 +33,16 @@ MIN_FREE_DISK_BYTES = 64 * 1024 * 1024
 CLOCK_TOLERANCE_S = 5.0
 EARLIEST_SANE_TIME = 1_704_067_200  # 2024-01-01: a clock before this is broken
 
+log = logging.getLogger(__name__)
 _live: "weakref.WeakSet[HostSandbox]" = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
 class _Trash:
     """Deletes directories in the background: a closed sandbox's directory is renamed
-    away at once (one metadata operation) and its tree removed off the caller's path."""
+    away at once (one metadata operation) and its tree removed off the caller's path.
+    The tree is the sandbox's (any depth, any width): removal is iterative and a failure
+    is logged, never raised, so the thread lives on and the next sandboxes are served."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Path] = queue.SimpleQueue()
@@ -50,7 +54,7 @@ class _Trash:
         try:
             os.rename(path, trash)
         except OSError:
-            shutil.rmtree(path, ignore_errors=True)
+            hostfs.discard_tree(path, "sandbox directory")
             return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
@@ -61,7 +65,11 @@ class _Trash:
 
     def _loop(self) -> None:
         while True:
-            shutil.rmtree(self._queue.get(), ignore_errors=True)
+            path = self._queue.get()
+            try:
+                hostfs.discard_tree(path, "closed sandbox's directory")
+            except BaseException as e:  # noqa: BLE001 - this thread must outlive any tree
+                log.error("the sandbox trash failed on %s: %r", path, e)
 
 
 _trash = _Trash()
@@ -87,7 +95,9 @@ def prepare_root(root: Path) -> Path:
     for child in root.iterdir():
         owner = child.name.removeprefix(".trash-").split("-", 1)[0]
         if child.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            shutil.rmtree(child, ignore_errors=True)
+            # A leftover that cannot be deleted is logged and left: it must never stop
+            # this process from creating sandboxes.
+            hostfs.discard_tree(child, "leftover sandbox directory")
     (root / ".empty").mkdir(exist_ok=True, mode=0o555)
     return root
 
@@ -118,20 +128,30 @@ class HostSandbox(abc.ABC):
                 if not src.is_dir():
                     raise NotFoundError(f"workspace_from {src} is not a directory",
                                         hint="seed the workspace from an existing directory")
-                shutil.copytree(src, ws, symlinks=True, copy_function=disk.copy2_sparse)
-            else:
-                ws.mkdir()
+            ws.mkdir()
+            # A backend may give the workspace a filesystem of its own (volume.py).
+            self._attach_storage(ws)
+            if spec.workspace_from is not None:
+                shutil.copytree(src, ws, symlinks=True, copy_function=disk.copy2_sparse,
+                                dirs_exist_ok=True)
             ws.chmod(0o755)
             if owner is not None:  # nothing runs in the sandbox yet: a plain walk is safe
                 chown_tree(ws, *owner)
             self.files = Workspace(ws, spec.workspace_path, spec.limits.max_file_size_bytes,
                                    owner)
         except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._release_storage()
+            hostfs.discard_tree(self.dir, "sandbox directory")
             raise
         self._quota: DiskQuota | None = None
         with _live_lock:
             _live.add(self)
+
+    def _attach_storage(self, ws: Path) -> None:
+        """Give the (empty) workspace directory its own filesystem; none by default."""
+
+    def _release_storage(self) -> None:
+        """Undo `_attach_storage`, once nothing runs in the sandbox. Idempotent."""
 
     def _start_quota(self) -> None:
         """Watch the disk quota (backends call this once their processes can run)."""
@@ -300,7 +320,9 @@ class HostSandbox(abc.ABC):
         if not checks["clock"]:
             problems.append(f"clock not sane (host {now:.0f}, inside {inside})")
         try:
-            st = os.statvfs(self.workspace_dir)
+            # The host's disk under the sandbox, not the workspace: a workspace on a
+            # volume of its own that the agent filled is the agent's doing.
+            st = os.statvfs(self.dir)
             free = st.f_bavail * st.f_frsize
         except OSError:
             free = 0
@@ -331,7 +353,10 @@ class HostSandbox(abc.ABC):
                 self._quota.stop()
             self._close_processes()
         finally:
-            _trash.discard(self.dir)
+            try:
+                self._release_storage()
+            finally:
+                _trash.discard(self.dir)
             with _live_lock:
                 _live.discard(self)
 
@@ -340,10 +365,16 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
     """Give a tree the host harness just created to the sandbox's uid (links are
     changed themselves, never followed). Only for trees no sandbox process can reach
     yet: once one runs, host writes go through `Workspace`."""
-    os.lchown(root, uid, gid)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, gid)
+    # Relative to the walk's own descriptors: iterative, and no path grows past PATH_MAX.
+    dir_fds: dict[str, int] = {}
+    fd = hostfs.open_dir(root)
+    try:
+        os.fchown(fd, uid, gid)
+        for rel, _ in disk.walk(fd, lambda rel, dfd: dir_fds.__setitem__(rel, dfd)):
+            parent, _, name = rel.rpartition("/")
+            os.chown(name, uid, gid, dir_fd=dir_fds[parent], follow_symlinks=False)
+    finally:
+        os.close(fd)
 
 
 @atexit.register

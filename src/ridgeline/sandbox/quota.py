@@ -1,28 +1,37 @@
-"""The disk quota of a sandbox: how much its workspace and writable mounts may hold.
+"""The disk quota watcher: the backstop behind the per-sandbox filesystem.
 
-This machine's filesystems have no project quotas, so the bound is enforced by
-measurement: a watcher thread walks the sandbox's writable host trees (allocated
-blocks, so a sparse file costs what it really holds; disk.py) and, the moment they are
-over `Limits.disk_bytes`, kills every process of the sandbox, as a memory cgroup kills
-on OOM. Files are kept (nothing is lost; the caller sees `killed_by="disk"` and decides).
-One thread watches every sandbox of the process; each sandbox's interval adapts to its
-walk's own cost, so a big workspace is not walked continuously (~5% of one core).
+The bound itself is the filesystem: a workspace on a volume of its own (volume.py)
+cannot grow past `Limits.disk_bytes`, the kernel says ENOSPC. This watcher adds the
+total over the workspace and the writable mounts (host directories, not on the volume)
+and, the moment it is over `Limits.disk_bytes`, kills every process of the sandbox, as
+a memory cgroup kills on OOM. Files are kept (the caller sees `killed_by="disk"`). A
+volume is measured by statvfs (what the filesystem holds, open unlinked files
+included); other trees by a walk (allocated blocks, disk.py), which cannot see an
+unlinked open file or stop a fallocate before the next walk: that is why the filesystem
+is the bound, and this watcher alone (`Limits.weak_limits`, no loop devices) is weaker.
+A walk that fails (a tree deeper than the open-file limit, an unreadable entry) counts
+as over the quota, never as empty. One thread watches every sandbox of the process;
+each sandbox's interval adapts to its walk's own cost (~5% of one core).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from ridgeline.sandbox import disk
+from ridgeline.sandbox import disk, volume
 
 MIN_INTERVAL_S = 0.25
 MAX_INTERVAL_S = 5.0
 #: Walk time is at most this share of the time between walks.
 DUTY = 0.05
+#: What a tree that cannot be measured counts as: more than any quota.
+UNMEASURABLE = sys.maxsize
 log = logging.getLogger(__name__)
 
 
@@ -39,12 +48,18 @@ class DiskQuota:
         _watcher.add(self)
 
     def used(self) -> int:
+        """Bytes the trees hold; UNMEASURABLE if a tree cannot be measured."""
         total = 0
         for tree in self.trees:
+            vol = volume.mounted_at(tree)
             try:
-                total += disk.allocated_bytes(tree)
-            except OSError:
-                continue  # a tree that vanished holds nothing
+                total += vol.used() if vol is not None else disk.allocated_bytes(tree)
+            except OSError as e:
+                if not os.path.lexists(tree):
+                    continue  # a tree that vanished holds nothing
+                log.warning("sandbox %s: cannot measure %s (%s): counted as over its "
+                            "disk quota", self.name, tree, e)
+                return UNMEASURABLE
         return total
 
     def check(self) -> bool:
@@ -54,7 +69,8 @@ class DiskQuota:
             return False
         self.exceeded += 1
         log.warning("sandbox %s over its disk quota (%s > %s): killing its processes",
-                    self.name, disk.human(used), disk.human(self.limit))
+                    self.name, "unmeasurable" if used == UNMEASURABLE else disk.human(used),
+                    disk.human(self.limit))
         self._on_exceeded(used)
         return True
 

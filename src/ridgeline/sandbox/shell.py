@@ -2,9 +2,18 @@
 
 One bash process reads commands from its stdin, NUL-terminated, and `eval`s each in the
 same shell, so cwd, variables, functions and background jobs persist. After a command it
-prints a marker line with a per-session random token, the exit status and `$PWD` on
-stdout (and the token on stderr), which is how `send` knows where the output of that
-command ends. Commands get /dev/null as stdin: nothing can read the protocol stream.
+prints a marker line with a random token, the exit status and `$PWD` on stdout (and the
+token on stderr), which is how `send` knows where the output of that command ends.
+
+The token is new for every command and reaches bash only after the command has run:
+`send` writes the command, then the token, and bash reads the token from its stdin once
+`eval` returns. While the command runs the token is in no variable, argument or
+environment of the shell (commands get /dev/null as stdin), so its output cannot print
+a marker that ends it early with a status or cwd of its choosing; a token from an
+earlier command is never accepted again. Residual: the command runs inside this bash
+and may rewrite it (define a function named `builtin`, read bash's stdin through
+/proc/$$/fd), so the reported status is the agent's own claim, like `(exit 0)` would
+be: it is shown to the agent and never graded (verdicts come from the verifier).
 
 At a timeout the command's processes are killed (the backend's `Tracker` knows which:
 a cgroup per command, or the process tree) and bash prints its marker, still alive. If
@@ -31,17 +40,23 @@ log = logging.getLogger(__name__)
 INTERRUPT_GRACE_S = 2.0
 START_TIMEOUT_S = 30.0
 
+# {marker} is the start-up token only (it is in bash's argv): each command's token is
+# read after the command, into the variable that held the command.
 _SCRIPT = r"""
-__rl_m={marker}
-builtin printf '\n%s\n' "$__rl_m" >&2
-builtin printf '\n%s 0 %s\n' "$__rl_m" "$PWD"
+builtin printf '\n%s\n' {marker} >&2
+builtin printf '\n%s 0 %s\n' {marker} "$PWD"
 while IFS= builtin read -r -d '' __rl_c; do
   builtin eval "$__rl_c" </dev/null
   __rl_s=$?
-  builtin printf '\n%s\n' "$__rl_m" >&2
-  builtin printf '\n%s %d %s\n' "$__rl_m" "$__rl_s" "$PWD"
+  IFS= builtin read -r -d '' __rl_c
+  builtin printf '\n%s\n' "$__rl_c" >&2
+  builtin printf '\n%s %d %s\n' "$__rl_c" "$__rl_s" "$PWD"
 done
 """
+
+
+def _new_marker() -> bytes:
+    return f"__RIDGELINE_{secrets.token_hex(16)}__".encode()
 
 
 class Tracker(Protocol):
@@ -69,7 +84,8 @@ class _Stream:
         self.line = b""           # the rest of the marker line (stdout: status and cwd)
         self.eof = False
 
-    def reset(self) -> None:
+    def reset(self, marker: bytes) -> None:
+        self.marker = b"\n" + marker
         self.capture = Capture(self.limit)
         self.done = False
         self.line = b""
@@ -117,16 +133,14 @@ class BashSession:
 
     # -- lifecycle -----------------------------------------------------------------------
     def _spawn(self) -> None:
-        token = secrets.token_hex(16)
-        self._marker = f"__RIDGELINE_{token}__".encode()
-        argv = ["bash", "--noprofile", "--norc", "-c",
-                _SCRIPT.format(marker=self._marker.decode())]
+        marker = _new_marker()
+        argv = ["bash", "--noprofile", "--norc", "-c", _SCRIPT.format(marker=marker.decode())]
         self._proc, self._tracker = self._start(argv, self.cwd)
         assert self._proc.stdout and self._proc.stderr and self._proc.stdin
         for pipe in (self._proc.stdout, self._proc.stderr):
             os.set_blocking(pipe.fileno(), False)
-        self._out = _Stream(self._proc.stdout.fileno(), self._marker, self.max_output)
-        self._err = _Stream(self._proc.stderr.fileno(), self._marker, self.max_output)
+        self._out = _Stream(self._proc.stdout.fileno(), marker, self.max_output)
+        self._err = _Stream(self._proc.stderr.fileno(), marker, self.max_output)
         if not self._wait_markers(time.monotonic() + START_TIMEOUT_S):
             err = self._err.capture.value().decode(errors="replace").strip()
             self._kill()
@@ -192,11 +206,12 @@ class BashSession:
         elif not isinstance(timeout, (int, float)) or not timeout > 0:
             raise SandboxError(f"timeout must be a positive number of seconds, got {timeout!r}")
         t0 = time.monotonic()
-        self._out.reset()
-        self._err.reset()
+        marker = _new_marker()  # this command's alone; bash reads it after the command
+        self._out.reset(marker)
+        self._err.reset(marker)
         self._tracker.begin()
         try:
-            self._proc.stdin.write(cmd.encode() + b"\0")
+            self._proc.stdin.write(cmd.encode() + b"\0" + marker + b"\0")
             self._proc.stdin.flush()
         except BrokenPipeError:
             pass  # bash is gone; reported below from its exit status

@@ -22,9 +22,19 @@ attribute or a default ACL (system.posix_acl_default) for its next lease. Files 
 rewritten whenever their ctime moved, which setting an attribute does, so a restored
 file has the store's content and no attributes (file attributes are not recorded).
 
+Hard links are kept: a file with several names is stored once and its other names are
+hard links to that copy in the store (recorded as `Entry.link`), and restore recreates
+the links, so 30 names of a 20 MiB file cost 20 MiB in the store and in the workspace,
+as `take`'s size check counts them.
+
 The workspace belongs to the sandbox, which may swap a directory for a symlink while we
 work as root; every operation inside it is relative to a directory descriptor opened
-with O_NOFOLLOW, so no path ever leads the host outside the workspace.
+with O_NOFOLLOW, so no path ever leads the host outside the workspace. The store is
+reached the same way (relative to descriptors), so no path grows past PATH_MAX. Walks
+are iterative; a snapshot refuses a tree deeper than `MAX_DEPTH` or with more than
+`MAX_PATH_CHARS` of paths (SandboxError), and restore deletes what the snapshot lacks as
+soon as it sees it, never descending into it, so a tree of any depth or width that the
+sandbox left costs a restore only its deletion (`hostfs.remove_tree`).
 """
 
 from __future__ import annotations
@@ -33,19 +43,25 @@ import contextlib
 import errno
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from ridgeline.errors import SandboxError
-from ridgeline.sandbox import disk
+from ridgeline.sandbox import disk, hostfs
 
 #: When ctime is coarse, entries whose ctime is this close to the snapshot are suspect.
 COARSE_WINDOW_NS = 50_000_000
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Deepest entry a snapshot records (a real project is a few dozen levels deep).
+MAX_DEPTH = 1024
+#: Characters of relative paths a snapshot records, all entries together: its manifest
+#: is held in memory, and a deep tree of long names is quadratic in path text.
+MAX_PATH_CHARS = 64 * 1024 * 1024
 
 #: A directory's extended attributes, sorted by name: ((name, value), ...).
 Xattrs = tuple[tuple[str, bytes], ...]
@@ -63,6 +79,7 @@ class Entry:
     ino: int = 0
     target: str = ""  # symlink target
     xattrs: Xattrs = ()  # directories only
+    link: str = ""  # files only: another name of the same file (its first, in path order)
 
     def same_as(self, st: os.stat_result) -> bool:
         return (st.st_ino == self.ino and st.st_size == self.size
@@ -125,24 +142,33 @@ def _probe_ctime(dfd: int) -> bool:
 
 
 class _Dirs:
-    """Directory descriptors inside the workspace, opened component by component with
-    O_NOFOLLOW and cached for one operation."""
-
-    def __init__(self, root: Path) -> None:
-        self.fds: dict[str, int] = {"": os.open(root, _DIR)}
+    """Directory descriptors inside a tree (the workspace or a store), opened component
+    by component with O_NOFOLLOW and cached for one operation, least recently used out
+    first: at most MAX_OPEN are open, however deep or wide the tree."""
 
     MAX_OPEN = 256
 
+    def __init__(self, root: Path) -> None:
+        self.fds: OrderedDict[str, int] = OrderedDict({"": os.open(root, _DIR)})
+
     def get(self, rel_dir: str) -> int:
         fd = self.fds.get(rel_dir)
-        if fd is None:
-            if len(self.fds) > self.MAX_OPEN:  # bounded descriptor use on wide trees
-                for k in [k for k in self.fds if k]:
-                    os.close(self.fds.pop(k))
-            parent, _, name = rel_dir.rpartition("/")
-            pfd = self.get(parent)
-            fd = os.open(name, _DIR, dir_fd=pfd)
-            self.fds[rel_dir] = fd
+        if fd is not None:
+            self.fds.move_to_end(rel_dir)
+            return fd
+        missing: list[str] = []  # from the deepest cached ancestor down (iterative)
+        base = rel_dir
+        while base not in self.fds:
+            base, _, name = base.rpartition("/")
+            missing.append(name)
+        fd, path = self.fds[base], base
+        for name in reversed(missing):
+            path = f"{path}/{name}" if path else name
+            fd = os.open(name, _DIR, dir_fd=fd)
+            self.fds[path] = fd
+            while len(self.fds) > self.MAX_OPEN:  # never the root, never the newest
+                old = next(k for k in self.fds if k)
+                os.close(self.fds.pop(old))
         return fd
 
     def parent_of(self, rel: str) -> tuple[int, str]:
@@ -185,7 +211,11 @@ class _Survey:
         return _entry(self.root, xattrs=self.xattrs.get("", ()))  # type: ignore[return-value]
 
 
-def _survey(dirs: _Dirs) -> _Survey:
+def _survey(dirs: _Dirs, keep: Callable[[str, os.stat_result], bool] | None = None
+            ) -> _Survey:
+    """The live workspace. Without `keep`, a tree over MAX_DEPTH or MAX_PATH_CHARS is
+    refused; with it, an entry for which `keep` is False is not recorded (`keep` has
+    deleted it, so the walk does not enter it)."""
     xattrs: dict[str, Xattrs] = {}
 
     def on_dir(rel: str, fd: int) -> None:
@@ -193,7 +223,21 @@ def _survey(dirs: _Dirs) -> _Survey:
         if found := _read_xattrs(fd):
             xattrs[rel] = found
 
-    entries = dict(disk.walk(dirs.get(""), on_dir))
+    entries: dict[str, os.stat_result] = {}
+    chars = 0
+    for rel, st in disk.walk(dirs.get(""), on_dir):
+        if keep is not None:
+            if keep(rel, st):
+                entries[rel] = st
+            continue
+        chars += len(rel)
+        if chars > MAX_PATH_CHARS or rel.count("/") >= MAX_DEPTH:
+            what = (f"deeper than {MAX_DEPTH} levels" if rel.count("/") >= MAX_DEPTH
+                    else f"more than {MAX_PATH_CHARS} characters of paths")
+            raise SandboxError(f"cannot snapshot the workspace: it is {what}",
+                               hint="delete the deep or many-named tree from the workspace "
+                                    "before taking a snapshot")
+        entries[rel] = st
     return _Survey(os.fstat(dirs.get("")), entries, xattrs)
 
 
@@ -247,9 +291,11 @@ def _open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result] | None:
 def take(workspace: Path, store: Path, snap_id: str, previous: Snapshot | None = None,
          max_bytes: int | None = None) -> Snapshot:
     """Copy the workspace into `store` (a new directory) and record its manifest.
-    Files unchanged since `previous` are hard-linked from its store. With `max_bytes`,
-    a workspace that holds more disk than that is refused (SandboxError) before anything
-    is copied. On any failure the new store is removed."""
+    Files unchanged since `previous` are hard-linked from its store, and hard links in
+    the workspace stay links. With `max_bytes`, a workspace that holds more disk than
+    that is refused (SandboxError) before anything is copied, and so is a copy that
+    grows past it (the sandbox may write meanwhile). On any failure the new store is
+    removed."""
     fine = fine_grained_ctime(workspace)
     taken = time.time_ns()
     dirs = _Dirs(workspace)
@@ -259,9 +305,9 @@ def take(workspace: Path, store: Path, snap_id: str, previous: Snapshot | None =
             _check_size(survey, max_bytes)
         store.mkdir(parents=True)  # an existing store is not ours to remove: raise here
         try:
-            manifest = _copy_tree(dirs, store, survey, previous)
+            manifest = _copy_tree(dirs, store, survey, previous, max_bytes)
         except BaseException:
-            shutil.rmtree(store, ignore_errors=True)
+            hostfs.discard_tree(store, "unfinished snapshot store")
             raise
     finally:
         dirs.close()
@@ -270,68 +316,114 @@ def take(workspace: Path, store: Path, snap_id: str, previous: Snapshot | None =
 
 def _check_size(survey: _Survey, max_bytes: int) -> None:
     # Allocated, not apparent, size: the limit protects the host's disk, and a sparse
-    # file costs the store only its blocks (copies keep holes).
+    # file costs the store only its blocks (copies keep holes). A hard-linked file is
+    # counted once, as it is stored once.
     used = disk.measure([survey.root, *survey.entries.values()]).allocated
     if used > max_bytes:
-        raise SandboxError(
-            f"cannot snapshot the workspace: it holds {used} bytes of disk "
-            f"({disk.human(used)} allocated), over the snapshot limit of {max_bytes} "
-            f"bytes ({disk.human(max_bytes)})",
-            hint="delete large files from the workspace before taking a snapshot, or "
-                 "raise the snapshot size limit")
+        raise _too_big(used, max_bytes)
 
 
-def _copy_tree(dirs: _Dirs, store: Path, survey: _Survey, previous: Snapshot | None
-               ) -> dict[str, Entry]:
+def _too_big(used: int, max_bytes: int) -> SandboxError:
+    return SandboxError(
+        f"cannot snapshot the workspace: it holds {used} bytes of disk "
+        f"({disk.human(used)} allocated), over the snapshot limit of {max_bytes} "
+        f"bytes ({disk.human(max_bytes)})",
+        hint="delete large files from the workspace before taking a snapshot, or "
+             "raise the snapshot size limit")
+
+
+def _copy_tree(dirs: _Dirs, store: Path, survey: _Survey, previous: Snapshot | None,
+               max_bytes: int | None) -> dict[str, Entry]:
     manifest: dict[str, Entry] = {}
-    for rel in sorted(survey.entries):
-        st = survey.entries[rel]
-        dst = store / rel
-        if stat.S_ISDIR(st.st_mode):
-            dst.mkdir()
-            manifest[rel] = _entry(st, xattrs=survey.xattrs.get(rel, ()))  # type: ignore[assignment]
-        elif stat.S_ISLNK(st.st_mode):
-            dfd, name = dirs.parent_of(rel)
-            target = os.readlink(name, dir_fd=dfd)
-            os.symlink(target, dst)
-            manifest[rel] = _entry(st, target)  # type: ignore[assignment]
-        elif stat.S_ISREG(st.st_mode):
-            prev = previous.manifest.get(rel) if previous else None
-            if (previous is not None and prev is not None and prev.kind == "f"
-                    and prev.same_as(st) and not previous.suspect(prev)):
-                os.link(previous.store / rel, dst)
-                manifest[rel] = prev
-                continue
-            entry = _copy_file(dirs, rel, dst)
-            if entry is not None:
-                manifest[rel] = entry
+    first_name: dict[tuple[int, int], str] = {}  # a multiply-linked file -> its first name
+    used = 0
+    out = _Dirs(store)
+    prev = _Dirs(previous.store) if previous is not None else None
+    try:
+        for rel in sorted(survey.entries):
+            st = survey.entries[rel]
+            parent, _, name = rel.rpartition("/")
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(name, 0o700, dir_fd=out.get(parent))
+                manifest[rel] = _entry(st, xattrs=survey.xattrs.get(rel, ()))  # type: ignore[assignment]
+            elif stat.S_ISLNK(st.st_mode):
+                dfd, _ = dirs.parent_of(rel)
+                target = os.readlink(name, dir_fd=dfd)
+                os.symlink(target, name, dir_fd=out.get(parent))
+                manifest[rel] = _entry(st, target)  # type: ignore[assignment]
+            elif stat.S_ISREG(st.st_mode):
+                key = (st.st_dev, st.st_ino)
+                first = first_name.get(key) if st.st_nlink > 1 else None
+                if first is not None and first in manifest:
+                    _link(out, first, out, rel)  # one more name of a file stored already
+                    manifest[rel] = replace(manifest[first], link=first)
+                    continue
+                old = previous.manifest.get(rel) if previous else None
+                if (previous is not None and prev is not None and old is not None
+                        and old.kind == "f" and old.same_as(st)
+                        and not previous.suspect(old)):
+                    _link(prev, rel, out, rel)
+                    entry: Entry | None = replace(old, link="")
+                else:
+                    entry, blocks = _copy_file(dirs, rel, out)
+                    used += blocks
+                    if max_bytes is not None and used > max_bytes:
+                        raise _too_big(used, max_bytes)  # it grew while we copied
+                if entry is not None:
+                    manifest[rel] = entry
+                    if st.st_nlink > 1:
+                        first_name.setdefault(key, rel)
+    finally:
+        out.close()
+        if prev is not None:
+            prev.close()
     return manifest
 
 
-def _copy_file(dirs: _Dirs, rel: str, dst: Path) -> Entry | None:
-    """Copy one live file into the store; None if it is gone or no longer a file."""
+def _link(src: _Dirs, src_rel: str, dst: _Dirs, dst_rel: str) -> None:
+    sdir, _, sname = src_rel.rpartition("/")
+    ddir, _, dname = dst_rel.rpartition("/")
+    os.link(sname, dname, src_dir_fd=src.get(sdir), dst_dir_fd=dst.get(ddir),
+            follow_symlinks=False)
+
+
+def _copy_file(dirs: _Dirs, rel: str, out_dirs: _Dirs) -> tuple[Entry | None, int]:
+    """Copy one live file into the store; (its entry or None if it is gone or no longer
+    a file, the bytes of disk the copy holds)."""
     dfd, name = dirs.parent_of(rel)
     opened = _open_regular(dfd, name)
     if opened is None:
-        return None
+        return None, 0
     fd, fst = opened
     try:
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        odfd, _ = out_dirs.parent_of(rel)
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                      | os.O_CLOEXEC, 0o600, dir_fd=odfd)
         try:
             _copy_fd(fd, out)
+            after = os.fstat(fd)
+            if after.st_ctime_ns != fst.st_ctime_ns:  # written while we copied
+                os.ftruncate(out, 0)
+                _copy_fd(fd, out)
+                fst = after
+            blocks = os.fstat(out).st_blocks * 512
         finally:
             os.close(out)
-        after = os.fstat(fd)
-        if after.st_ctime_ns != fst.st_ctime_ns:  # written while we copied
-            out = os.open(dst, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-            try:
-                _copy_fd(fd, out)
-            finally:
-                os.close(out)
-            fst = after
     finally:
         os.close(fd)
-    return _entry(fst)
+    return _entry(fst), blocks
+
+
+def _link_names(manifest: dict[str, Entry]) -> None:
+    """Mark every later name of a multiply-linked file as a link to its first name."""
+    first: dict[int, str] = {}
+    for rel in sorted(manifest):
+        e = manifest[rel]
+        if e.kind == "f":
+            if e.ino in first:
+                manifest[rel] = replace(e, link=first[e.ino])
+            else:
+                first[e.ino] = rel
 
 
 def adopt(workspace: Path, store: Path, snap_id: str) -> Snapshot:
@@ -353,18 +445,22 @@ def adopt(workspace: Path, store: Path, snap_id: str) -> Snapshot:
                 manifest[rel] = e
     finally:
         dirs.close()
+    _link_names(manifest)
     return Snapshot(snap_id, store, manifest, taken, fine, survey.root_entry())
 
 
 def restore(workspace: Path, snap: Snapshot) -> None:
     """Make the live workspace equal to the snapshot: delete what was added, copy back
-    what changed, recreate what was deleted (with modes, owners and mtimes), and give
-    the root and every directory back their owner, mode and extended attributes."""
+    what changed, recreate what was deleted (with modes, owners and mtimes, hard links
+    as links), and give the root and every directory back their owner, mode and
+    extended attributes."""
     dirs = _Dirs(workspace)
+    store = _Dirs(snap.store)
     try:
-        _restore(dirs, snap)
+        _restore(dirs, store, snap)
     finally:
         dirs.close()
+        store.close()
     snap.taken_ns = time.time_ns()
 
 
@@ -373,34 +469,41 @@ def _kind(st: os.stat_result) -> str:
     return "d" if stat.S_ISDIR(m) else "l" if stat.S_ISLNK(m) else "f" if stat.S_ISREG(m) else "?"
 
 
-def _restore(dirs: _Dirs, snap: Snapshot) -> None:
-    survey = _survey(dirs)
+def _restore(dirs: _Dirs, store: _Dirs, snap: Snapshot) -> None:
+    def keep(rel: str, st: os.stat_result) -> bool:
+        # What the snapshot lacks goes as soon as the walk sees it, and the walk never
+        # enters it: a deep or wide tree the sandbox left costs only its deletion.
+        if rel in snap.manifest:
+            return True
+        _remove(dirs, rel, st)
+        return False
+
+    survey = _survey(dirs, keep)
     current = survey.entries
-    # 1. Remove what the snapshot lacks or what changed kind (deepest first).
+    # 1. Remove what changed kind (deepest first).
     for rel in sorted(current, key=lambda r: r.count("/"), reverse=True):
         if rel not in current:
             continue  # inside a directory removed already
-        st, e = current[rel], snap.manifest.get(rel)
+        st, e = current[rel], snap.manifest[rel]
         kind = _kind(st)
         dfd, name = dirs.parent_of(rel)
-        stale = e is None or e.kind != kind
+        stale = e.kind != kind
         if not stale and kind == "l":
-            stale = os.readlink(name, dir_fd=dfd) != e.target  # type: ignore[union-attr]
+            stale = os.readlink(name, dir_fd=dfd) != e.target
         if not stale:
             continue
+        _remove(dirs, rel, st)
         if kind == "d":
-            dirs.forget(rel)
-            shutil.rmtree(name, dir_fd=dfd)
             for sub in [r for r in current if r.startswith(rel + "/")]:
                 del current[sub]
-        else:
-            os.unlink(name, dir_fd=dfd)
         del current[rel]
     # 2. The root first: a default ACL left on it would be inherited by what step 3
     # creates.
     if snap.root is not None:
         _reset_dir(dirs.get(""), snap.root, survey.root, survey.xattrs.get("", ()))
-    # 3. Bring back what is missing or changed (parents first).
+    # 3. Bring back what is missing or changed (parents first); other names of a file
+    # after all first names.
+    relinked: list[str] = []
     for rel in sorted(snap.manifest, key=lambda r: (r.count("/"), r)):
         e, st = snap.manifest[rel], current.get(rel)
         dfd, name = dirs.parent_of(rel)
@@ -410,14 +513,59 @@ def _restore(dirs: _Dirs, snap: Snapshot) -> None:
             if st is None:
                 os.symlink(e.target, name, dir_fd=dfd)
                 os.chown(name, e.uid, e.gid, dir_fd=dfd, follow_symlinks=False)
+        elif e.link:
+            relinked.append(rel)
         else:
             if st is not None and e.same_as(st) and not snap.suspect(e):
                 continue
-            _restore_file(dfd, name, snap.store / rel, e)
+            _restore_file(dfd, name, store, rel, e)
             new = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             # The restored file is the live one now: remember its identity so that the
             # next restore sees it as unchanged.
             snap.manifest[rel] = _entry(new) or e
+    _restore_links(dirs, snap, current, relinked)
+
+
+def _remove(dirs: _Dirs, rel: str, st: os.stat_result) -> None:
+    dfd, name = dirs.parent_of(rel)
+    if stat.S_ISDIR(st.st_mode):
+        dirs.forget(rel)
+    hostfs.remove_tree(dfd, name)
+
+
+def _restore_links(dirs: _Dirs, snap: Snapshot, current: dict[str, os.stat_result],
+                   names: list[str]) -> None:
+    """Make each later name of a file a hard link to its first name again, then record
+    the new state of every name of the files that changed (a link changes ctime)."""
+    touched: set[str] = set()
+    for rel in names:
+        e = snap.manifest[rel]
+        first = snap.manifest[e.link]
+        st = current.get(rel)
+        if (st is not None and st.st_ino == first.ino and e.ino == first.ino
+                and e.same_as(st) and not snap.suspect(e)):
+            continue  # still the same file as its first name
+        dfd, name = dirs.parent_of(rel)
+        sdfd, sname = dirs.parent_of(e.link)
+        tmp = f".ridgeline-restore-{secrets.token_hex(8)}"
+        os.link(sname, tmp, src_dir_fd=sdfd, dst_dir_fd=dfd, follow_symlinks=False)
+        try:
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+        touched.update((rel, e.link))
+    if not touched:
+        return
+    for rel in names:
+        if snap.manifest[rel].link in touched:
+            touched.add(rel)
+    for rel in touched:
+        dfd, name = dirs.parent_of(rel)
+        new = _entry(os.stat(name, dir_fd=dfd, follow_symlinks=False))
+        if new is not None:
+            snap.manifest[rel] = replace(new, link=snap.manifest[rel].link)
 
 
 def _restore_dir(dirs: _Dirs, snap: Snapshot, rel: str, st: os.stat_result | None,
@@ -457,7 +605,7 @@ def _reset_xattrs(fd: int, want: dict[str, bytes], have: dict[str, bytes]) -> bo
     return have != want
 
 
-def _restore_file(dfd: int, name: str, source: Path, e: Entry) -> None:
+def _restore_file(dfd: int, name: str, store: _Dirs, rel: str, e: Entry) -> None:
     # A short random name: `.{name}...` would pass NAME_MAX for a long name, and O_EXCL
     # never opens an entry the sandbox prepared. A leftover is removed by the next
     # restore (it is not in the manifest).
@@ -466,7 +614,8 @@ def _restore_file(dfd: int, name: str, source: Path, e: Entry) -> None:
                   0o600, dir_fd=dfd)
     try:
         try:
-            src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            sdfd, sname = store.parent_of(rel)
+            src = os.open(sname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sdfd)
             try:
                 _copy_fd(src, out)
             finally:

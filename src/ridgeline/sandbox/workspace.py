@@ -17,9 +17,13 @@ import stat
 from pathlib import Path
 
 from ridgeline.errors import NotFoundError, PathEscapeError, SandboxError
+from ridgeline.sandbox import disk
 from ridgeline.sandbox.hostfs import read_bounded
 
 MAX_SYMLINKS = 40
+#: A listing stops (SandboxError) past this many characters of paths: a deep or wide
+#: tree left by the sandbox must not make the host build an unbounded list.
+MAX_LISTING_CHARS = 64 * 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -230,9 +234,7 @@ class Workspace:
         else:
             fd = os.open(self.host_dir, _DIR_FLAGS)
         try:
-            out: list[str] = []
-            _list(fd, "", recursive, out)
-            return sorted(out)
+            return sorted(_list(fd, recursive, path))
         finally:
             os.close(fd)
 
@@ -246,16 +248,24 @@ def _readlink(dir_fd: int, name: str) -> str | None:
         raise
 
 
-def _list(fd: int, prefix: str, recursive: bool, out: list[str]) -> None:
+def _list(fd: int, recursive: bool, path: str) -> list[str]:
+    # disk.walk: iterative, relative to O_NOFOLLOW descriptors, skips what vanishes.
+    entries = disk.walk(fd) if recursive else _entries(fd)
+    out: list[str] = []
+    size = 0
+    for rel, st in entries:
+        out.append(f"{rel}/" if stat.S_ISDIR(st.st_mode) else rel)
+        size += len(rel) + 1
+        if size > MAX_LISTING_CHARS:
+            raise SandboxError(f"the listing of {path} is over {MAX_LISTING_CHARS} "
+                               "characters of paths", hint="list a smaller directory, or "
+                               "without recursive")
+    return out
+
+
+def _entries(fd: int):
     for name in os.listdir(fd):
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
-            out.append(f"{prefix}{name}/")
-            if recursive:
-                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                try:
-                    _list(sub, f"{prefix}{name}/", recursive, out)
-                finally:
-                    os.close(sub)
-        else:
-            out.append(prefix + name)
+        try:
+            yield name, os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed since the listing

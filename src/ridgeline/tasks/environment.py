@@ -24,21 +24,25 @@ the Dockerfile cannot be reproduced, a package or the internet is missing) and
 
 from __future__ import annotations
 
-import io
+import contextlib
+import lzma
 import os
 import posixpath
+import secrets
 import shutil
 import stat
 import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from pathlib import Path, PurePosixPath
 
 from ridgeline.errors import SandboxError, UnsupportedError
-from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec
+from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree
+from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks.model import Task
@@ -149,7 +153,10 @@ class TaskSandbox:
 
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
-            stdin: bytes | None = None) -> ExecResult:
+            stdin: bytes | None = None, pass_fds: tuple[int, ...] = ()) -> ExecResult:
+        if pass_fds:  # only backends that start processes on this host can pass them
+            return self.inner.run(cmd, timeout=timeout, env=env, cwd=cwd,  # type: ignore[call-arg]
+                                  stdin=stdin, pass_fds=pass_fds)
         return self.inner.run(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin)
 
     def shell(self) -> ShellSession:
@@ -180,7 +187,8 @@ class TaskSandbox:
         try:
             self.inner.close()
         finally:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            # /logs and /root are the agent's: any depth, and never a crash of the caller.
+            hostfs.discard_tree(self.staging, "task staging directory")
 
     def __enter__(self) -> "TaskSandbox":
         return self
@@ -219,6 +227,31 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     t0 = time.perf_counter()
     tools = harness_tools()
     staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{task.id[:40]}-"))
+    try:
+        inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
+    except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
+        hostfs.discard_tree(staging, "task staging directory")
+        raise
+    sb = TaskSandbox(task, inner, staging, tools, extra)
+    try:
+        if sb.owner is not None:  # the writable staging trees are the sandbox user's
+            for sub in ("logs", "home", "extra"):
+                chown_tree(staging / sub, *sb.owner)
+        _build(task, sb, steps)
+        if task.setup_script is not None:
+            _run_setup(task, sb)
+    except BaseException:
+        sb.close()
+        raise
+    sb.setup_s = time.perf_counter() - t0
+    return sb
+
+
+def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: str,
+                      env: dict[str, str] | None
+                      ) -> tuple[Sandbox, dict[str, Path], list]:
+    """The staging trees, the sandbox's spec and the sandbox (prepare_environment
+    removes `staging` if this raises)."""
     for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
         (staging / sub).mkdir(parents=True)
     extra: dict[str, Path] = {}
@@ -238,24 +271,7 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
                        mounts=mounts, env={**image_env, **(env or {})},
                        limits=sandbox_limits(task), network=NetworkPolicy.NONE)
-    try:
-        inner = _create_sandbox(spec, backend)
-    except Exception:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    sb = TaskSandbox(task, inner, staging, tools, extra)
-    try:
-        if sb.owner is not None:  # the writable staging trees are the sandbox user's
-            for sub in ("logs", "home", "extra"):
-                chown_tree(staging / sub, *sb.owner)
-        _build(task, sb, steps)
-        if task.setup_script is not None:
-            _run_setup(task, sb)
-    except BaseException:
-        sb.close()
-        raise
-    sb.setup_s = time.perf_counter() - t0
-    return sb
+    return _create_sandbox(spec, backend), extra, steps
 
 
 def _build(task: Task, sb: TaskSandbox, steps: list) -> None:
@@ -273,9 +289,9 @@ def _build(task: Task, sb: TaskSandbox, steps: list) -> None:
             sb.stop_processes()  # a layer's background processes end with it
 
 
-#: Run by the sandbox user inside the sandbox: unpack the archive on stdin into "$1".
+#: Run by the sandbox user inside the sandbox: unpack the archive "$2" into "$1".
 #: Modes as archived (-p); ownership is the sandbox user's (--no-same-owner).
-_UNPACK = 'set -e; mkdir -p -- "$1"; exec tar -x -p --no-same-owner -C "$1" -f -'
+_UNPACK = 'set -e; mkdir -p -- "$1"; exec tar -x -p --no-same-owner -C "$1" -f "$2"'
 
 
 def _copy(task: Task, sb: TaskSandbox, step: CopyStep) -> None:
@@ -309,63 +325,35 @@ def _copy_in(task: Task, sb: TaskSandbox, dest: str,
              members: list[tuple[Path | str, str, bool]], mode: int | None, where: str,
              archive: Path | None = None) -> None:
     """Unpack `members` ((host path or text, name, follow a top-level link)) or a
-    task's archive into the sandbox directory `dest`, as the sandbox user."""
+    task's archive into the sandbox directory `dest`, as the sandbox user. The archive
+    is streamed to a file in the (read-only to the sandbox) tests staging directory,
+    capped by the task's storage (build_archive), and unpacked from there."""
+    name = f".ridgeline-build-{secrets.token_hex(8)}.tar"
+    budget = Budget(where, task.resources.storage_mb * MiB)
+    fd = os.open(sb.tests_host_dir / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                 | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        data = _tar_of(members, mode) if archive is None else _retar(archive, mode)
-    except (OSError, tarfile.TarError) as e:
-        raise TaskUnsupported(task.id, f"{where}: cannot read the files to copy: {e}") from e
-    try:
-        res = sb.run(["sh", "-c", _UNPACK, "sh", dest], stdin=data,
-                     timeout=BUILD_STEP_TIMEOUT_S)
-    except SandboxError as e:
-        raise EnvironmentSetupError(task.id, f"{where}: {e}") from e
+        os.fchmod(fd, 0o644)  # the sandbox user reads it
+        try:
+            with os.fdopen(fd, "wb") as out:
+                if archive is None:
+                    write_members(out, members, mode, budget)
+                else:
+                    write_repacked(out, archive, mode, budget)
+        except (OSError, tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
+            raise TaskUnsupported(task.id, f"{where}: cannot read the files to copy: "
+                                  f"{e}") from e
+        try:
+            res = sb.run(["sh", "-c", _UNPACK, "sh", dest, f"{TESTS_PATH}/{name}"],
+                         timeout=BUILD_STEP_TIMEOUT_S)
+        except SandboxError as e:
+            raise EnvironmentSetupError(task.id, f"{where}: {e}") from e
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sb.tests_host_dir / name)
     if not res.ok:
         raise TaskUnsupported(task.id, f"{where}: copying into {dest} failed here "
                               f"({_failure_reason(res)})")
-
-
-def _with_mode(mode: int | None):
-    def apply(ti: tarfile.TarInfo) -> tarfile.TarInfo:
-        ti.uid = ti.gid = 0
-        ti.uname = ti.gname = ""
-        if mode is not None and (ti.isfile() or ti.isdir()):
-            ti.mode = mode
-        ti.mode &= 0o777  # no setuid, setgid or sticky bits from a task
-        return ti
-    return apply
-
-
-def _tar_of(members: list[tuple[Path | str, str, bool]], mode: int | None) -> bytes:
-    buf = io.BytesIO()
-    fix = _with_mode(mode)
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for src, name, follow in members:
-            if isinstance(src, str):  # heredoc text
-                body = src.encode()
-                ti = tarfile.TarInfo(name)
-                ti.size, ti.mode, ti.mtime = len(body), 0o644, int(time.time())
-                tar.addfile(fix(ti), io.BytesIO(body))
-            else:
-                # A COPY source that is a link (the plan checked it stays in the context)
-                # is copied as what it points to, as Docker does; links inside
-                # directories stay links.
-                path = os.path.realpath(src) if follow else src
-                tar.add(path, arcname=name, recursive=True, filter=fix)
-    return buf.getvalue()
-
-
-def _retar(archive: Path, mode: int | None) -> bytes:
-    """A task's archive re-packed with tarfile's "data" filter applied to each member
-    (no absolute names, no `..`, no links out, no devices)."""
-    buf = io.BytesIO()
-    fix = _with_mode(mode)
-    with tarfile.open(archive) as src, tarfile.open(fileobj=buf, mode="w",
-                                                      format=tarfile.PAX_FORMAT) as out:
-        for member in src:
-            clean = tarfile.data_filter(member, "/nonexistent-ridgeline-dest")
-            body = src.extractfile(member) if member.isfile() else None
-            out.addfile(fix(clean), body)
-    return buf.getvalue()
 
 
 def _failure_reason(res: ExecResult) -> str:

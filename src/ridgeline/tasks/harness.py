@@ -4,6 +4,7 @@ One directory per host Python, made once and reused::
 
     offline_tools.py   the offline uv/curl/apt-get/... (see its docstring)
     ridgeline_ctrf.py  pytest plugin for `--ctrf` reports
+    ridgeline_report.py  the verifier's reporter (pytest plugin; see its docstring)
     config.json        the host interpreter and its site-packages
     bin/               uv, uvx, curl, wget, apt-get, apt, apk: first on PATH at run time
     build-bin/         pip, pip3, python, python3, rm: first on PATH for Dockerfile RUN
@@ -49,7 +50,7 @@ BUILD_TOOLS = {"pip": "pip", "pip3": "pip3", "python": "python", "python3": "pyt
                "rm": "rm"}
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 OFFLINE_MARK = "ridgeline-offline:"
-_SOURCES = ("offline_tools.py", "ridgeline_ctrf.py")
+_SOURCES = ("offline_tools.py", "ridgeline_ctrf.py", "ridgeline_report.py")
 
 
 @dataclass(frozen=True)

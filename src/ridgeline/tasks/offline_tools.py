@@ -25,6 +25,10 @@ Supported:
   auto-loading off (start-up in 0.3 s instead of 2 s) and the plugins the script asked
   for (``--with``, ``uv add``, ``pip install``) loaded explicitly; ``--ctrf FILE`` is
   served by Ridgeline's own CTRF writer when pytest-json-ctrf is not on the host.
+* Verification (``RIDGELINE_VERIFY`` set by the verifier): every pytest loads the
+  verifier's reporter (``ridgeline_report.py``); ``uv venv`` replaces whatever is at its
+  path, and a venv this verification did not make (the agent's ``/app/.venv``, a
+  pre-populated ``.tbench-testing-venv``) is never used to run the tests.
 * Image build only (Dockerfile ``RUN``): ``pip``/``pip3``/``python -m pip install``
   check requirements against the host; ``rm`` skips image cache directories
   (``/var/lib/apt/lists`` ...) that only exist in Docker images.
@@ -169,6 +173,23 @@ def venv_site(venv: Path) -> Path:
     return venv / "lib" / "site-packages"
 
 
+def verify_nonce() -> str | None:
+    """This verification's id (None outside verification)."""
+    return os.environ.get("RIDGELINE_VERIFY") or None
+
+
+def made_now(venv: Path) -> bool:
+    """Outside verification every venv counts; during it, only those `uv venv` made in
+    this verification (the agent's are its files, not the verifier's tools)."""
+    nonce = verify_nonce()
+    if nonce is None:
+        return True
+    try:
+        return f"ridgeline-verify = {nonce}" in (venv / "pyvenv.cfg").read_text()
+    except OSError:
+        return False
+
+
 def is_light_venv(venv: Path) -> bool:
     try:
         return "ridgeline-offline" in (venv / "pyvenv.cfg").read_text()
@@ -178,13 +199,26 @@ def is_light_venv(venv: Path) -> bool:
 
 def make_venv(path: Path) -> int:
     path = path.absolute()
+    nonce = verify_nonce()
+    if nonce is not None and (path.exists() or path.is_symlink()):
+        # whatever the agent left at this path (a venv with its own python, pytest or
+        # sitecustomize, a link) goes, modes it set included: chmod and rm walk trees
+        # of any depth
+        if not path.is_symlink():
+            subprocess.run(["chmod", "-R", "u+rwx", "--", str(path)], check=False,
+                           stderr=subprocess.DEVNULL)
+        subprocess.run(["rm", "-rf", "--", str(path)], check=False)
+        if path.exists() or path.is_symlink():
+            print(f"error: cannot replace {path} with a new venv", file=sys.stderr)
+            return 1  # not an offline refusal: nothing is missing on this machine
     bin_dir = path / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     venv_site(path).mkdir(parents=True, exist_ok=True)
     ver = ".".join(map(str, sys.version_info[:2]))
     (path / "pyvenv.cfg").write_text(
         f"home = {Path(HOST_PYTHON).parent}\ninclude-system-site-packages = true\n"
-        f"version = {sys.version.split()[0]}\nridgeline-offline = true\n")
+        f"version = {sys.version.split()[0]}\nridgeline-offline = true\n"
+        + (f"ridgeline-verify = {nonce}\n" if nonce else ""))
     py = (f'#!/bin/sh\nexport VIRTUAL_ENV="{path}"\n'
           f'export PYTHONPATH="{venv_site(path)}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
           f'exec "{HOST_PYTHON}" "$@"\n')
@@ -341,21 +375,36 @@ def pytest_argv(args: list[str], plugins_from: list[str], venv: Path | None,
     safe = ["-P"] if sys.version_info >= (3, 11) else []
     argv = [HOST_PYTHON, *safe, "-m", "pytest", "-p", "no:cacheprovider"]
     env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    if verify_nonce() is not None:
+        # the verifier's reporter, from this (read-only) directory; no user site
+        argv[1:1] = ["-s"]
+        argv += ["-p", "ridgeline_report"]
+        env["PYTHONNOUSERSITE"] = "1"
+        env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     site = [str(venv_site(venv))] if venv is not None else []
     for mod in dict.fromkeys(pytest_plugins(plugins_from, site)):
         argv += ["-p", mod]
     if any(a == "--ctrf" or a.startswith("--ctrf=") for a in args) and \
             "pytest-json-ctrf" not in installed(site):
         argv += ["-p", "ridgeline_ctrf"]
-        env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
+        if str(HERE) not in env.get("PYTHONPATH", "").split(":"):
+            env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH"))
+                                         if p)
     return argv + args
 
 
 def exec_command(cmd: list[str], venv: Path | None, withs: list[str]) -> int:
     if not cmd:
         return refuse("no command to run", 2)
-    env = run_env(venv)
     name = os.path.basename(cmd[0])
+    runs_pytest = name in ("pytest", "py.test") or (
+        re.fullmatch(r"python(\d(\.\d+)?)?", name) is not None and cmd[1:3] == ["-m", "pytest"])
+    if runs_pytest and venv is not None and not made_now(venv):
+        # the tests never run in a venv the agent left (its python, site-packages,
+        # sitecustomize): the host's pytest runs them instead
+        note(f"not running the tests in {venv}: this verification did not make it")
+        venv = None
+    env = run_env(venv)
     if name in ("pytest", "py.test"):
         argv = pytest_argv(cmd[1:], withs + requested(venv), venv, env)
     elif re.fullmatch(r"python(\d(\.\d+)?)?", name):

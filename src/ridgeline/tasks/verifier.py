@@ -7,33 +7,59 @@ tests and their results. Harbor's `/logs/verifier` is then replaced by a fresh, 
 directory, and the reward is read by the host through directory descriptors that never
 follow a link (`sandbox.hostfs`): a link the agent planted is an error, never a path.
 
-`passed`/`failed` are the agent's result. `infra_error` (sandbox crash, failed health
-probe, missing test script, test timeout, no test results, missing reward file) and
-`unsupported` (the test script needs what this machine cannot provide) are not: their
-`reward` is None, never 0, so they never become a training signal.
+Nothing the agent wrote runs or configures the verifier's tools: HOME (/root) is
+emptied (the agent's files are moved out of the sandbox's view), /tmp is a new tmpfs,
+user site-packages are off, and the offline tools never run pytest from a venv the
+agent left (tasks/offline_tools.py).
+
+The verdict comes from the test runner's own report (tasks/ridgeline_report.py), sent
+over a socket only the runner holds, never from the text the tests print: a pytest
+session that started and did not report its end (the code under test killed or
+replaced its runner) is a failure. On Harbor tasks a reward of 1 must agree with that
+report.
+
+`passed`/`failed` are the agent's result. `infra_error` (sandbox crash, missing test
+script, test timeout, no test results, missing reward file) and `unsupported` (the test
+script needs what this machine cannot provide) are not: their `reward` is None, never 0,
+so they never become a training signal. What the agent controls can never make one: the
+modes of its trees are reset, its home replaced, and a workspace it filled past the
+task's disk quota, or tests killed for a limit, are its failure.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
+import select
+import socket
+import stat
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 
 from ridgeline.errors import RidgelineError, SandboxError, TaskError
 from ridgeline.sandbox import hostfs
 from ridgeline.tasks.environment import (
-    LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported,
+    HOME_PATH, LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported,
     stage_copy,
 )
-from ridgeline.tasks.harness import OFFLINE_MARK
+from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK
 from ridgeline.tasks.model import Task, TaskLayout
 from ridgeline.tasks.pytest_output import Outcome, TestResult, parse_pytest_output
 
 OUTPUT_TAIL = 4000
 #: A reward file is a number or a small JSON object; anything larger is not one.
 MAX_REWARD_BYTES = 64 * 1024
+#: What the host keeps of the runner's reports (a flood from elsewhere is drained).
+MAX_REPORT_BYTES = 16 * 1024 * 1024
+#: The workspace counts as full (the agent's doing) with less than this left.
+FULL_SLACK_BYTES = 1024 * 1024
+REPORT_FD_ENV = "RIDGELINE_REPORT_FD"
+log = logging.getLogger(__name__)
 
 
 class VerdictStatus(str, Enum):
@@ -126,6 +152,249 @@ def _read_reward(sb: TaskSandbox) -> float | None:
     raise ValueError("reward.json holds neither a number nor an object of numbers")
 
 
+class ReportChannel:
+    """The host's end of the runner's report socket (`SOCK_SEQPACKET`: one record per
+    datagram, never interleaved with another writer's). A thread drains it while the
+    tests run, so the runner never blocks on it; what arrives is bounded."""
+
+    def __init__(self) -> None:
+        self._host, self.inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.records: list[dict] = []
+        self.received = 0
+        self.overflow = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True,
+                                        name="ridgeline-verifier-report")
+        self._thread.start()
+
+    @property
+    def fd(self) -> int:
+        return self.inner.fileno()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                ready = select.select([self._host], [], [], 0.05)[0]
+                data = self._host.recv(1 << 18) if ready else None
+            except (OSError, ValueError):
+                return
+            if data is None:
+                if self._stop.is_set():
+                    return          # nothing more queued
+                continue
+            if not data:
+                return              # every sandbox-side holder is gone
+            self.received += len(data)
+            if self.received > MAX_REPORT_BYTES:
+                self.overflow = True
+                continue
+            try:
+                rec = json.loads(data)
+            except ValueError:
+                continue            # not a runner's record (only sessions are graded)
+            if isinstance(rec, dict):
+                self.records.append(rec)
+
+    def close_inner(self) -> None:
+        self.inner.close()
+
+    def finish(self, timeout: float = 10.0) -> None:
+        """Stop after what is queued has been read (call once no runner can write)."""
+        self.inner.close()
+        self._stop.set()
+        self._thread.join(timeout)
+        self._host.close()
+
+
+@dataclass
+class Session:
+    """One pytest run as its runner reported it."""
+
+    sid: str
+    tests: list[TestResult] = field(default_factory=list)
+    finished: bool = False
+    announced: int = -1         # the number of tests its `finish` record says it sent
+    corrupt: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.finished and not self.corrupt and self.announced == len(self.tests)
+
+
+def sessions_of(records: list[dict]) -> list[Session]:
+    """Group the runners' records by session. Records of a session that never started
+    are ignored (they cannot belong to a runner); anything odd within a started session
+    makes it incomplete."""
+    out: dict[str, Session] = {}
+    for rec in records:
+        sid, kind = rec.get("s"), rec.get("e")
+        if not isinstance(sid, str) or not sid:
+            continue
+        if kind == "start":
+            if sid in out:
+                out[sid].corrupt = "started twice"
+            else:
+                out[sid] = Session(sid)
+            continue
+        sess = out.get(sid)
+        if sess is None:
+            continue
+        if sess.finished:
+            sess.corrupt = "records after its end"
+        elif kind == "test":
+            try:
+                sess.tests.append(TestResult(str(rec["id"]), Outcome(rec["o"]),
+                                             str(rec.get("m", ""))))
+            except (KeyError, ValueError):
+                sess.corrupt = "an unreadable test record"
+        elif kind == "finish":
+            sess.finished = True
+            n = rec.get("n")
+            sess.announced = n if isinstance(n, int) else -1
+        else:
+            sess.corrupt = f"an unknown record {kind!r}"
+    return list(out.values())
+
+
+# -- what the agent controls, put back before the tests ----------------------------------
+
+def _aside_dir(sb: TaskSandbox) -> Path:
+    """A directory of the staging tree that no sandbox mount shows, for what the agent
+    left where the verifier needs a fresh place (moved, not deleted: a rename costs the
+    same for any tree, and the staging tree is removed with the sandbox)."""
+    d = sb.staging / "agent-leftovers"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def _move_aside(sb: TaskSandbox, parent: Path, names: list[str] | None = None) -> None:
+    """Move `names` (default: every entry) of the host directory `parent` out of the
+    sandbox's view. Renames never follow links."""
+    dest = Path(os.path.join(_aside_dir(sb), os.urandom(8).hex()))
+    dest.mkdir(mode=0o700)
+    pfd, dfd = hostfs.open_dir(parent), hostfs.open_dir(dest)
+    try:
+        for name in (os.listdir(pfd) if names is None else names):
+            try:
+                os.rename(name, name, src_dir_fd=pfd, dst_dir_fd=dfd)
+            except FileNotFoundError:
+                continue
+    finally:
+        os.close(pfd)
+        os.close(dfd)
+
+
+def _make_usable(path: Path, owner: tuple[int, int] | None, rel: str = "") -> None:
+    """Give the directory `path` (and each directory of `rel` below it) back the modes
+    the tests need (owner rwx, others rx): `chmod 000 /app` is the agent's state, not a
+    broken sandbox. Entered by descriptor; a link stops the walk."""
+    fd = hostfs.open_dir(path)
+    try:
+        for part in [p for p in rel.split("/") if p] + [None]:
+            st = os.fstat(fd)
+            if owner is not None and st.st_uid != owner[0]:
+                os.fchown(fd, *owner)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) | 0o755)
+            if part is None:
+                break
+            try:
+                nfd = hostfs.open_dir(path, part, dir_fd=fd)
+            except (OSError, SandboxError):
+                break           # missing or a link: the tests' `cd` says so
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+
+
+def _empty_home(sb: TaskSandbox) -> None:
+    """A fresh, empty HOME: every entry of the home mount goes out of view, except the
+    directories that lead to mounts inside it (a pyenv interpreter under /root), whose
+    other entries go."""
+    keep: dict[str, set[str]] = {"": set()}
+    for m in sb.spec.mounts:
+        if m.target.startswith(HOME_PATH + "/"):
+            parts = m.target[len(HOME_PATH) + 1:].split("/")
+            for i in range(len(parts)):
+                keep.setdefault("/".join(parts[:i]), set()).add(parts[i])
+    home = sb.staging / "home"
+    _make_usable(home, sb.owner)
+    for rel in sorted(keep, key=lambda r: r.count("/") + bool(r)):
+        where = home / rel if rel else home
+        try:
+            fd = hostfs.open_dir(where)
+        except (OSError, SandboxError):
+            continue        # not a directory (moved aside with its parent's entries)
+        try:
+            names = [n for n in os.listdir(fd) if n not in keep[rel]]
+        finally:
+            os.close(fd)
+        _move_aside(sb, where, names)
+
+
+def reset_agent_state(sb: TaskSandbox, task: Task) -> None:
+    """Call while nothing runs in the sandbox: what the agent may have done to the
+    places the verifier needs is undone (see module doc)."""
+    ws_rel = ""
+    ws = sb.spec.workspace_path
+    if task.workdir.startswith(ws.rstrip("/") + "/"):
+        ws_rel = task.workdir[len(ws):]
+    _make_usable(sb.workspace_dir, sb.owner, ws_rel)
+    for d in (sb.logs_host_dir, *sb.extra_dirs.values()):
+        _make_usable(d, sb.owner)
+    _empty_home(sb)
+    if task.layout is TaskLayout.HARBOR:
+        # a new /logs/verifier, made after the kill: nothing of the agent's is in it
+        _move_aside(sb, sb.logs_host_dir, ["verifier"])
+        hostfs.fresh_dir(sb.logs_host_dir, "verifier", sb.owner)
+
+
+def agent_filled_disk(sb: TaskSandbox) -> bool:
+    """Whether the sandbox's own disk space is used up (by what the agent left): the
+    workspace is a filesystem of its own that is (nearly) full, or the measured use of
+    its writable trees is at its quota. A full host disk is not the agent's."""
+    ws = sb.workspace_dir
+    try:
+        own_fs = os.stat(ws).st_dev != os.stat(ws.parent).st_dev
+        if own_fs:
+            st = os.statvfs(ws)
+            if st.f_bavail * st.f_frsize < FULL_SLACK_BYTES or st.f_favail == 0:
+                return True
+    except OSError:
+        pass
+    quota = getattr(sb.inner, "_quota", None)
+    limit = getattr(quota, "limit", None)
+    if quota is not None and limit:
+        try:
+            return quota.used() >= limit - FULL_SLACK_BYTES
+        except Exception:  # noqa: BLE001 - a tree it cannot measure: not known full
+            log.warning("could not measure the disk use of %s", ws, exc_info=True)
+    return False
+
+
+def _agents_failure(reason: str, detail: str, t0: float, output: str = "",
+                    tests: list[TestResult] | None = None) -> Verdict:
+    graded = [r for r in tests or [] if r.outcome is not Outcome.SKIPPED]
+    return Verdict(VerdictStatus.FAILED, sum(r.ok for r in graded), len(graded), detail,
+                   0.0, time.perf_counter() - t0, reason, list(tests or []),
+                   output[-OUTPUT_TAIL:])
+
+
+def verifier_env(task: Task, sb: TaskSandbox, report_fd: int, nonce: str) -> dict[str, str]:
+    env = {"TEST_DIR": TESTS_PATH, **task.verifier_env}
+    path = env.get("PYTHONPATH") or sb.spec.env.get("PYTHONPATH")
+    plugins = env.get("PYTEST_PLUGINS") or sb.spec.env.get("PYTEST_PLUGINS")
+    env.update({
+        "RIDGELINE_VERIFY": nonce,
+        REPORT_FD_ENV: str(report_fd),
+        # every pytest on the host's interpreter loads the reporter, however it starts
+        "PYTEST_PLUGINS": ",".join(p for p in ("ridgeline_report", plugins) if p),
+        "PYTHONPATH": ":".join(p for p in (HARNESS_MOUNT, path) if p),
+        "PYTHONNOUSERSITE": "1",
+    })
+    return env
+
+
 def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Verdict:
     """Run the task's tests in `sandbox` (from `prepare_environment(task)`) and grade."""
     t0 = time.perf_counter()
@@ -134,10 +403,21 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                         f"prepare_environment() for that task",
                         hint="call prepare_environment(task) and pass its result")
     try:
-        sandbox.stop_processes()    # nothing of the agent's may run beside the tests
+        try:
+            sandbox.stop_processes()    # nothing of the agent's may run beside the tests
+        except SandboxError:
+            # A new init starts in the workdir: `chmod 000 /app` stops it. The agent's
+            # processes are gone now, so its modes can be put back for a second try.
+            reset_agent_state(sandbox, task)
+            sandbox.stop_processes()
     except Exception as e:     # a sandbox that cannot restart is a broken one
         return infra_error("health_failed", f"could not stop the agent's processes: "
                            f"{type(e).__name__}: {e}", t0)
+    try:
+        reset_agent_state(sandbox, task)
+    except (OSError, SandboxError) as e:
+        return infra_error("staging_failed", f"could not reset the sandbox's trees for the "
+                           f"tests: {e}", t0)
     try:
         health = sandbox.health()
     except Exception as e:      # a sandbox that cannot even answer is broken
@@ -145,6 +425,9 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                            t0)
     if not health.healthy:
         failed = [k for k, ok in health.checks.items() if not ok]
+        if set(failed) <= {"workspace_writable", "disk"} and agent_filled_disk(sandbox):
+            return _agents_failure("disk_full", "the workspace is full: the agent's files "
+                                   "use the task's whole disk quota", t0)
         return infra_error("health_failed", f"sandbox unhealthy ({', '.join(failed)}): "
                            f"{health.detail}", t0)
     script = task.test_script
@@ -161,26 +444,53 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
             stage_copy(script, sandbox.tests_host_dir, "run-tests.sh")
             cmd = ["bash", f"{TESTS_PATH}/run-tests.sh"]
         else:
-            # A new directory, made after the kill: nothing of the agent's is in it.
-            hostfs.fresh_dir(sandbox.logs_host_dir, "verifier", sandbox.owner)
             cmd = ["bash", f"{TESTS_PATH}/test.sh"]
     except (OSError, SandboxError) as e:
         return infra_error("staging_failed", f"copying the tests in failed: {e}", t0)
     limit = timeout if timeout is not None else task.test_timeout_s
-    env = {"TEST_DIR": TESTS_PATH, **task.verifier_env}
+    channel = ReportChannel()
     try:
-        res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir)
-    except SandboxError as e:
-        return infra_error("sandbox_error", f"sandbox failed while testing: {e}", t0)
+        env = verifier_env(task, sandbox, channel.fd, os.urandom(16).hex())
+        try:
+            res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir,
+                              pass_fds=(channel.fd,))
+        except SandboxError as e:
+            return infra_error("sandbox_error", f"sandbox failed while testing: {e}", t0)
+        channel.close_inner()
+        try:
+            # what the tests left running (a reward writer, a holder of the report
+            # socket) ends before anything is read
+            sandbox.stop_processes()
+        except Exception as e:  # noqa: BLE001 - a sandbox that cannot restart is broken
+            return infra_error("sandbox_error", f"could not stop the tests' processes: "
+                               f"{type(e).__name__}: {e}", t0)
+    finally:
+        channel.finish()
+    return _grade(task, sandbox, res, sessions_of(channel.records), channel.overflow, limit,
+                  t0)
+
+
+def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session], overflow: bool,
+           limit: float, t0: float) -> Verdict:
     output = res.stdout + ("\n" + res.stderr if res.stderr else "")
     if res.timed_out:
         return infra_error("test_timeout", f"tests did not finish within {limit:g}s and "
                            f"were killed", t0, output)
+    results = [t for sess in sessions for t in sess.tests]
     if res.killed_by and res.killed_by != "output":
-        return infra_error("test_killed", f"test script killed ({res.killed_by})", t0,
-                           output)
-    results = parse_pytest_output(res.stdout) or parse_pytest_output(output)
-    graded = [r for r in results if r.outcome not in (Outcome.SKIPPED,)]
+        # memory, disk, file size, CPU or a signal from inside: what the tests ran (the
+        # agent's work) broke the task's limits or killed its runner
+        return _agents_failure("test_killed", f"the tests were killed ({res.killed_by})",
+                               t0, output, results)
+    broken = [sess for sess in sessions if not sess.complete]
+    if broken or overflow:
+        why = (f"{broken[0].corrupt}" if broken and broken[0].corrupt else
+               "no end" if broken else "too much report data")
+        return _agents_failure(
+            "runner_killed", f"the test runner did not report its end ({why}): the code "
+            f"under test killed or replaced it (exit code {res.exit_code})", t0, output,
+            results)
+    graded = [r for r in results if r.outcome is not Outcome.SKIPPED]
     n_pass = sum(r.ok for r in graded)
     duration = time.perf_counter() - t0
     offline = [ln.split(OFFLINE_MARK, 1)[1].strip() for ln in output.splitlines()
@@ -193,13 +503,23 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         except (ValueError, OSError, json.JSONDecodeError) as e:
             return infra_error("bad_reward", f"unreadable reward file: {e}", t0, output)
         if reward is None:
-            if offline:
+            if offline and not sessions:
                 return Verdict(VerdictStatus.UNSUPPORTED, detail=offline[0],
                                reason="unsupported", duration_s=duration,
                                output=output[-OUTPUT_TAIL:])
+            if agent_filled_disk(sandbox):
+                return _agents_failure("disk_full", "no reward, and the workspace is "
+                                       "full of the agent's files", t0, output, results)
             return infra_error("no_reward", f"the verifier wrote no reward to "
                                f"{LOGS_PATH}/verifier/reward.txt (exit code "
                                f"{res.exit_code})", t0, output)
+        if reward >= 1.0 and graded and n_pass < len(graded):
+            # the reward file is writable by what the tests run; the runner's own
+            # report is not: a full reward needs every reported test passed
+            return Verdict(VerdictStatus.FAILED, n_pass, len(graded),
+                           f"reward file says {reward:g} but the test runner reported "
+                           f"{n_pass}/{len(graded)} tests passed", n_pass / len(graded),
+                           duration, "report_mismatch", results, output[-OUTPUT_TAIL:])
         status = VerdictStatus.PASSED if reward >= 1.0 else VerdictStatus.FAILED
         detail = f"reward {reward:g}" + (f"; {n_pass}/{len(graded)} tests passed"
                                          if graded else "")
@@ -207,12 +527,18 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                        None if status is VerdictStatus.PASSED else "tests_failed",
                        results, output[-OUTPUT_TAIL:])
     if not graded:
-        if offline:
+        if offline and not sessions:
             return Verdict(VerdictStatus.UNSUPPORTED, detail=offline[0],
                            reason="unsupported", duration_s=duration,
                            output=output[-OUTPUT_TAIL:])
-        return infra_error("no_test_results", f"no pytest results in the test output "
-                           f"(exit code {res.exit_code})", t0, output)
+        if agent_filled_disk(sandbox):
+            return _agents_failure("disk_full", "no test results, and the workspace is "
+                                   "full of the agent's files", t0, output, results)
+        printed = " (pytest's output is there, but not its runner's report: the test "\
+                  "script ran pytest in a way the harness does not observe)" \
+            if parse_pytest_output(output) else ""
+        return infra_error("no_test_results", f"no pytest results from the test runner "
+                           f"(exit code {res.exit_code}){printed}", t0, output)
     passed = n_pass == len(graded)
     failed_names = [r.name.split("::")[-1] for r in graded if not r.ok]
     detail = f"{n_pass}/{len(graded)} tests passed" + (

@@ -10,12 +10,13 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-# bubblewrap: the sandbox backend; redis-server and postgresql: the queue and the task
+# bubblewrap: the sandbox backend; e2fsprogs (mkfs.ext4): each sandbox's disk; redis-server and postgresql: the queue and the task
 # store at scale (tests start their own servers on loopback); chromium: the dashboard's
 # browser test.
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	PATH="$$PATH:/sbin:/usr/sbin" command -v mkfs.ext4 >/dev/null 2>&1 || missing="$$missing e2fsprogs"; \
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \

@@ -56,7 +56,11 @@ def test_dashboard_follows_a_task_live(served, tmp_path: Path) -> None:
         row = page.locator(f'tr.task[data-id="{slow}"]')
         row.wait_for(timeout=15_000)
         assert "acme" not in page.locator("#error").inner_text()
+        # the list holds summaries; the whole request is fetched when the task is opened
+        assert row.locator("td.instruction").inner_text() == "count slowly"
         row.click()
+        page.locator("#task-info pre.instruction").wait_for(timeout=10_000)
+        assert page.locator("#task-info pre.instruction").inner_text() == "count slowly"
         page.locator(".event[data-type='task.step']").first.wait_for(timeout=30_000)
         steps_seen_early = page.locator(".event[data-type='task.step']").count()
         page.locator(".event[data-type='task.completed']").wait_for(timeout=30_000)

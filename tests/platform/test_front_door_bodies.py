@@ -28,7 +28,7 @@ from ridgeline.sandbox.base import SandboxSpec
 from ridgeline.serve.app import ServerThread
 
 BODY_ROUTES = ["/v1/agent/tasks", "/v1/rag/documents", "/v1/rag/search", "/v1/memory",
-               "/v1/memory/search"]
+               "/v1/memory/search", "/v1/chat/completions", "/v1/completions"]
 BIG = 200 << 20  # the size the attack declared (200 MiB)
 ALL_SCOPES = ["rag:read", "rag:write", "memory:read", "memory:write"]
 

@@ -176,6 +176,25 @@ def test_a_task_over_its_keys_rpm_fails_with_the_quota_error_not_as_infra(
     assert usage_of(platform, record.key_id)[0] == 2
 
 
+def test_a_task_waiting_for_its_keys_quota_can_be_cancelled(served, upstream: Upstream) -> None:
+    platform, server = served(quota_wait_s=300)
+    # rpm 2: the submission and the first model call; the second call waits ~30 s
+    key, record = platform.keys.create("acme", user="alice", limits=KeyLimits(rpm=2))
+    before = upstream.calls
+    with client(server, key) as c:
+        task_id = c.post("/v1/agent/tasks", json={"instruction": "think 5"}).json()["id"]
+        deadline = time.monotonic() + 30
+        while not any(e.type == "task.step" for e in platform.store.events(task_id)):
+            assert time.monotonic() < deadline, "the first step never ran"
+            time.sleep(0.05)
+        assert c.get(f"/v1/agent/tasks/{task_id}").json()["status"] == "in_progress"
+        c.post(f"/v1/agent/tasks/{task_id}/cancel")
+        task = wait_status(c, task_id)
+    assert task["status"] == "cancelled"
+    # it ended while waiting for the quota: the second call never reached the upstream
+    assert upstream.calls - before == 1
+
+
 def test_a_tasks_model_call_holds_its_keys_concurrency_slot(served, upstream: Upstream) -> None:
     platform, server = served()
     key, record = platform.keys.create("acme", user="alice", limits=KeyLimits(max_concurrency=1))

@@ -300,3 +300,24 @@ def test_the_async_transport_checks_the_same_way(
 
     asyncio.run(main())
     assert [p for p, _ in hits] == ["/async"]
+
+
+def test_an_injected_resolver_is_used_and_its_answers_are_checked(port: int, hits: list) -> None:
+    """The async transport's `resolver` replaces the lookup (the webhook dispatcher's own
+    DNS threads); what it answers is checked like the system resolver's."""
+    answers = {"ok.example": "127.0.0.1", "meta.example": "169.254.169.254"}
+    asked: list[str] = []
+
+    async def resolver(host: str, p: int) -> list[tuple[object, ...]]:
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[host], p))]
+
+    async def main() -> None:
+        async with safe_async_client(allow_private=True, resolver=resolver) as client:
+            assert (await client.get(f"http://ok.example:{port}/injected")).text == "ok"
+            with pytest.raises(UnsafeURLError, match="cloud metadata"):
+                await client.get(f"http://meta.example:{port}/no")
+
+    asyncio.run(main())
+    assert asked == ["ok.example", "meta.example"]   # neither name exists in real DNS
+    assert hits == [("/injected", f"ok.example:{port}")]

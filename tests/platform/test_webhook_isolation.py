@@ -204,16 +204,16 @@ def test_a_trickling_answer_is_cut_off_at_the_deadline(tmp_path: Path, mode: str
     """Every read returns within `interval`, so a per-read timeout would never fire; the
     attempt must still end at its total deadline and be retried."""
     slow = Trickler(mode, interval=0.05)
-    box = WebhookOutbox(tmp_path / "w.db", config(timeout_s=0.5), clock=lambda: T0)
+    box = WebhookOutbox(tmp_path / "w.db", config(timeout_s=1.0), clock=lambda: T0)
     try:
         did = box.submit(slow.url(), "x", {}, SECRET)
         with WebhookDispatcher(box) as d:
             assert d.run_once(T0) == 1
         got = box.get(did)
         assert (got.state, got.attempts, got.last_status) == ("pending", 1, None)
-        assert "timed out after 0.5 s" in (got.last_error or "")
-        # positive control: the receiver was answering, a byte at a time, many reads in
-        assert slow.connections == 1 and slow.bytes_sent >= 3
+        assert "timed out after 1 s" in (got.last_error or "")
+        # positive control: the receiver was answering, a byte at a time, reads in
+        assert slow.connections == 1 and slow.bytes_sent >= 2
         assert wait_for(slow.hung_up.is_set)       # we hung up on it; it had more to send
     finally:
         slow.close()
@@ -222,14 +222,14 @@ def test_a_trickling_answer_is_cut_off_at_the_deadline(tmp_path: Path, mode: str
 
 def test_a_2xx_whose_body_trickles_is_delivered_at_the_deadline(tmp_path: Path) -> None:
     slow = Trickler("body", interval=0.05)
-    box = WebhookOutbox(tmp_path / "w.db", config(timeout_s=0.5), clock=lambda: T0)
+    box = WebhookOutbox(tmp_path / "w.db", config(timeout_s=1.0), clock=lambda: T0)
     try:
         did = box.submit(slow.url(), "x", {}, SECRET)
         with WebhookDispatcher(box) as d:
             assert d.run_once(T0) == 1
         got = box.get(did)
         assert (got.state, got.last_status) == ("delivered", 200)   # the status decides
-        assert slow.bytes_sent >= 3 and wait_for(slow.hung_up.is_set)
+        assert slow.bytes_sent >= 2 and wait_for(slow.hung_up.is_set)
     finally:
         slow.close()
         box.close()
@@ -290,7 +290,10 @@ def test_a_stalled_lookup_is_cut_off_and_keeps_only_its_owners_slot(
     """The lookup cannot be interrupted: the attempt ends at its deadline, but the slot
     stays taken (by its owner) until the lookup thread returns, so abandoned lookups cannot
     pile up beyond the owner's share; other tenants are delivered meanwhile."""
-    cfg = config(timeout_s=0.3, concurrency=2, max_per_owner=1)
+    # quick retries: a healthy attempt that overruns its deadline on a loaded machine is
+    # sent again, while mallory's cannot be (its only slot stays taken)
+    cfg = config(timeout_s=1.0, concurrency=2, max_per_owner=1, base_delay_s=0.05,
+                 max_delay_s=0.1)
     box = WebhookOutbox(tmp_path / "w.db", cfg)
     port = int(healthy.url.split(":")[2].split("/")[0])
     hooks = [box.submit(f"http://h{i}.stall.example:{port}/hook", "x", {"i": i}, SECRET,

@@ -207,3 +207,50 @@ def test_snapshot_and_listing_keep_working_below_the_bound():
         assert chain_depth(sb.workspace_dir) == 300
         assert sb.read_file("/".join(["d"] * 300) + "/leaf") == b"x"
         assert snapshots.MAX_DEPTH > 300
+
+
+_MOUNTED = """
+import os, subprocess, sys
+from ridgeline.sandbox import hostfs
+top = sys.argv[1]
+os.makedirs(top + "/sub/mnt")
+open(top + "/sub/file", "w").write("x")
+subprocess.run(["mount", "-t", "tmpfs", "none", top + "/sub/mnt"], check=True)
+open(top + "/sub/mnt/keep", "w").write("kept")
+print("before", os.path.exists(top + "/sub/mnt/keep"))
+try:
+    hostfs.remove_path(top)
+except hostfs.CleanupError as e:
+    print("error", e)
+print("after", open(top + "/sub/mnt/keep").read(), os.path.exists(top + "/sub/file"))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="mounting a tmpfs needs root and unshare")
+def test_remove_tree_does_not_cross_mount_points(tmp_path):
+    """A filesystem mounted inside a tree (a workspace image still mounted, say) is not
+    emptied: its mount point stays, and the failure is reported, not raised further."""
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable,
+                        "-c", _MOUNTED, str(tmp_path / "tree")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "before True"  # positive control: the mount held the file
+    assert lines[1].startswith("error ") and "mount point" in lines[1]
+    assert lines[2] == "after kept False"  # the rest of the tree went
+
+
+@needs_bwrap
+def test_a_pool_reset_removes_a_deep_tree():
+    from ridgeline.sandbox import SandboxPool
+    with SandboxPool(SandboxSpec(), size=1) as pool:
+        sb = pool.acquire()
+        r = sb.run(["python3", "-c", MAKE_CHAIN, ".", "1500"], timeout=120)
+        assert r.ok and chain_depth(sb.workspace_dir) == 1500  # positive control
+        first = sb.id
+        pool.release(sb)
+        again = pool.acquire(timeout=120)
+        assert again.id == first  # reset, not replaced
+        assert again.list_files(".") == []
+        pool.release(again)

@@ -86,11 +86,17 @@ def _quota_sandbox(**extra) -> object:
     return create_sandbox(SandboxSpec(limits=Limits(**limits), **extra))
 
 
+@pytest.mark.parametrize("where", ["workspace", "writable_mount"])
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_every_way_to_take_disk_ends_at_the_limit(attack):
-    with _quota_sandbox() as sb:
-        assert os.path.ismount(sb.workspace_dir)
-        r = sb.run(["python3", "-c", textwrap.dedent(ATTACKS[attack])], timeout=120)
+def test_every_way_to_take_disk_ends_at_the_limit(attack, where, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
+        tree, image, cwd = ((sb.workspace_dir, "disk.img", None) if where == "workspace"
+                            else (out, "mount-0.img", "/out"))
+        assert os.path.ismount(tree)
+        r = sb.run(["python3", "-c", textwrap.dedent(ATTACKS[attack])], timeout=120,
+                   cwd=cwd)
         word, reached, err = r.stdout.split()
         # The attack ran (up to the limit) and the filesystem refused the rest.
         assert word == "reached" and err == "ENOSPC", r
@@ -102,10 +108,10 @@ def test_every_way_to_take_disk_ends_at_the_limit(attack):
             assert 12 <= int(reached) <= LIMIT // MiB  # 3,000 directories hold 12 MiB
         else:
             assert 24 <= int(reached) <= LIMIT // MiB
-        used = os.statvfs(sb.workspace_dir)
+        used = os.statvfs(tree)
         assert (used.f_blocks - used.f_bfree) * used.f_frsize <= LIMIT + MiB
         # The host holds no more than the image, whatever happened inside.
-        assert os.stat(sb.dir / "disk.img").st_blocks * 512 < LIMIT + 8 * MiB
+        assert os.stat(sb.dir / image).st_blocks * 512 < LIMIT + 8 * MiB
         assert sb.run("echo still usable").stdout == "still usable\n"
         assert r.killed_by is None  # refused, not killed: the agent's own failure
 
@@ -122,12 +128,34 @@ def test_filling_the_workspace_stops_at_the_limit_and_keeps_the_files():
 
 
 def test_writable_mounts_count_too(tmp_path):
-    """Writable mounts are host directories: the watcher bounds the total."""
+    """Each tree is bounded by its filesystem; the watcher bounds their total."""
     out = tmp_path / "out"
     out.mkdir()
     with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
-        r = sb.run(FILL.format(path="/out/big"), timeout=60)
-    assert r.killed_by == "disk"
+        half = FILL.format(path="/out/big").replace("range(400)", "range(20)")
+        assert sb.run(half, timeout=60).ok          # control: 20 MiB alone is fine
+        r = sb.run(FILL.format(path="big"), timeout=60)
+    assert r.killed_by == "disk" and "disk quota" in r.stderr, r
+
+
+def test_a_writable_mount_is_live_on_the_host_and_comes_back_after_close(tmp_path):
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "seed.txt").write_text("seed\n")
+    os.symlink("/etc/passwd", out / "link")
+    os.chmod(out, 0o751)
+    with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
+        assert os.path.ismount(out)
+        assert sb.run("cat /out/seed.txt; echo new > /out/sub/new; rm /out/seed.txt; "
+                      "head -c 1M /dev/zero > /out/mb; truncate -s 1G /out/sparse").ok
+        assert (out / "sub" / "new").read_text() == "new\n"   # live on the host
+    assert not os.path.ismount(out)
+    assert sorted(os.listdir(out)) == ["link", "mb", "sparse", "sub"]
+    assert (out / "sub" / "new").read_text() == "new\n"
+    assert os.readlink(out / "link") == "/etc/passwd"          # copied, not followed
+    assert (out / "mb").stat().st_size == MiB and allocated_bytes(out / "sub") < MiB
+    assert (out / "sparse").stat().st_blocks == 0              # holes stay holes
+    assert oct(out.stat().st_mode & 0o777) == oct(0o751)
 
 
 def test_under_the_quota_nothing_happens():
@@ -160,7 +188,7 @@ def test_a_seed_larger_than_the_disk_is_refused(tmp_path):
     seed = tmp_path / "seed"
     seed.mkdir()
     (seed / "big").write_bytes(os.urandom(3 * MiB))
-    with pytest.raises((OSError, SandboxError)):
+    with pytest.raises(SandboxError, match="does not fit"):
         create_sandbox(SandboxSpec(workspace_from=seed, limits=Limits(disk_bytes=MiB)))
     with create_sandbox(SandboxSpec(workspace_from=seed, limits=Limits(disk_bytes=4 * MiB))) as sb:
         assert sb.read_file("big") == (seed / "big").read_bytes()   # control: it fits

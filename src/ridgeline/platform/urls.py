@@ -23,7 +23,9 @@ Connecting by IP with a hand-set Host header was the alternative; it breaks cert
 checks unless SNI is set by hand too, and every caller would have to repeat it. The
 transports also re-check each request URL, so redirects (off by default in
 `safe_client`) are checked hop by hop, and they ignore proxy settings from the
-environment (a proxy would connect on our behalf, unchecked).
+environment (a proxy would connect on our behalf, unchecked). The async transport takes
+a `resolver` in place of anyio's lookup (the webhook dispatcher runs lookups on its own
+threads and counts them against its slots); its answers are checked the same way.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ internal address) is dead at once. Redirects are not followed (a redirect is an 
 
 The body is `{"type", "timestamp", "data"}`, fixed at submit, so every attempt sends the
 same bytes (for agent tasks `data` is `task_webhook_data`: a bounded summary with links to
-the full task, never the request itself); the signature's `webhook-timestamp` is the wall-clock time of each attempt
-(receivers reject old ones), while scheduling uses the dispatcher's clock, which tests
-replace. Secrets are stored in the table (signing needs them): protect the database as such.
+the full task, never the request itself); the signature's `webhook-timestamp` is the
+wall-clock time of each attempt (receivers reject old ones), while scheduling uses the
+dispatcher's clock, which tests replace. Secrets are stored in the table (signing needs
+them): protect the database as such.
 """
 
 from __future__ import annotations
@@ -321,6 +322,19 @@ def _row(r: tuple[Any, ...]) -> Delivery:
     return Delivery(*r)
 
 
+def _excluding(in_flight: InFlight | None) -> tuple[str, list[str]]:
+    """SQL that leaves out the deliveries of targets and owners whose caps are full."""
+    where, args = "", []
+    if in_flight is not None:
+        for column, full in (("target", in_flight.full_targets()),
+                             ("owner", in_flight.full_owners())):
+            if full:
+                where += (f" AND ({column} IS NULL OR {column} NOT IN "
+                          f"({', '.join('?' * len(full))}))")
+                args += full
+    return where, args
+
+
 def delivery_target(url: str) -> str:
     """The origin a URL calls (`scheme://host:port`): the unit of `max_per_target`."""
     u = httpx.URL(url)
@@ -548,10 +562,12 @@ class WebhookOutbox:
                                  "GROUP BY state")
         return {state: 0 for state in STATES} | {str(s): int(n) for s, n in rows}
 
-    def next_due_at(self) -> float | None:
-        """When the soonest pending delivery is due (None: nothing pending)."""
+    def next_due_at(self, *, in_flight: InFlight | None = None) -> float | None:
+        """When the soonest pending delivery is due (None: nothing pending); with
+        `in_flight`, the soonest that its caps would let `claim_due` take."""
+        where, args = _excluding(in_flight)
         r = self._db.fetchone("SELECT MIN(next_attempt_at) FROM webhook_deliveries "
-                              "WHERE state = 'pending'")
+                              f"WHERE state = 'pending'{where}", args)
         return None if r is None or r[0] is None else float(r[0])
 
     # -- the dispatcher's side --
@@ -564,14 +580,7 @@ class WebhookOutbox:
         left out of the query, so they cannot crowd the others out of `limit`)."""
         def claim(tx: Transaction) -> list[tuple[Any, ...]]:
             local = in_flight.copy() if in_flight is not None else None
-            where, args = "", []
-            if local is not None:
-                for column, full in (("target", local.full_targets()),
-                                     ("owner", local.full_owners())):
-                    if full:
-                        where += (f" AND ({column} IS NULL OR {column} NOT IN "
-                                  f"({', '.join('?' * len(full))}))")
-                        args += full
+            where, args = _excluding(local)
             candidates = tx.fetchall(
                 "SELECT id, url, owner FROM webhook_deliveries WHERE state = 'pending' AND "
                 f"next_attempt_at <= ?{where} ORDER BY next_attempt_at, created_at, "
@@ -914,6 +923,7 @@ class WebhookDispatcher:
         self._wake = wake = asyncio.Event()
         ready.set()
         running: set[asyncio.Task[None]] = set()
+        idle_rounds = 0
         while not self._stop.is_set():
             wake.clear()
             launched: list[asyncio.Task[None]] = []
@@ -924,16 +934,29 @@ class WebhookDispatcher:
             for task in launched:
                 running.add(task)
                 task.add_done_callback(running.discard)
-            if launched and self._free_slots() > 0:
-                continue   # more may be due right now
+            free = self._free_slots()
+            if launched:
+                idle_rounds = 0
+                if free > 0:
+                    continue   # more may be due right now
+            # Sleep until the next delivery we could claim is due. What the caps hold back
+            # (and everything, when the slots are full) waits for a finished attempt,
+            # which wakes us; so does a submit.
             wait = self.config.poll_interval_s
-            try:
-                next_due = await self._in_io(self.outbox.next_due_at)
-            except Exception:
-                next_due = None
-            if next_due is not None and next_due > self._clock():
-                wait = min(wait, next_due - self._clock())
-            # due now but not claimable (slots or caps full): a finished attempt wakes us
+            if free > 0:
+                try:
+                    with self._lock:
+                        snapshot = self._in_flight.copy()
+                    next_due = await self._in_io(
+                        functools.partial(self.outbox.next_due_at, in_flight=snapshot))
+                except Exception:
+                    next_due = None
+                if next_due is not None:
+                    # due already (it became due after the claim): claim again now, but
+                    # not in a tight loop should the claim keep refusing it
+                    idle_rounds += 1
+                    wait = min(wait, max(next_due - self._clock(),
+                                         0.0 if idle_rounds <= 2 else 0.05))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), wait)
         if running:
@@ -958,10 +981,12 @@ class WebhookDispatcher:
 
     async def _shutdown(self) -> None:
         me = asyncio.current_task()
-        others = [t for t in asyncio.all_tasks() if t is not me]
-        for t in others:
-            t.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        # twice: a cancelled attempt may start a task that waits for its lookup
+        for _ in range(2):
+            others = [t for t in asyncio.all_tasks() if t is not me]
+            for t in others:
+                t.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
         if self._owns_client:
             await self._client.aclose()
 

@@ -196,6 +196,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
     res["machine"] = {
         "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
         "cgroups": getattr(provider, "cgroups", None) is not None,
+        "disk_volumes": getattr(provider, "volumes", None) is not None,
         "workspace_root": str(getattr(provider, "root", "")),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "load_avg_1m": os.getloadavg()[0],

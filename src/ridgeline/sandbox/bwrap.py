@@ -255,14 +255,20 @@ class BwrapSandbox(HostSandbox):
         _refuse_weak_limits(provider, spec.limits)
         self._p = provider
         self._volume: volume.Volume | None = None
+        self._mount_volumes: list[volume.MountVolume] = []
         self.host_id: HostIdentity | None = (provider.identities.acquire()
                                              if provider.identities is not None else None)
         try:
             owner = (self.host_id.uid, self.host_id.gid) if self.host_id else None
             super().__init__(spec, provider.root, owner=owner)
-        except BaseException:
+        except BaseException as e:
             if self.host_id is not None:
                 self.host_id.release()
+            if self._volume is not None and "No space left" in str(e):
+                raise SandboxError(
+                    f"workspace_from {spec.workspace_from} does not fit in the sandbox's "
+                    f"disk (limits.disk_bytes={spec.limits.disk_bytes}, disk_inodes="
+                    f"{spec.limits.disk_inodes})", hint="raise the limits or seed less") from e
             raise
         self._lent: list[tuple[Path, int, int]] = []
         self._proc: subprocess.Popen | None = None
@@ -294,15 +300,29 @@ class BwrapSandbox(HostSandbox):
             raise
 
     def _attach_storage(self, ws: Path) -> None:
-        lim = self.spec.limits
-        if lim.disk_bytes is not None and self._p.volumes is not None:
-            self._volume = volume.Volume(self._p.volumes, self.dir / "disk.img", ws,
-                                         lim.disk_bytes, lim.disk_inodes)
+        """The workspace and each writable mount's directory on a volume of their own
+        (volume.py): the kernel bounds each to disk_bytes and disk_inodes, the quota
+        watcher their total."""
+        lim, templates = self.spec.limits, self._p.volumes
+        if lim.disk_bytes is None or templates is None:
+            return
+        self._volume = volume.Volume(templates, self.dir / "disk.img", ws,
+                                     lim.disk_bytes, lim.disk_inodes)
+        for i, m in enumerate(self.spec.mounts):
+            src = m.source.resolve()
+            if m.writable and src.is_dir():
+                self._mount_volumes.append(volume.MountVolume(
+                    templates, self.dir / f"mount-{i}.img", self.dir / f"mount-{i}", src,
+                    lim.disk_bytes, lim.disk_inodes))
 
     def _release_storage(self) -> None:
-        vol = getattr(self, "_volume", None)
-        if vol is not None:
-            vol.release()
+        try:
+            for mv in getattr(self, "_mount_volumes", []):
+                mv.release()  # copies the files back into the host directory
+        finally:
+            vol = getattr(self, "_volume", None)
+            if vol is not None:
+                vol.release()
 
     def _lend_writable_mounts(self) -> None:
         """A writable mount's directory is the sandbox uid's while the sandbox lives

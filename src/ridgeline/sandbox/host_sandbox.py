@@ -75,6 +75,12 @@ class _Trash:
 _trash = _Trash()
 
 
+def discard_later(path: Path) -> None:
+    """Delete the directory `path` (any tree, however deep) in the background; a
+    failure is logged. The caller must not use the path again."""
+    _trash.discard(path)
+
+
 def default_root() -> Path:
     """Where sandboxes keep their host directories: $RIDGELINE_SANDBOX_DIR, else a
     directory in the system temp dir."""

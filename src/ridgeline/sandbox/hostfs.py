@@ -74,8 +74,9 @@ def clear_dir(path: Path | str) -> None:
 def remove_tree(parent: Path | str | int, name: str) -> None:
     """Delete the entry `name` of the directory `parent` (a path, or a descriptor that is
     left open) whatever it is: a file, a link (removed, never followed) or a directory
-    tree of any depth and width. A missing entry is not an error. Everything that can be
-    removed is; then `CleanupError` says what could not be."""
+    tree of any depth and width. A missing entry is not an error. Mount points inside
+    are not crossed (they and their parents stay). Everything that can be removed is;
+    then `CleanupError` says what could not be."""
     pfd = parent if isinstance(parent, int) else open_dir(parent)
     failures = _Failures(str(name))
     try:
@@ -145,6 +146,7 @@ def _remove(pfd: int, name: str, failures: _Failures) -> None:
     top = _enter(pfd, name, name, failures)
     if top is None:
         return
+    dev = os.fstat(top).st_dev
     stack = [_Frame(top, name, name)]
     try:
         while stack:
@@ -156,9 +158,8 @@ def _remove(pfd: int, name: str, failures: _Failures) -> None:
                     stack.pop()
                     os.close(frame.fd)
                     below = stack[-1] if stack else None
-                    _rmdir(below.fd if below else pfd, frame, failures)
-                    if below is not None:
-                        below.progress = True
+                    if _rmdir(below.fd if below else pfd, frame, failures) and below:
+                        below.progress = True  # only real progress earns a new listing
                     continue
             entry = frame.names.pop()
             rel = f"{frame.rel}/{entry}"
@@ -178,8 +179,14 @@ def _remove(pfd: int, name: str, failures: _Failures) -> None:
                     frame.progress = stack[0].progress = True
                     continue
                 sub = _enter(frame.fd, entry, rel, failures)
-                if sub is not None:
-                    stack.append(_Frame(sub, entry, rel))
+                if sub is None:
+                    continue
+                if os.fstat(sub).st_dev != dev:
+                    # A mount point: what is mounted there is not part of this tree.
+                    os.close(sub)
+                    failures.add(rel, OSError(errno.EXDEV, "a mount point (not crossed)"))
+                    continue
+                stack.append(_Frame(sub, entry, rel))
     finally:
         for frame in stack:
             os.close(frame.fd)
@@ -260,13 +267,15 @@ def _chmod_dir(dfd: int, name: str) -> bool:
         os.close(fd)
 
 
-def _rmdir(pfd: int, frame: _Frame, failures: _Failures) -> None:
+def _rmdir(pfd: int, frame: _Frame, failures: _Failures) -> bool:
     try:
         os.rmdir(frame.name, dir_fd=pfd)
     except FileNotFoundError:
         pass
     except OSError as e:
         failures.add(frame.rel, e)
+        return False
+    return True
 
 
 def fresh_dir(parent: Path | str, name: str, owner: tuple[int, int] | None,

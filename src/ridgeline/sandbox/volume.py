@@ -62,7 +62,7 @@ INODE_SIZE = 256
 SLACK = 1024 * 1024
 #: Smallest image made (ext4 works down to 64 blocks; a tiny disk_bytes is still a filesystem).
 MIN_IMAGE = 256 * 1024
-MS_NOSUID, MS_NODEV, MS_MOVE = 2, 4, 8192
+MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE = 2, 4, 4096, 8192
 #: Volumes kept ready (attached and mounted) per size, so a sandbox's start only moves one.
 SPARES = 2
 SPARE_PREFIX = ".spare-"
@@ -352,7 +352,15 @@ def mounted_at(path: Path) -> "Volume | None":
     """The live volume mounted on `path`, if any (so a quota reads its usage from the
     filesystem instead of walking it)."""
     with _by_point_lock:
-        return _by_point.get(str(path))
+        return _by_point.get(str(path)) or _by_point.get(os.path.realpath(path))
+
+
+def _register(path: Path, vol: "Volume | None") -> None:
+    with _by_point_lock:
+        if vol is not None:
+            _by_point[str(path)] = vol
+        elif str(path) in _by_point:
+            del _by_point[str(path)]
 
 
 class Volume:
@@ -386,8 +394,10 @@ class Volume:
         return (st.f_blocks - st.f_bfree) * st.f_frsize
 
     def used(self) -> int:
-        """Bytes the sandbox's files hold on the volume (open unlinked files included)."""
-        return max(0, self._used_raw() - self.baseline)
+        """Bytes the sandbox's files hold on the volume (open unlinked files included),
+        at most the limit: a full volume is at its quota, not over it (the filesystem
+        counts its own metadata and rounding, which the kernel already bounds)."""
+        return max(0, min(self.limit, self._used_raw() - self.baseline))
 
     def inodes_used(self) -> int:
         st = os.statvfs(self.mountpoint)
@@ -488,27 +498,45 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mounts_under(root: Path, mountinfo: str = "/proc/thread-self/mountinfo") -> list[str]:
-    """Mount points strictly below `root` in the calling thread's namespace, deepest
-    first (the order to unmount them in)."""
+def _backing_file(source: str) -> str:
+    if not source.startswith("/dev/loop"):
+        return ""
+    try:
+        with open(f"/sys/block/{os.path.basename(source)}/loop/backing_file") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def volume_mounts(root: Path, mountinfo: str = "/proc/thread-self/mountinfo"
+                  ) -> list[tuple[str, str]]:
+    """(mount point, image) of every mount in the calling thread's namespace that lies
+    below `root` or shows a volume whose image is below `root` (a writable mount's
+    bind, wherever it is), deepest first (the order to unmount them in). `image` is ""
+    for a mount below `root` that is no volume."""
     prefix = str(root).rstrip("/") + "/"
-    points = []
+    found = {}
     with open(mountinfo) as f:
         for line in f:
-            point = _unescape(line.split(" ", 5)[4])
-            if point.startswith(prefix):
-                points.append(point)
-    return sorted(set(points), key=lambda p: p.count("/"), reverse=True)
+            fields = line.split(" ")
+            point = _unescape(fields[4])
+            rest = fields[fields.index("-") + 1:]
+            image = _backing_file(_unescape(rest[1])) if len(rest) > 1 else ""
+            if not image.startswith(prefix):
+                image = ""
+            if point.startswith(prefix) or image:
+                found[point] = image
+    return sorted(found.items(), key=lambda p: p[0].count("/"), reverse=True)
 
 
 def detach_all(root: Path, keep: Path | None = None) -> None:
-    """Detach every mount below `root` except those at or below `keep`, in the calling
-    thread's namespace: a new mount namespace copies the host's mounts, and a copy of
-    another sandbox's volume would keep that filesystem (and its disk) alive after the
-    sandbox closed."""
-    keep_s = None if keep is None else str(keep).rstrip("/")
-    for point in mounts_under(root):
-        if keep_s is not None and (point == keep_s or point.startswith(keep_s + "/")):
+    """Detach every volume and mount below `root`, except those of `keep` (a sandbox's
+    directory), in the calling thread's namespace: a new mount namespace copies the
+    host's mounts, and a copy of another sandbox's volume would keep that filesystem
+    (and its disk) alive after the sandbox closed."""
+    keep_s = None if keep is None else str(keep).rstrip("/") + "/"
+    for point, image in volume_mounts(root):
+        if keep_s is not None and ((point + "/").startswith(keep_s) or image.startswith(keep_s)):
             continue
         with contextlib.suppress(OSError):
             _umount(point, MNT_DETACH)
@@ -520,13 +548,14 @@ def _owner(name: str) -> str:
 
 def sweep_stale(root: Path) -> None:
     """Unmount the volumes of sandboxes whose process died without closing them (their
-    directories are named `<pid>-<id>`, trash and spares included), and remove that
-    process's spare volumes."""
+    directories are named `<pid>-<id>`, trash and spares included; a writable mount's
+    bind is found by its image), and remove that process's spare volumes."""
     if not root.is_dir():
         return
     prefix = str(root).rstrip("/") + "/"
-    for point in mounts_under(root, "/proc/self/mountinfo"):
-        owner = _owner(point[len(prefix):].split("/", 1)[0])
+    for point, image in volume_mounts(root, "/proc/self/mountinfo"):
+        where = image if image else point
+        owner = _owner(where[len(prefix):].split("/", 1)[0])
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             with contextlib.suppress(OSError):
                 _umount(point, MNT_DETACH)
@@ -534,3 +563,132 @@ def sweep_stale(root: Path) -> None:
         owner = _owner(child.name)
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             shutil.rmtree(child, ignore_errors=True)  # unmounted above
+
+
+# -- writable mounts ------------------------------------------------------------------------
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class MountVolume:
+    """A writable mount's host directory on a volume of its own, for the sandbox's life.
+
+    The directory's content is copied onto a fresh volume (mounted in the sandbox's host
+    directory), and the volume is bind-mounted over the directory on the host: the host
+    and the sandbox see the same files, live, and the kernel bounds them like the
+    workspace. At `release` the bind is undone and what the volume holds is copied back
+    into the (emptied) directory, so the host finds the sandbox's files there as before;
+    that copy is iterative, never follows a link and only makes directories, regular
+    files (sparse) and symlinks. A copy-back that fails is logged, never raised."""
+
+    def __init__(self, templates: Templates, image: Path, stage: Path, source: Path,
+                 size: int, inodes: int) -> None:
+        self.source, self.stage = source, stage
+        stage.mkdir(mode=0o700)
+        self.volume = Volume(templates, image, stage, size, inodes)
+        self._bound = False
+        try:
+            src = os.open(source, _DIR)
+            try:
+                dst = os.open(stage, _DIR)
+                try:
+                    copy_tree(src, dst)
+                finally:
+                    os.close(dst)
+            finally:
+                os.close(src)
+            # The directory itself keeps its owner and mode (only its content moved).
+            st = os.stat(source)
+            os.chown(stage, st.st_uid, st.st_gid)
+            os.chmod(stage, stat.S_IMODE(st.st_mode))
+            _mount(stage, source, None, MS_BIND)
+            self._bound = True
+            _register(source, self.volume)
+        except BaseException:
+            self.volume.release()
+            raise
+
+    def release(self) -> None:
+        """Undo the bind, copy the files back, let the volume go. Idempotent; only once
+        nothing of the sandbox runs any more."""
+        if self.volume._released:
+            return
+        try:
+            if self._bound:
+                self._bound = False
+                _register(self.source, None)
+                _umount(self.source, MNT_DETACH)
+                from ridgeline.sandbox import hostfs  # the cleanup helpers (iterative)
+                hostfs.clear_dir(self.source)
+                src = os.open(self.stage, _DIR)
+                try:
+                    dst = os.open(self.source, _DIR)
+                    try:
+                        copy_tree(src, dst)
+                    finally:
+                        os.close(dst)
+                finally:
+                    os.close(src)
+        except Exception as e:  # noqa: BLE001 - cleanup: report, never crash the caller
+            log.warning("could not copy the writable mount %s back from its volume: %s",
+                        self.source, e)
+        finally:
+            self.volume.release()
+
+
+def copy_tree(src: int, dst: int) -> None:
+    """Copy the tree below the directory `src` into the directory `dst` (both left
+    open): directories, regular files (holes kept) and symlinks, with modes, owners and
+    times; other entries (fifos, sockets, devices) are skipped. Iterative, with
+    descriptors held only along the current path; links are copied, never followed."""
+    src_dirs: dict[str, int] = {}
+    # The destination directories along the current path: (rel, fd, source stat).
+    path: list[tuple[str, int, os.stat_result | None]] = [("", dst, None)]
+
+    def leave_until(parent: str) -> None:
+        while len(path) > 1 and not (parent == path[-1][0]
+                                     or parent.startswith(path[-1][0] + "/")):
+            _, fd, st = path.pop()
+            try:
+                os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+            finally:
+                os.close(fd)
+
+    try:
+        for rel, st in disk.walk(src, lambda r, fd: src_dirs.__setitem__(r, fd)):
+            parent, _, name = rel.rpartition("/")
+            leave_until(parent)
+            if path[-1][0] != parent:
+                continue  # its directory could not be made
+            sfd, dfd = src_dirs[parent], path[-1][1]
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                os.mkdir(name, 0o700, dir_fd=dfd)
+                fd = os.open(name, _DIR, dir_fd=dfd)
+                path.append((rel, fd, st))
+                os.fchown(fd, st.st_uid, st.st_gid)
+                os.fchmod(fd, mode)
+            elif stat.S_ISREG(st.st_mode):
+                try:
+                    ifd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                                  | os.O_NONBLOCK, dir_fd=sfd)
+                except OSError:
+                    continue  # gone or swapped meanwhile
+                try:
+                    ofd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                  | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+                    try:
+                        disk.copy_sparse(ifd, ofd)
+                        os.fchown(ofd, st.st_uid, st.st_gid)
+                        os.fchmod(ofd, mode)
+                        os.utime(ofd, ns=(st.st_atime_ns, st.st_mtime_ns))
+                    finally:
+                        os.close(ofd)
+                finally:
+                    os.close(ifd)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(name, dir_fd=sfd), name, dir_fd=dfd)
+                os.chown(name, st.st_uid, st.st_gid, dir_fd=dfd, follow_symlinks=False)
+        leave_until("")
+    finally:
+        for _, fd, _ in path[1:]:
+            os.close(fd)

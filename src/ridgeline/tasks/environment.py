@@ -41,7 +41,7 @@ from pathlib import Path, PurePosixPath
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
-from ridgeline.sandbox.host_sandbox import chown_tree
+from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
@@ -187,8 +187,9 @@ class TaskSandbox:
         try:
             self.inner.close()
         finally:
-            # /logs and /root are the agent's: any depth, and never a crash of the caller.
-            hostfs.discard_tree(self.staging, "task staging directory")
+            # /logs and /root are the agent's (any depth): deleted off the caller's path,
+            # a failure logged, never raised.
+            discard_later(self.staging)
 
     def __enter__(self) -> "TaskSandbox":
         return self

@@ -146,12 +146,13 @@ def test_a_writable_mount_is_live_on_the_host_and_comes_back_after_close(tmp_pat
     os.chmod(out, 0o751)
     with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
         assert os.path.ismount(out)
-        assert sb.run("cat /out/seed.txt; echo new > /out/sub/new; rm /out/seed.txt; "
-                      "head -c 1M /dev/zero > /out/mb; truncate -s 1G /out/sparse").ok
-        assert (out / "sub" / "new").read_text() == "new\n"   # live on the host
+        r = sb.run("set -e; cat /out/seed.txt; mkdir /out/made; echo new > /out/made/new; "
+                   "rm /out/seed.txt; head -c 1M /dev/zero > /out/mb; truncate -s 1G /out/sparse")
+        assert r.ok and r.stdout == "seed\n", r
+        assert (out / "made" / "new").read_text() == "new\n"   # live on the host
     assert not os.path.ismount(out)
-    assert sorted(os.listdir(out)) == ["link", "mb", "sparse", "sub"]
-    assert (out / "sub" / "new").read_text() == "new\n"
+    assert sorted(os.listdir(out)) == ["link", "made", "mb", "sparse", "sub"]
+    assert (out / "made" / "new").read_text() == "new\n"
     assert os.readlink(out / "link") == "/etc/passwd"          # copied, not followed
     assert (out / "mb").stat().st_size == MiB and allocated_bytes(out / "sub") < MiB
     assert (out / "sparse").stat().st_blocks == 0              # holes stay holes
@@ -209,22 +210,27 @@ def _backing(dev: str) -> str:
         return ""
 
 
-def test_close_unmounts_and_frees_the_volume_even_with_later_sandboxes_alive():
+def test_close_unmounts_and_frees_the_volumes_even_with_later_sandboxes_alive(tmp_path):
     import time
-    a = _quota_sandbox()
-    ws, image = a.workspace_dir, a.dir / "disk.img"
-    dev = _loop_of(ws)
-    assert dev.startswith("/dev/loop") and str(image) in _backing(dev)  # control
+    out = tmp_path / "out"
+    out.mkdir()
+    a = _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)])
+    volumes = [(a.workspace_dir, a.dir / "disk.img"), (out, a.dir / "mount-0.img")]
+    devs = [_loop_of(point) for point, _ in volumes]
+    for dev, (_, image) in zip(devs, volumes):   # control: both are loop-mounted images
+        assert dev.startswith("/dev/loop") and str(image) in _backing(dev)
     # Started after `a`: its launcher's mount namespace began as a copy of the host's,
-    # `a`'s volume included; it must not keep that filesystem alive.
+    # `a`'s volumes included; it must not keep those filesystems alive.
     with _quota_sandbox() as b:
         assert b.run("echo hi").stdout == "hi\n"
         a.close()
-        assert _loop_of(ws) == "" and not image.exists()
-        deadline = time.monotonic() + 10
-        while str(image) in _backing(dev) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert str(image) not in _backing(dev)
+        for dev, (point, image) in zip(devs, volumes):
+            assert _loop_of(point) == "" and not image.exists()
+            # (the backing file's name follows the sandbox directory into the trash)
+            deadline = time.monotonic() + 10
+            while a.id in _backing(dev) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert a.id not in _backing(dev), _backing(dev)
 
 
 def test_a_pool_member_that_filled_its_disk_comes_back_clean(tmp_path):

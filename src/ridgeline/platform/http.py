@@ -224,5 +224,5 @@ def install_docs(app: FastAPI, principal: Callable[..., Any]) -> None:
 
 
 __all__ = ["bearer_token", "error_response", "install_docs", "install_error_handlers",
-           "internal_error_body", "parse_body", "principal_dependency", "read_body", "request_id_of",
-           "validation_error_body"]
+           "internal_error_body", "parse_body", "principal_dependency", "read_body",
+           "request_id_of", "validation_error_body"]

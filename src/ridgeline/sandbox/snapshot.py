@@ -486,9 +486,9 @@ def _restore(dirs: _Dirs, store: _Dirs, snap: Snapshot) -> None:
             continue  # inside a directory removed already
         st, e = current[rel], snap.manifest[rel]
         kind = _kind(st)
-        dfd, name = dirs.parent_of(rel)
         stale = e.kind != kind
         if not stale and kind == "l":
+            dfd, name = dirs.parent_of(rel)
             stale = os.readlink(name, dir_fd=dfd) != e.target
         if not stale:
             continue
@@ -506,11 +506,11 @@ def _restore(dirs: _Dirs, store: _Dirs, snap: Snapshot) -> None:
     relinked: list[str] = []
     for rel in sorted(snap.manifest, key=lambda r: (r.count("/"), r)):
         e, st = snap.manifest[rel], current.get(rel)
-        dfd, name = dirs.parent_of(rel)
         if e.kind == "d":
             _restore_dir(dirs, snap, rel, st, survey.xattrs.get(rel, ()))
         elif e.kind == "l":
             if st is None:
+                dfd, name = dirs.parent_of(rel)
                 os.symlink(e.target, name, dir_fd=dfd)
                 os.chown(name, e.uid, e.gid, dir_fd=dfd, follow_symlinks=False)
         elif e.link:
@@ -518,6 +518,7 @@ def _restore(dirs: _Dirs, store: _Dirs, snap: Snapshot) -> None:
         else:
             if st is not None and e.same_as(st) and not snap.suspect(e):
                 continue
+            dfd, name = dirs.parent_of(rel)
             _restore_file(dfd, name, store, rel, e)
             new = os.stat(name, dir_fd=dfd, follow_symlinks=False)
             # The restored file is the live one now: remember its identity so that the

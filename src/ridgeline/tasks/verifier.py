@@ -28,6 +28,7 @@ task's disk quota, or tests killed for a limit, are its failure.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ MAX_REPORT_BYTES = 16 * 1024 * 1024
 #: The workspace counts as full (the agent's doing) with less than this left.
 FULL_SLACK_BYTES = 1024 * 1024
 REPORT_FD_ENV = "RIDGELINE_REPORT_FD"
+PYTEST_HEADER = "test session starts"
 log = logging.getLogger(__name__)
 
 
@@ -448,6 +450,8 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
     except (OSError, SandboxError) as e:
         return infra_error("staging_failed", f"copying the tests in failed: {e}", t0)
     limit = timeout if timeout is not None else task.test_timeout_s
+    if not _passes_fds(sandbox):
+        return _verify_without_channel(task, sandbox, cmd, limit, t0)
     channel = ReportChannel()
     try:
         env = verifier_env(task, sandbox, channel.fd, os.urandom(16).hex())
@@ -470,13 +474,42 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                   t0)
 
 
-def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session], overflow: bool,
-           limit: float, t0: float) -> Verdict:
+def _passes_fds(sandbox: TaskSandbox) -> bool:
+    """Whether the backend can hand the report socket to the test script (one that
+    starts processes on this host: bwrap)."""
+    try:
+        return "pass_fds" in inspect.signature(sandbox.inner.run).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _verify_without_channel(task: Task, sandbox: TaskSandbox, cmd: list[str],
+                            limit: float, t0: float) -> Verdict:
+    """Backends that cannot pass a descriptor (docker exec): graded from pytest's
+    printed summary, which the code under test can forge (docs/security.md)."""
+    env = {"TEST_DIR": TESTS_PATH, **task.verifier_env, "PYTHONNOUSERSITE": "1"}
+    try:
+        res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir)
+        sandbox.stop_processes()
+    except SandboxError as e:
+        return infra_error("sandbox_error", f"sandbox failed while testing: {e}", t0)
+    return _grade(task, sandbox, res, None, False, limit, t0)
+
+
+def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None,
+           overflow: bool, limit: float, t0: float) -> Verdict:
+    """The verdict from what the test script did and what its runners reported
+    (`sessions` None: no report channel, pytest's printed summary instead)."""
     output = res.stdout + ("\n" + res.stderr if res.stderr else "")
     if res.timed_out:
         return infra_error("test_timeout", f"tests did not finish within {limit:g}s and "
                            f"were killed", t0, output)
-    results = [t for sess in sessions for t in sess.tests]
+    channel = sessions is not None
+    if sessions is None:
+        results = parse_pytest_output(res.stdout) or parse_pytest_output(output)
+        sessions = []
+    else:
+        results = [t for sess in sessions for t in sess.tests]
     if res.killed_by and res.killed_by != "output":
         # memory, disk, file size, CPU or a signal from inside: what the tests ran (the
         # agent's work) broke the task's limits or killed its runner
@@ -534,11 +567,15 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session], overf
         if agent_filled_disk(sandbox):
             return _agents_failure("disk_full", "no test results, and the workspace is "
                                    "full of the agent's files", t0, output, results)
-        printed = " (pytest's output is there, but not its runner's report: the test "\
-                  "script ran pytest in a way the harness does not observe)" \
-            if parse_pytest_output(output) else ""
+        if channel and PYTEST_HEADER in output:
+            # Every pytest the harness starts reports; one that printed a session and
+            # did not was disabled or replaced by something the tests reached (the
+            # agent's config or code), or its output is forged.
+            return _agents_failure("no_test_report", "pytest output but no report from "
+                                   "its runner: the run was tampered with or forged", t0,
+                                   output)
         return infra_error("no_test_results", f"no pytest results from the test runner "
-                           f"(exit code {res.exit_code}){printed}", t0, output)
+                           f"(exit code {res.exit_code})", t0, output)
     passed = n_pass == len(graded)
     failed_names = [r.name.split("::")[-1] for r in graded if not r.ok]
     detail = f"{n_pass}/{len(graded)} tests passed" + (

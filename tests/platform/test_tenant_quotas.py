@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from ridgeline.platform.config import PlatformConfig

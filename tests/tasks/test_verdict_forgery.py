@@ -371,3 +371,46 @@ def test_filling_the_disk_quota_is_the_agents_failure(tmp_path):
     assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
                                                     verdict.output)
     assert verdict.reward is not None and verdict.reward < 1
+
+
+def test_forged_output_before_pytest_is_not_a_report(tmp_path):
+    """A test script that runs the agent's program before pytest: the program prints
+    a whole pytest session and kills the script, so pytest never runs. Printed text is
+    not a report: the agent failed (it used to pass)."""
+    d = tmp_path / "prep-first"
+    shutil.copytree(FIXTURES / "tb1-hello-world", d)
+    script = (d / "run-tests.sh").read_text().replace(
+        "uv run pytest", "python3 /app/prep.py\nuv run pytest")
+    (d / "run-tests.sh").write_text(script)
+    task = load_task(d)
+    prep = textwrap.dedent(f"""\
+        import os
+        print("============================= test session starts ==============================")
+        print({FAKE_SUMMARY!r}, flush=True)
+        os.kill(os.getppid(), 9)
+        """)
+    sb, planted = _run_attack(task, _write("/app/prep.py", prep) + "python3 /app/prep.py")
+    with sb:
+        assert "5 passed" in planted.stdout       # positive control: it prints a pass
+        verdict = verify(task, sb)
+    assert "5 passed" in verdict.output
+    assert verdict.status is VerdictStatus.FAILED, (verdict.detail, verdict.output)
+    assert verdict.reason in ("no_test_report", "test_killed"), verdict.detail
+
+
+def test_sessions_need_their_start_and_a_complete_end():
+    """Grading of the runner's records: only started sessions count, a session whose
+    end is missing, short or followed by more records is incomplete."""
+    from ridgeline.tasks.verifier import sessions_of
+    t = {"e": "test", "id": "t.py::a", "o": "passed", "m": ""}
+    good = [{"s": "A", "e": "start"}, {**t, "s": "A"}, {"s": "A", "e": "finish", "n": 1}]
+    assert [s.complete for s in sessions_of(good)] == [True]
+    # a "session" that never started (someone else's records) is not graded at all
+    assert sessions_of([{**t, "s": "B"}, {"s": "B", "e": "finish", "n": 1}]) == []
+    assert not sessions_of(good[:2])[0].complete                         # no end
+    assert not sessions_of(good[:1] + good[2:])[0].complete              # a test lost
+    assert not sessions_of(good + [{**t, "s": "A"}])[0].complete         # after its end
+    assert not sessions_of(good[:1] + good)[0].complete                  # started twice
+    # a forger's complete session beside the runner's unfinished one
+    forged = [{"s": "F", "e": "start"}, {**t, "s": "F"}, {"s": "F", "e": "finish", "n": 1}]
+    assert [s.complete for s in sessions_of(good[:2] + forged)] == [False, True]

@@ -5,6 +5,7 @@ can go wrong gets the right status."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,8 @@ def test_unhealthy_sandbox_is_infra_error():
     task = load_task(FIXTURES / "tb1-hello-world")
     with prepare_environment(task) as sb:
         apply_solution(task, sb)
+        # The workspace may be a filesystem of its own (volume.py): detached first.
+        subprocess.run(["umount", "-l", str(sb.workspace_dir)], capture_output=True)
         shutil.rmtree(sb.workspace_dir)
         v = verify(task, sb)
     assert v.status is VerdictStatus.INFRA_ERROR and v.reason == "health_failed"

@@ -57,8 +57,9 @@ from ridgeline.sandbox import disk, hostfs
 #: When ctime is coarse, entries whose ctime is this close to the snapshot are suspect.
 COARSE_WINDOW_NS = 50_000_000
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: Deepest entry a snapshot records (a real project is a few dozen levels deep).
-MAX_DEPTH = 1024
+#: Deepest entry a snapshot records (a real project is a few dozen levels deep). The
+#: walk holds a descriptor per level: this keeps a snapshot under a 1024-file limit.
+MAX_DEPTH = 256
 #: Characters of relative paths a snapshot records, all entries together: its manifest
 #: is held in memory, and a deep tree of long names is quadratic in path text.
 MAX_PATH_CHARS = 64 * 1024 * 1024

@@ -235,25 +235,23 @@ class Templates:
         image = max(MIN_IMAGE, _round(size + inodes * INODE_SIZE + min(size // 50, 1 << 24)
                                       + (size // (128 << 20) + 1) * 4 * BLOCK + (1 << 20)))
         try:
+            best: tuple[int, int] | None = None  # (image, usable) with usable > size
             for _ in range(6):
-                with open(tmp, "wb") as f:
-                    f.truncate(image)
-                blocks = image // BLOCK
-                n = max(16, min(inodes, blocks))  # ext4: at most one inode per block
-                proc = subprocess.run(
-                    [mkfs, "-q", "-F", "-b", str(BLOCK), "-I", str(INODE_SIZE), "-N", str(n),
-                     "-m", "0", "-O", "^has_journal,^resize_inode",
-                     "-E", "lazy_itable_init=1,nodiscard", "-L", "ridgeline", str(tmp)],
-                    capture_output=True, text=True, env={"PATH": os.environ.get("PATH", "")})
-                if proc.returncode != 0:
-                    raise OSError(errno.EINVAL, f"mkfs.ext4 failed: "
-                                  f"{(proc.stderr or proc.stdout).strip()[-300:]}")
-                usable, count = _prepare_fresh(tmp)
+                usable, count = _mkfs_and_measure(mkfs, tmp, image, inodes)
                 if size <= usable <= size + SLACK or image == MIN_IMAGE and usable >= size:
                     break
+                if usable > size and (best is None or usable < best[1]):
+                    best = (image, usable)
                 image = max(MIN_IMAGE, _round(image + size - usable + SLACK // 4))
             else:
-                raise OSError(errno.EINVAL, f"could not size an ext4 image to {size} bytes")
+                # Near a block group boundary the usable size jumps past the window
+                # whichever way the image moves: the excess becomes blocks reserved for
+                # host root, which no sandbox process can use.
+                if best is None:
+                    raise OSError(errno.EINVAL, f"could not size an ext4 image to {size} bytes")
+                _mkfs_and_measure(mkfs, tmp, best[0], inodes)
+                _tune2fs(tmp, "-r", str((best[1] - size) // BLOCK))
+                usable, count = _prepare_fresh(tmp)
             img = base.with_suffix(".img")
             os.replace(tmp, img)
             meta = base.with_name(f".{base.name}-{os.getpid()}.meta")
@@ -263,6 +261,30 @@ class Templates:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+
+def _mkfs_and_measure(mkfs: str, tmp: Path, image: int, inodes: int) -> tuple[int, int]:
+    with open(tmp, "wb") as f:
+        f.truncate(image)
+    n = max(16, min(inodes, image // BLOCK))  # ext4: at most one inode per block
+    _run([mkfs, "-q", "-F", "-b", str(BLOCK), "-I", str(INODE_SIZE), "-N", str(n), "-m", "0",
+          "-O", "^has_journal,^resize_inode", "-E", "lazy_itable_init=1,nodiscard",
+          "-L", "ridgeline", str(tmp)])
+    return _prepare_fresh(tmp)
+
+
+def _tune2fs(image: Path, *args: str) -> None:
+    tool = shutil.which("tune2fs") or next(
+        (p for p in ("/sbin/tune2fs", "/usr/sbin/tune2fs") if os.access(p, os.X_OK)), "tune2fs")
+    _run([tool, *args, str(image)])
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True,
+                          env={"PATH": os.environ.get("PATH", "") + ":/sbin:/usr/sbin"})
+    if proc.returncode != 0:
+        raise OSError(errno.EINVAL, f"{os.path.basename(argv[0])} failed: "
+                      f"{(proc.stderr or proc.stdout).strip()[-300:]}")
 
 
 def _round(n: int) -> int:

@@ -21,9 +21,11 @@ from ridgeline.sandbox import disk
 from ridgeline.sandbox.hostfs import read_bounded
 
 MAX_SYMLINKS = 40
-#: A listing stops (SandboxError) past this many characters of paths: a deep or wide
-#: tree left by the sandbox must not make the host build an unbounded list.
+#: A listing stops (SandboxError) past this many characters of paths or levels: a deep
+#: or wide tree left by the sandbox must not make the host build an unbounded list or
+#: hold a descriptor per level past its open-file limit.
 MAX_LISTING_CHARS = 64 * 1024 * 1024
+MAX_LISTING_DEPTH = 256
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -256,10 +258,12 @@ def _list(fd: int, recursive: bool, path: str) -> list[str]:
     for rel, st in entries:
         out.append(f"{rel}/" if stat.S_ISDIR(st.st_mode) else rel)
         size += len(rel) + 1
-        if size > MAX_LISTING_CHARS:
-            raise SandboxError(f"the listing of {path} is over {MAX_LISTING_CHARS} "
-                               "characters of paths", hint="list a smaller directory, or "
-                               "without recursive")
+        if size > MAX_LISTING_CHARS or rel.count("/") >= MAX_LISTING_DEPTH:
+            what = (f"deeper than {MAX_LISTING_DEPTH} levels"
+                    if rel.count("/") >= MAX_LISTING_DEPTH
+                    else f"over {MAX_LISTING_CHARS} characters of paths")
+            raise SandboxError(f"cannot list {path}: the tree is {what}",
+                               hint="list a subdirectory, or without recursive")
     return out
 
 

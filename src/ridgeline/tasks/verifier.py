@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from pathlib import Path
+from pathlib import Path  # noqa: F401 - annotations
 
 from ridgeline.errors import RidgelineError, SandboxError, TaskError
 from ridgeline.sandbox import hostfs
@@ -260,30 +260,17 @@ def sessions_of(records: list[dict]) -> list[Session]:
 
 # -- what the agent controls, put back before the tests ----------------------------------
 
-def _aside_dir(sb: TaskSandbox) -> Path:
-    """A directory of the staging tree that no sandbox mount shows, for what the agent
-    left where the verifier needs a fresh place (moved, not deleted: a rename costs the
-    same for any tree, and the staging tree is removed with the sandbox)."""
-    d = sb.staging / "agent-leftovers"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
-
-
-def _move_aside(sb: TaskSandbox, parent: Path, names: list[str] | None = None) -> None:
-    """Move `names` (default: every entry) of the host directory `parent` out of the
-    sandbox's view. Renames never follow links."""
-    dest = Path(os.path.join(_aside_dir(sb), os.urandom(8).hex()))
-    dest.mkdir(mode=0o700)
-    pfd, dfd = hostfs.open_dir(parent), hostfs.open_dir(dest)
+def _discard(parent: Path, names: list[str] | None = None) -> None:
+    """Delete `names` (default: every entry) of the host directory `parent`: any depth
+    and width, links removed and never followed (hostfs.remove_tree). The writable
+    trees may be filesystems of their own (volume.py), so nothing can be renamed out of
+    them: what the agent left is deleted."""
+    pfd = hostfs.open_dir(parent)
     try:
         for name in (os.listdir(pfd) if names is None else names):
-            try:
-                os.rename(name, name, src_dir_fd=pfd, dst_dir_fd=dfd)
-            except FileNotFoundError:
-                continue
+            hostfs.remove_tree(pfd, name)
     finally:
         os.close(pfd)
-        os.close(dfd)
 
 
 def _make_usable(path: Path, owner: tuple[int, int] | None, rel: str = "") -> None:
@@ -331,7 +318,7 @@ def _empty_home(sb: TaskSandbox) -> None:
             names = [n for n in os.listdir(fd) if n not in keep[rel]]
         finally:
             os.close(fd)
-        _move_aside(sb, where, names)
+        _discard(where, names)
 
 
 def reset_agent_state(sb: TaskSandbox, task: Task) -> None:
@@ -347,7 +334,6 @@ def reset_agent_state(sb: TaskSandbox, task: Task) -> None:
     _empty_home(sb)
     if task.layout is TaskLayout.HARBOR:
         # a new /logs/verifier, made after the kill: nothing of the agent's is in it
-        _move_aside(sb, sb.logs_host_dir, ["verifier"])
         hostfs.fresh_dir(sb.logs_host_dir, "verifier", sb.owner)
 
 
@@ -417,8 +403,8 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                            f"{type(e).__name__}: {e}", t0)
     try:
         reset_agent_state(sandbox, task)
-    except (OSError, SandboxError) as e:
-        return infra_error("staging_failed", f"could not reset the sandbox's trees for the "
+    except (OSError, SandboxError) as e:   # a tree gone from under the sandbox
+        return infra_error("health_failed", f"could not reset the sandbox's trees for the "
                            f"tests: {e}", t0)
     try:
         health = sandbox.health()

@@ -152,6 +152,7 @@ class Templates:
         self._lock = threading.Lock()
         # Ready volumes per (size, inodes); the refill thread makes them.
         self._stock: dict[tuple[int, int], list[_Spare]] = {}
+        self._asked: dict[tuple[int, int], int] = {}
         self._stock_lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -168,6 +169,10 @@ class Templates:
         """A ready volume of this size, if one is in stock; asks for more either way."""
         key = (size, inodes)
         with self._stock_lock:
+            # Stocked from a size's second use on: a one-off sandbox leaves no spares.
+            self._asked[key] = self._asked.get(key, 0) + 1
+            if self._asked[key] < 2:
+                return None
             spares = self._stock.setdefault(key, [])
             spare = spares.pop() if spares else None
             if self._thread is None or not self._thread.is_alive():

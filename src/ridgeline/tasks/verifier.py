@@ -260,17 +260,13 @@ def sessions_of(records: list[dict]) -> list[Session]:
 
 # -- what the agent controls, put back before the tests ----------------------------------
 
-def _discard(parent: Path, names: list[str] | None = None) -> None:
-    """Delete `names` (default: every entry) of the host directory `parent`: any depth
-    and width, links removed and never followed (hostfs.remove_tree). The writable
-    trees may be filesystems of their own (volume.py), so nothing can be renamed out of
-    them: what the agent left is deleted."""
-    pfd = hostfs.open_dir(parent)
-    try:
-        for name in (os.listdir(pfd) if names is None else names):
-            hostfs.remove_tree(pfd, name)
-    finally:
-        os.close(pfd)
+def _discard(pfd: int, names: list[str]) -> None:
+    """Delete `names` of the directory open as `pfd`: any depth and width, links
+    removed and never followed (hostfs.remove_tree). The writable trees may be
+    filesystems of their own (volume.py), so nothing can be renamed out of them: what
+    the agent left is deleted."""
+    for name in names:
+        hostfs.remove_tree(pfd, name)
 
 
 def _make_usable(path: Path, owner: tuple[int, int] | None, rel: str = "") -> None:
@@ -296,10 +292,11 @@ def _make_usable(path: Path, owner: tuple[int, int] | None, rel: str = "") -> No
         os.close(fd)
 
 
-def _empty_home(sb: TaskSandbox) -> None:
-    """A fresh, empty HOME: every entry of the home mount goes out of view, except the
+def _empty_home(sb: TaskSandbox) -> bool:
+    """A fresh, empty HOME: every entry of the home mount is deleted, except the
     directories that lead to mounts inside it (a pyenv interpreter under /root), whose
-    other entries go."""
+    other entries are. Walked by descriptors: a link is deleted, never entered. True if
+    such a directory was not one (the agent moved it): the mounts need a new init."""
     keep: dict[str, set[str]] = {"": set()}
     for m in sb.spec.mounts:
         if m.target.startswith(HOME_PATH + "/"):
@@ -308,22 +305,39 @@ def _empty_home(sb: TaskSandbox) -> None:
                 keep.setdefault("/".join(parts[:i]), set()).add(parts[i])
     home = sb.staging / "home"
     _make_usable(home, sb.owner)
-    for rel in sorted(keep, key=lambda r: r.count("/") + bool(r)):
-        where = home / rel if rel else home
-        try:
-            fd = hostfs.open_dir(where)
-        except (OSError, SandboxError):
-            continue        # not a directory (moved aside with its parent's entries)
-        try:
-            names = [n for n in os.listdir(fd) if n not in keep[rel]]
-        finally:
-            os.close(fd)
-        _discard(where, names)
+    moved = False
+
+    def clean(fd: int, rel: str) -> None:
+        nonlocal moved
+        kept = keep[rel]
+        _discard(fd, [n for n in os.listdir(fd) if n not in kept])
+        for name in sorted(kept):
+            sub = f"{rel}/{name}" if rel else name
+            if sub not in keep:
+                continue        # a mount point itself: the mount covers it
+            try:
+                cfd = hostfs.open_dir(home, name, dir_fd=fd)
+            except (OSError, SandboxError):
+                hostfs.remove_tree(fd, name)    # a link or a file where a mount leads
+                moved = True
+                continue
+            try:
+                clean(cfd, sub)
+            finally:
+                os.close(cfd)
+
+    fd = hostfs.open_dir(home)
+    try:
+        clean(fd, "")
+    finally:
+        os.close(fd)
+    return moved
 
 
-def reset_agent_state(sb: TaskSandbox, task: Task) -> None:
+def reset_agent_state(sb: TaskSandbox, task: Task) -> bool:
     """Call while nothing runs in the sandbox: what the agent may have done to the
-    places the verifier needs is undone (see module doc)."""
+    places the verifier needs is undone (see module doc). True if the sandbox needs a
+    new init to see its mounts again."""
     ws_rel = ""
     ws = sb.spec.workspace_path
     if task.workdir.startswith(ws.rstrip("/") + "/"):
@@ -331,10 +345,11 @@ def reset_agent_state(sb: TaskSandbox, task: Task) -> None:
     _make_usable(sb.workspace_dir, sb.owner, ws_rel)
     for d in (sb.logs_host_dir, *sb.extra_dirs.values()):
         _make_usable(d, sb.owner)
-    _empty_home(sb)
+    remount = _empty_home(sb)
     if task.layout is TaskLayout.HARBOR:
         # a new /logs/verifier, made after the kill: nothing of the agent's is in it
         hostfs.fresh_dir(sb.logs_host_dir, "verifier", sb.owner)
+    return remount
 
 
 def agent_filled_disk(sb: TaskSandbox) -> bool:
@@ -402,7 +417,8 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         return infra_error("health_failed", f"could not stop the agent's processes: "
                            f"{type(e).__name__}: {e}", t0)
     try:
-        reset_agent_state(sandbox, task)
+        if reset_agent_state(sandbox, task):
+            sandbox.stop_processes()
     except (OSError, SandboxError) as e:   # a tree gone from under the sandbox
         return infra_error("health_failed", f"could not reset the sandbox's trees for the "
                            f"tests: {e}", t0)

@@ -298,6 +298,13 @@ SCHEMAS = {
                                             "additionalProperties": {"type": "string"}},
                                "authenticationRef": {"type": "object",
                                                      "required": ["name"]}}}}}}),
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): _object({
+        "type": "object", "required": ["secretTargetRef"],
+        "properties": {"secretTargetRef": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["parameter", "name", "key"],
+            "additionalProperties": False,
+            "properties": {"parameter": {"type": "string"}, "name": DNS_LABEL,
+                           "key": {"type": "string"}}}}}}),
 }
 KUSTOMIZATION = {
     "type": "object", "required": ["apiVersion", "kind", "resources"],
@@ -712,14 +719,23 @@ def test_the_engine_runs_on_a_gpu_node_with_one_gpu(k8s, tmp_path):
 # ================================================================= tests: the workers
 
 def _triggers(scaled: dict) -> dict[str, dict[str, str]]:
-    """The ScaledObject's redis-streams triggers by what KEDA measures with each: a
-    trigger with `lagCount` scales on the group's lag, else on its pending entries."""
+    """The ScaledObject's metrics-api triggers by the queue state each one reads (its
+    `valueLocation`, a path into the API's JSON stats: queue.queued, queue.leased)."""
     out = {}
     for trigger in scaled["spec"]["triggers"]:
-        assert trigger["type"] == "redis-streams"
+        assert trigger["type"] == "metrics-api"
         meta = trigger["metadata"]
-        out["lag" if "lagCount" in meta else "pending"] = meta
+        assert meta.get("format", "json") == "json"
+        out[meta["valueLocation"].split(".")[-1]] = {**meta, "auth": trigger.get(
+            "authenticationRef", {}).get("name")}
     return out
+
+
+def _json_path(doc: dict, location: str):
+    """KEDA's GJSON lookup, for the plain dotted paths the triggers use."""
+    for part in location.split("."):
+        doc = doc[part]
+    return doc
 
 
 def test_the_worker_scalers_target_the_workers_at_their_concurrency(k8s, alternatives,
@@ -737,15 +753,28 @@ def test_the_worker_scalers_target_the_workers_at_their_concurrency(k8s, alterna
                                                                   worker["metadata"]["name"])
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 20)
     triggers = _triggers(scaled)
-    assert set(triggers) == {"lag", "pending"}
+    assert set(triggers) == {"queued", "leased"}
+    api_svc = _one(k8s, "Service", "api")
+    auth = _one(k8s, "TriggerAuthentication")
+    (token,) = auth["spec"]["secretTargetRef"]
+    assert token["parameter"] == "token" and token["name"] == "ridgeline-secrets"
     for meta in triggers.values():
-        # KEDA connects from its own namespace: the Service's full name, the queue's db
-        assert meta["address"] == (f"{redis_svc['metadata']['name']}."
-                                   f"{kustomization['namespace']}.svc.cluster.local:{queue.port}")
-        assert meta.get("databaseIndex", "0") == (queue.path.strip("/") or "0")
+        # KEDA connects from its own namespace: the API Service's full name and port
+        url = urlsplit(meta["url"])
+        assert url.hostname == (f"{api_svc['metadata']['name']}."
+                                f"{kustomization['namespace']}.svc.cluster.local")
+        assert url.port == api_svc["spec"]["ports"][0]["port"]
+        assert url.path == "/v1/platform/stats"
+        # the stats need a key: bearer, from the Secret the API reads its admin key from
+        assert meta["authMode"] == "bearer" and meta["auth"] == auth["metadata"]["name"]
+    from ridgeline.platform.keys import ADMIN_KEY_ENV
+    api_env = {e["name"]: e for e in
+               _one(k8s, "Deployment", "ridgeline-api")["spec"]["template"]["spec"][
+                   "containers"][0].get("env", [])}
+    assert api_env[ADMIN_KEY_ENV]["valueFrom"]["secretKeyRef"]["key"] == token["key"]
     # one worker per `concurrency` tasks
-    assert int(triggers["lag"]["lagCount"]) == concurrency
-    assert int(triggers["pending"]["pendingEntriesCount"]) == concurrency
+    assert float(triggers["queued"]["targetValue"]) == concurrency
+    assert float(triggers["leased"]["targetValue"]) == concurrency
 
     hpa = _one(alternatives, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -757,16 +786,17 @@ def test_the_worker_scalers_target_the_workers_at_their_concurrency(k8s, alterna
 
 
 def test_the_autoscalers_measure_the_queue_the_workers_read(k8s, alternatives, redis_server,
-                                                            tmp_path):
-    """The real platform on a real Redis, with the ConfigMap's queue settings: tasks are
-    enqueued and leased as the API and the workers do, then the stream and group in the
-    ScaledObject are read as KEDA reads them, and the API's /metrics as the HPA's adapter
-    does. Both must count the waiting and the running tasks."""
-    import redis
+                                                            tmp_path, monkeypatch):
+    """The real platform on a real Redis, with the ConfigMap's queue settings: tasks of
+    two tenants (two fair-share streams) are enqueued and leased as the API and the workers
+    do, then the API's stats are read as KEDA's triggers read them (bearer key, JSON
+    path), and the API's /metrics as the HPA's adapter does. Both must count the waiting
+    and the running tasks of every tenant."""
     from fastapi.testclient import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
     from ridgeline.platform.config import PlatformConfig
+    from ridgeline.platform.keys import ADMIN_KEY_ENV
     from ridgeline.platform.queue import STATES
     from ridgeline.platform.service import Platform
     from ridgeline.platform.worker import AGENT_TASK
@@ -775,28 +805,27 @@ def test_the_autoscalers_measure_the_queue_the_workers_read(k8s, alternatives, r
     cfg = PlatformConfig.model_validate({
         "data_dir": str(tmp_path), "queue": {**raw["queue"], "url": redis_server.url},
         "rag": {"embedder": "hashing"}})
+    admin = "rk-admin-" + "k" * 40
+    monkeypatch.setenv(ADMIN_KEY_ENV, admin)
     platform = Platform(cfg)
     try:
         for i in range(6):
-            platform.queue.enqueue(AGENT_TASK, {"task_id": f"t{i}"})
+            platform.queue.enqueue(AGENT_TASK, {"task_id": f"t{i}"},
+                                   group="tenant-a" if i % 2 else "tenant-b")
         first = platform.queue.lease("worker-a", kinds=[AGENT_TASK])
         second = platform.queue.lease("worker-b", kinds=[AGENT_TASK])
         assert first and second and platform.queue.ack(first)
         # 4 tasks wait, 1 runs
         triggers = _triggers(_one(k8s, "ScaledObject"))
         seen = {}
-        for mode, meta in triggers.items():
-            client = redis.Redis.from_url(redis_server.url, db=int(meta["databaseIndex"]),
-                                          decode_responses=True)
-            try:
-                groups = {g["name"]: g for g in client.xinfo_groups(meta["stream"])}
-                assert meta["consumerGroup"] in groups, (meta["stream"], list(groups))
-                group = groups[meta["consumerGroup"]]
-                seen[mode] = group["lag"] if mode == "lag" else \
-                    client.xpending(meta["stream"], meta["consumerGroup"])["pending"]
-            finally:
-                client.close()
-        assert seen == {"lag": 4, "pending": 1}
+        with TestClient(platform.app()) as api:
+            for state, meta in triggers.items():
+                assert api.get(urlsplit(meta["url"]).path).status_code == 401
+                r = api.get(urlsplit(meta["url"]).path,
+                            headers={"Authorization": f"Bearer {admin}"})
+                assert r.status_code == 200, r.text
+                seen[state] = _json_path(r.json(), meta["valueLocation"])
+        assert seen == {"queued": 4, "leased": 1}
 
         with TestClient(platform.app()) as api:
             text = api.get("/metrics").text
@@ -807,7 +836,7 @@ def test_the_autoscalers_measure_the_queue_the_workers_read(k8s, alternatives, r
         family = next(f for f in text_string_to_metric_families(text) if f.name == name)
         picked = sum(s.value for s in family.samples
                      if s.labels.get(expression["key"]) in expression["values"])
-        assert picked == 5 == seen["lag"] + seen["pending"]
+        assert picked == 5 == seen["queued"] + seen["leased"]
     finally:
         platform.close()
 

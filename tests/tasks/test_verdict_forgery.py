@@ -58,7 +58,8 @@ def _py_forger(kind: str) -> str:
 
 
 def _write(path: str, text: str, mode: str = "644") -> str:
-    return f"mkdir -p $(dirname {path}) && cat > {path} <<'RLEOF'\n{text}RLEOF\nchmod {mode} {path}\n"
+    return (f"mkdir -p $(dirname {path}) && cat > {path} <<'RLEOF'\n{text}RLEOF\n"
+            f"chmod {mode} {path}\n")
 
 
 HOME_TOOLS = (
@@ -225,7 +226,11 @@ RUNNER_ATTACK = textwrap.dedent("""\
             pidfd = os.pidfd_open(int(pid))
         except OSError:
             continue
-        for fd in range(3, 64):
+        try:    # the socket keeps the host's descriptor number, which can be large
+            held = sorted(int(f) for f in os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            held = range(3, 1024)
+        for fd in [f for f in held if f > 2]:
             n = libc.syscall(438, pidfd, fd, 0)           # pidfd_getfd
             if n < 0:
                 continue
@@ -385,7 +390,7 @@ def test_forged_output_before_pytest_is_not_a_report(tmp_path):
     task = load_task(d)
     prep = textwrap.dedent(f"""\
         import os
-        print("============================= test session starts ==============================")
+        print("=" * 29, "test session starts", "=" * 30)
         print({FAKE_SUMMARY!r}, flush=True)
         os.kill(os.getppid(), 9)
         """)
@@ -414,3 +419,45 @@ def test_sessions_need_their_start_and_a_complete_end():
     # a forger's complete session beside the runner's unfinished one
     forged = [{"s": "F", "e": "start"}, {**t, "s": "F"}, {"s": "F", "e": "finish", "n": 1}]
     assert [s.complete for s in sessions_of(good[:2] + forged)] == [False, True]
+
+
+def test_home_reset_never_follows_the_agents_links(tmp_path):
+    """HOME is emptied by descriptors: a link the agent put where a mount leads (the
+    host's pyenv interpreter lives under /root here) is deleted, never entered, and the
+    tests still find their interpreter."""
+    from ridgeline.tasks.environment import interpreter_mounts
+    from ridgeline.tasks.harness import harness_tools
+    under_home = [m.target for m in interpreter_mounts(harness_tools())
+                  if m.target.startswith("/root/")]
+    victim = tmp_path / "victim"
+    (victim / "versions").mkdir(parents=True)
+    (victim / "canary").write_text("still here")
+    (victim / "versions" / "canary").write_text("still here")
+    first = under_home[0].split("/")[2] if under_home else ".pyenv"
+    task = load_task(BUILTIN / "hello-file")
+    attack = (f"mkdir -p /root/{first} && mv /root/{first} /root/moved && "
+              f"ln -s {victim} /root/{first} && ls -la /root")
+    sb, planted = _run_attack(task, attack)
+    with sb:
+        assert planted.ok and "->" in planted.stdout, planted.stderr
+        verdict = verify(task, sb)
+    assert (victim / "canary").read_text() == "still here"
+    assert (victim / "versions" / "canary").read_text() == "still here"
+    assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
+                                                    verdict.output)
+    assert verdict.tests_total == 2        # the interpreter was found: the tests ran
+
+
+def test_code_under_test_locking_the_workdir_is_a_failure():
+    """The code under test makes /app unusable while the tests run: the sandbox still
+    restarts after them (modes put back), and the verdict is the agent's failure."""
+    task = load_task(BUILTIN / "fizzbuzz")
+    attack = (_write("/app/fizzbuzz.py", "import os\nos.chmod('/app', 0)\n")
+              + "cd / && python3 /app/fizzbuzz.py && stat -c %a /app && chmod 755 /app")
+    sb, planted = _run_attack(task, attack)
+    with sb:
+        assert planted.ok and planted.stdout.split()[-1] == "0", planted.stderr
+        verdict = verify(task, sb)
+        assert sb.run("pwd").ok          # usable after verification
+    assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
+                                                    verdict.output)

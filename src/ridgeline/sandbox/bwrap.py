@@ -13,6 +13,10 @@ Commands: `nsenter` joins the init's namespaces, root and cwd and becomes uid 10
 capabilities survive its exec: the uid is not root in the namespace, every mount is
 nosuid). `prlimit` in front sets the per-process rlimits. Cgroups (cgroups.py) bound the
 sandbox's memory and process count and let a timeout kill exactly one command's tree.
+The workspace and each writable mount are filesystems of their own (volume.py), so the
+kernel bounds their disk and inodes. Where the machine has no cgroup controllers or no
+loop devices, a sandbox with such limits is refused with the reason, unless
+`Limits.weak_limits` accepts rlimits and the disk watcher instead.
 
 Uids: uid 1000 inside is never host root. Run by root, every sandbox gets a host uid
 of its own (identity.py) and bwrap runs as that uid, so the sandbox's user namespace

@@ -7,7 +7,9 @@ harness's staging directories, mounted at
     /tests       the task's tests, copied in only when the verifier runs (read-only)
     /solution    the oracle solution, copied in only when it is applied (read-only)
     /logs        Harbor's log directory (/logs/verifier/reward.txt ...), writable
-    /root        a writable home (HOME; uv's installer idiom writes ~/.local/bin)
+    /root        a writable home (HOME; uv's installer idiom writes ~/.local/bin),
+                 emptied by the verifier before the tests (the agent's files never
+                 configure the verifier's tools)
     /ridgeline   the offline tools (uv, curl, apt-get ...), first on PATH
 
 Untrusted task directories: whatever the build writes into the sandbox (the task's

@@ -380,16 +380,15 @@ def pytest_argv(args: list[str], plugins_from: list[str], venv: Path | None,
         argv[1:1] = ["-s"]
         argv += ["-p", "ridgeline_report"]
         env["PYTHONNOUSERSITE"] = "1"
-        env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     site = [str(venv_site(venv))] if venv is not None else []
     for mod in dict.fromkeys(pytest_plugins(plugins_from, site)):
         argv += ["-p", mod]
     if any(a == "--ctrf" or a.startswith("--ctrf=") for a in args) and \
             "pytest-json-ctrf" not in installed(site):
         argv += ["-p", "ridgeline_ctrf"]
-        if str(HERE) not in env.get("PYTHONPATH", "").split(":"):
-            env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH"))
-                                         if p)
+    if "-p" in argv[argv.index("no:cacheprovider") + 1:] and \
+            str(HERE) not in env.get("PYTHONPATH", "").split(":"):
+        env["PYTHONPATH"] = ":".join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     return argv + args
 
 
@@ -397,8 +396,8 @@ def exec_command(cmd: list[str], venv: Path | None, withs: list[str]) -> int:
     if not cmd:
         return refuse("no command to run", 2)
     name = os.path.basename(cmd[0])
-    runs_pytest = name in ("pytest", "py.test") or (
-        re.fullmatch(r"python(\d(\.\d+)?)?", name) is not None and cmd[1:3] == ["-m", "pytest"])
+    is_python = re.fullmatch(r"python(\d(\.\d+)?)?", name) is not None
+    runs_pytest = name in ("pytest", "py.test") or (is_python and cmd[1:3] == ["-m", "pytest"])
     if runs_pytest and venv is not None and not made_now(venv):
         # the tests never run in a venv the agent left (its python, site-packages,
         # sitecustomize): the host's pytest runs them instead
@@ -407,7 +406,7 @@ def exec_command(cmd: list[str], venv: Path | None, withs: list[str]) -> int:
     env = run_env(venv)
     if name in ("pytest", "py.test"):
         argv = pytest_argv(cmd[1:], withs + requested(venv), venv, env)
-    elif re.fullmatch(r"python(\d(\.\d+)?)?", name):
+    elif is_python:
         argv = [HOST_PYTHON, *cmd[1:]]
         if cmd[1:3] == ["-m", "pytest"]:
             argv = pytest_argv(cmd[3:], withs + requested(venv), venv, env)

@@ -99,6 +99,7 @@ def pytest_configure(config):
         _session = os.urandom(16).hex()
 
 
+@pytest.hookimpl(tryfirst=True)  # the start is on record before anything can fail
 def pytest_sessionstart(session):
     _send({"e": "start"})
 

@@ -334,10 +334,7 @@ def _empty_home(sb: TaskSandbox) -> bool:
     return moved
 
 
-def reset_agent_state(sb: TaskSandbox, task: Task) -> bool:
-    """Call while nothing runs in the sandbox: what the agent may have done to the
-    places the verifier needs is undone (see module doc). True if the sandbox needs a
-    new init to see its mounts again."""
+def _restore_modes(sb: TaskSandbox, task: Task) -> None:
     ws_rel = ""
     ws = sb.spec.workspace_path
     if task.workdir.startswith(ws.rstrip("/") + "/"):
@@ -345,6 +342,27 @@ def reset_agent_state(sb: TaskSandbox, task: Task) -> bool:
     _make_usable(sb.workspace_dir, sb.owner, ws_rel)
     for d in (sb.logs_host_dir, *sb.extra_dirs.values()):
         _make_usable(d, sb.owner)
+
+
+def stop_all(sb: TaskSandbox, task: Task) -> None:
+    """Kill every process in the sandbox and start a new init. What the agent (or the
+    code under test) did to its trees can make that start impossible: `chmod 000 /app`
+    (the init starts in the workdir), a link in HOME where a mount of the interpreter
+    leads. The processes are gone by then, so the modes are put back, HOME is emptied
+    and the start is tried again. Raises if the sandbox still cannot start."""
+    try:
+        sb.stop_processes()
+    except SandboxError:
+        _restore_modes(sb, task)
+        _empty_home(sb)
+        sb.stop_processes()
+
+
+def reset_agent_state(sb: TaskSandbox, task: Task) -> bool:
+    """Call while nothing runs in the sandbox: what the agent may have done to the
+    places the verifier needs is undone (see module doc). True if the sandbox needs a
+    new init to see its mounts again."""
+    _restore_modes(sb, task)
     remount = _empty_home(sb)
     if task.layout is TaskLayout.HARBOR:
         # a new /logs/verifier, made after the kill: nothing of the agent's is in it
@@ -406,13 +424,7 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
                         f"prepare_environment() for that task",
                         hint="call prepare_environment(task) and pass its result")
     try:
-        try:
-            sandbox.stop_processes()    # nothing of the agent's may run beside the tests
-        except SandboxError:
-            # A new init starts in the workdir: `chmod 000 /app` stops it. The agent's
-            # processes are gone now, so its modes can be put back for a second try.
-            reset_agent_state(sandbox, task)
-            sandbox.stop_processes()
+        stop_all(sandbox, task)     # nothing of the agent's may run beside the tests
     except Exception as e:     # a sandbox that cannot restart is a broken one
         return infra_error("health_failed", f"could not stop the agent's processes: "
                            f"{type(e).__name__}: {e}", t0)
@@ -466,7 +478,7 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         try:
             # what the tests left running (a reward writer, a holder of the report
             # socket) ends before anything is read
-            sandbox.stop_processes()
+            stop_all(sandbox, task)
         except Exception as e:  # noqa: BLE001 - a sandbox that cannot restart is broken
             return infra_error("sandbox_error", f"could not stop the tests' processes: "
                                f"{type(e).__name__}: {e}", t0)
@@ -492,8 +504,8 @@ def _verify_without_channel(task: Task, sandbox: TaskSandbox, cmd: list[str],
     env = {"TEST_DIR": TESTS_PATH, **task.verifier_env, "PYTHONNOUSERSITE": "1"}
     try:
         res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir)
-        sandbox.stop_processes()
-    except SandboxError as e:
+        stop_all(sandbox, task)
+    except (OSError, SandboxError) as e:
         return infra_error("sandbox_error", f"sandbox failed while testing: {e}", t0)
     return _grade(task, sandbox, res, None, False, limit, t0)
 

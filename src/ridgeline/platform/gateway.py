@@ -72,7 +72,7 @@ from ridgeline.errors import (
     ConfigError, ModelEndpointError, PayloadTooLargeError, PermissionDeniedError, RateLimitError,
 )
 from ridgeline.llm.openai_client import normalise_base_url
-from ridgeline.platform.http import install_error_handlers, principal_dependency
+from ridgeline.platform.http import install_error_handlers, principal_dependency, read_body
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.limits import Admission, KeyLimits, KeyRateLimitError, RateLimiter
 from ridgeline.platform.principal import Principal
@@ -448,7 +448,7 @@ class Gateway:
     # -- requests -----------------------------------------------------------------------------
     async def handle(self, request: Request, principal: Principal,
                      kind: Literal["chat", "completions"]) -> Response:
-        raw = await _read_body(request, self.config.max_body_bytes)
+        raw = await read_body(request, self.config.max_body_bytes, too_large=_too_large)
         call = self._parse(raw, kind)
         for name in call.names:
             base = _base_name(name)
@@ -935,22 +935,6 @@ def _requested_models(body: dict[str, Any]) -> list[str]:
                            f"limit of {MAX_FALLBACK_MODELS}", param="models",
                            code="limit_exceeded")
     return names
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 from its Content-Length or as soon as it passes `limit`
-    (so a chunked body is never buffered past it either)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise _too_large(limit)
-        parts.append(part)
-    return b"".join(parts)
 
 
 def _too_large(limit: int) -> BodyTooLargeError:

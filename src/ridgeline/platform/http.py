@@ -64,19 +64,21 @@ def error_response(exc: RidgelineError) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) from its Content-Length or as soon as the bytes
-    read pass `limit`, so a chunked body is never buffered past it either. Call it only
-    after the caller is authenticated."""
+async def read_body(request: Request, limit: int, *,
+                    too_large: Callable[[int], PayloadTooLargeError] | None = None) -> bytes:
+    """The request's body, refused (413, `too_large(limit)`) from its Content-Length or as
+    soon as the bytes read pass `limit`, so a chunked body is never buffered past it
+    either. Call it only after the caller is authenticated."""
+    refuse = too_large or _too_large
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        raise refuse(limit)
     parts: list[bytes] = []
     size = 0
     async for part in request.stream():
         size += len(part)
         if size > limit:
-            raise _too_large(limit)
+            raise refuse(limit)
         parts.append(part)
     return b"".join(parts)
 

@@ -252,8 +252,10 @@ class WebhookConfig(BaseModel):
                                         "URLs (on-prem, tests); link-local never")
     max_body_bytes: int = Field(256 * 1024, ge=64, description="largest signed body")
     concurrency: int = Field(16, ge=1, description="attempts in flight at once")
-    max_per_target: int = Field(4, ge=1, description="attempts in flight to one origin "
-                                "(scheme, host, port)")
+    max_per_target: int = Field(8, ge=1, description="attempts in flight to one origin "
+                                "(scheme, host, port): a slow receiver holds at most this "
+                                "many of the `concurrency` slots; a fast one is not "
+                                "throttled below ~8 / its latency deliveries a second")
     max_per_owner: int = Field(8, ge=1, description="attempts in flight for one owner (a "
                                "platform task's tenant); keep it below concurrency")
     batch_size: int = Field(64, ge=1, description="deliveries claimed per run_once")

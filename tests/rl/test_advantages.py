@@ -14,7 +14,7 @@ from ridgeline.rl.advantages import broadcast_to_tokens, group_advantages, mask_
 
 
 def test_reward_minus_group_mean_without_std_by_default() -> None:
-    out = group_advantages([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0]])
+    out = group_advantages([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0]], normalize_std=False)
     assert out.advantages.tolist() == [0.5, -0.5, -0.5, 0.5, 1.0, -1.0]
     assert out.group_mean.tolist() == [0.5, 2.0]
     assert out.group_index.tolist() == [0, 0, 0, 0, 1, 1]
@@ -52,20 +52,20 @@ def test_zero_variance_groups_are_flagged_with_zero_advantage() -> None:
 
 def test_zero_variance_tolerance() -> None:
     rewards = [[0.3, 0.3 + 1e-9, 0.3]]
-    assert not group_advantages(rewards).zero_variance[0]
+    assert not group_advantages(rewards, normalize_std=False).zero_variance[0]
     out = group_advantages(rewards, zero_variance_tol=1e-6, normalize_std=True)
     assert out.zero_variance[0] and out.advantages.abs().sum() == 0
 
 
 def test_masked_samples_are_excluded_from_group_statistics() -> None:
     # an infra error is not a reward of 0: the mean is that of 0.5 and 1.5 only
-    out = group_advantages([[0.5, None, 1.5]])
+    out = group_advantages([[0.5, None, 1.5]], normalize_std=False)
     assert out.group_mean.tolist() == [1.0]
     assert out.advantages.tolist() == [-0.5, 0.0, 0.5]
     assert out.mask.tolist() == [True, False, True]
     assert out.trainable.tolist() == [True, False, True]
     # if the masked sample had counted as 0, the mean would be 2/3
-    naive = group_advantages([[0.5, 0.0, 1.5]])
+    naive = group_advantages([[0.5, 0.0, 1.5]], normalize_std=False)
     assert naive.group_mean[0].item() == pytest.approx(2 / 3)
 
 
@@ -73,26 +73,30 @@ def test_tensor_input_with_arbitrary_group_ids_and_mask() -> None:
     rewards = torch.tensor([1.0, 4.0, 3.0, float("nan"), 2.0, 0.0])
     group_ids = torch.tensor([7, 3, 7, 3, 3, 7])
     mask = torch.tensor([True, True, True, False, True, True])
-    out = group_advantages(rewards, group_ids, mask)
+    out = group_advantages(rewards, group_ids, mask, normalize_std=False)
     assert out.group_keys.tolist() == [3, 7]
     # group 3: rewards 4, 2 (the NaN is masked) -> mean 3; group 7: 1, 3, 0 -> mean 4/3
     assert out.group_mean.tolist() == pytest.approx([3.0, 4 / 3])
     assert out.advantages.tolist() == pytest.approx([-1 / 3, 1.0, 5 / 3, 0.0, -1.0, -4 / 3])
     assert out.group_index.tolist() == [1, 0, 1, 0, 0, 1]
     # the same groups as lists give the same statistics
-    lists = group_advantages([[4.0, None, 2.0], [1.0, 3.0, 0.0]])
+    lists = group_advantages([[4.0, None, 2.0], [1.0, 3.0, 0.0]], normalize_std=False)
     assert lists.group_mean.tolist() == pytest.approx(out.group_mean.tolist())
 
 
+def _centred(*args, **kwargs):
+    return group_advantages(*args, normalize_std=False, **kwargs)
+
+
 @pytest.mark.parametrize("call", [
-    lambda: group_advantages(torch.tensor([1.0, 0.0])),                       # no group ids
-    lambda: group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0])),    # lengths differ
-    lambda: group_advantages(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)),  # 2-D
-    lambda: group_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])),  # float ids
-    lambda: group_advantages(torch.tensor([float("nan"), 0.0]), torch.tensor([0, 0])),
-    lambda: group_advantages([[1.0]], group_ids=[0]),                          # lists + ids
-    lambda: group_advantages([1.0, 0.0]),                                      # not groups
-    lambda: group_advantages([[1.0, 0.0]], eps=-1.0),
+    lambda: _centred(torch.tensor([1.0, 0.0])),                               # no group ids
+    lambda: _centred(torch.tensor([1.0, 0.0]), torch.tensor([0])),            # lengths differ
+    lambda: _centred(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.long)),  # 2-D
+    lambda: _centred(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])),     # float ids
+    lambda: _centred(torch.tensor([float("nan"), 0.0]), torch.tensor([0, 0])),
+    lambda: _centred([[1.0]], group_ids=[0]),                                 # lists + ids
+    lambda: _centred([1.0, 0.0]),                                             # not groups
+    lambda: _centred([[1.0, 0.0]], eps=-1.0),
 ])
 def test_bad_arguments_raise_config_error(call) -> None:
     with pytest.raises(ConfigError):
@@ -109,7 +113,7 @@ def test_broadcast_to_tokens_fills_policy_tokens_only() -> None:
 
 def test_mask_samples_zeroes_dropped_rows() -> None:
     loss_mask = torch.tensor([[0, 1, 1], [1, 1, 0]], dtype=torch.float32)
-    out = group_advantages([[1.0, None]])
+    out = group_advantages([[1.0, None]], normalize_std=False)
     assert mask_samples(loss_mask, out.mask).tolist() == [[0, 1, 1], [0, 0, 0]]
     with pytest.raises(ConfigError):
         mask_samples(loss_mask, torch.tensor([True]))

@@ -196,3 +196,21 @@ def test_config_typos_name_the_field(tmp_path, tiny_models, capsys):
                        loop={"group_sise": 4})
     code, err = cli(capsys, "train", "--config", str(cfg))
     assert code == 2 and "group_sise" in err
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"trainer": {"temperature": 0.7}}, "differs from rollout.temperature"),
+    ({"rollout": {"top_p": 0.9}}, "top_p"),
+])
+def test_sampling_the_trainer_cannot_reproduce_is_refused(tmp_path, section, message):
+    """The trainer's logprobs must be of the distribution the rollouts sampled: another
+    temperature, or a nucleus filter, is refused with the field named (it used to be
+    replaced silently, or accepted)."""
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(section))
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(path)
+    # the same temperature in both places is fine
+    path.write_text(yaml.safe_dump({"trainer": {"temperature": 0.7},
+                                    "rollout": {"temperature": 0.7}}))
+    assert load_train_config(path).trainer.temperature == 0.7

@@ -157,3 +157,45 @@ def test_step_zero_invariants_at_a_sampling_temperature_below_one(setup):
     raw_batch = TokenBatch.of(raw, [1.0] * len(raw))
     assert (at_one - raw_batch.behaviour_logprobs)[mask].abs().max() < 1e-3
     assert (new - at_one)[mask].abs().max() > 1e-2   # the two really differ
+
+
+def _stale(batch: TokenBatch, shift: float) -> TokenBatch:
+    """The batch as if sampled by an older policy that gave its tokens e^shift times
+    less probability than the current one (stale rollouts of an async run)."""
+    batch.behaviour_logprobs = (batch.behaviour_logprobs - shift) * batch.loss_mask
+    return batch
+
+
+def test_decoupled_loss_keeps_the_gradient_that_the_coupled_clip_zeroes(setup):
+    """Stale data with positive advantages: pi_new / pi_behav = e > 1 + eps_high for every
+    token, so PPO-clip against the behaviour logprobs has no gradient at all, while the
+    decoupled loss anchors the clip at the current weights and weighs each token by the
+    (capped) behaviour weight."""
+    model, llm = setup
+    batch = _stale(TokenBatch.of(multi_turn_episodes(llm, turns=1), [1.0, 0.5, 1.0, 0.5]),
+                   1.0)
+    coupled = PolicyTrainer(model, TrainerConfig(decoupled=False)).gradient(batch)
+    assert coupled.abs().max().item() == 0.0
+    trainer = PolicyTrainer(model, TrainerConfig(max_behaviour_weight=2.0))
+    assert trainer.config.decoupled  # the default
+    decoupled = trainer.gradient(batch)
+    assert decoupled.norm().item() > 0
+    metrics = trainer.step(batch)
+    assert metrics["clip_fraction"] == 0.0 and abs(metrics["importance_ratio"] - 1) < 1e-6
+    # every token's weight e^1 = 2.72 is truncated at the cap
+    assert metrics["behaviour_weight"] == pytest.approx(2.0)
+    assert metrics["behaviour_weight_capped"] == pytest.approx(1.0)
+
+
+def test_decoupled_gradient_is_the_behaviour_weighted_policy_gradient(setup):
+    """Uncapped, the decoupled gradient of stale data is e^shift times the on-policy one:
+    the weight pi_prox / pi_behav, with the clip inactive at the proximal policy."""
+    model, llm = setup
+    episodes = multi_turn_episodes(llm, turns=1)
+    fresh = TokenBatch.of(episodes, [1.0, -1.0, 0.5, -0.5])
+    stale = _stale(TokenBatch.of(episodes, [1.0, -1.0, 0.5, -0.5]), 0.5)
+    cfg = TrainerConfig(max_behaviour_weight=None)
+    g_fresh = PolicyTrainer(model, cfg).gradient(fresh)
+    g_stale = PolicyTrainer(model, cfg).gradient(stale)
+    torch.testing.assert_close(g_stale, g_fresh * torch.exp(torch.tensor(0.5)),
+                               rtol=1e-3, atol=1e-6)

@@ -59,12 +59,12 @@ def group_advantages(
     group_ids: torch.Tensor | Sequence[int] | None = None,
     mask: torch.Tensor | Sequence[bool] | None = None,
     *,
-    normalize_std: bool = False,
+    normalize_std: bool,
     eps: float = 1e-6,
     zero_variance_tol: float = 0.0,
 ) -> GroupAdvantages:
-    """Group-relative advantages: `reward - group mean`, or `/ (group std + eps)` when
-    `normalize_std` (original GRPO; Dr.GRPO recommends off).
+    """Group-relative advantages: `reward - group mean`, divided by `(group std + eps)`
+    when `normalize_std` (the choice and its default: `LoopConfig.normalize_std`).
 
     `rewards` is either a 1-D tensor [N] with `group_ids` [N] (any integers; samples with
     equal ids form a group) and an optional `mask` [N] (False = reward unknown, e.g. an

@@ -205,7 +205,10 @@ class LoopConfig(BaseModel):
     batch_groups: int = Field(8, ge=1, description="groups per train step")
     eta: int = Field(1, ge=0, description="max policy versions between sampling and use")
     rollout_threads: int = Field(2, ge=1, description="groups played at once")
-    normalize_std: bool = True
+    normalize_std: bool = Field(True, description="divide each group's advantages by its "
+                                "reward std (GRPO): a group with one success in eight weighs "
+                                "like one with four. Dr.GRPO argues for False (no bias toward "
+                                "low-variance groups); the recorded learning runs used True")
     filters: FilterConfig = Field(default_factory=FilterConfig)
     conflicts: ConflictConfig = Field(default_factory=ConflictConfig)
 

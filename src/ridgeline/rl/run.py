@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ridgeline.config import load_config
 from ridgeline.errors import ConfigError, RidgelineError
@@ -84,11 +84,20 @@ class RolloutSettings(BaseModel):
 
     temperature: float = Field(1.0, gt=0, description="the trainer computes logprobs at the "
                                "same temperature (the behaviour policy)")
-    top_p: float = Field(1.0, gt=0, le=1, description="keep 1 for training: the trainer "
-                         "cannot reproduce a nucleus filter's renormalisation")
+    top_p: float = Field(1.0, description="always 1 for training (see `_whole_distribution`)")
     max_tokens: int = Field(256, ge=1, description="per model reply")
     step_limit: int = Field(6, ge=1, description="agent replies per episode")
     backend: str = Field("bwrap", description="sandbox backend")
+
+    @field_validator("top_p")
+    @classmethod
+    def _whole_distribution(cls, v: float) -> float:
+        if v != 1:
+            raise ValueError(f"must be 1 for training, got {v:g}: the trainer cannot "
+                             f"reproduce a nucleus filter's renormalisation, so the "
+                             f"behaviour logprobs would be of another distribution "
+                             f"(top_p is for evaluation and serving)")
+        return v
 
 
 class RaySettings(BaseModel):
@@ -128,6 +137,19 @@ class TrainConfig(BaseModel):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     plots: bool = True
+
+    @model_validator(mode="after")
+    def _one_temperature(self) -> "TrainConfig":
+        # the trainer's logprobs must be of the distribution the rollouts sampled from:
+        # rollout.temperature is that one; trainer.temperature may only repeat it
+        if "temperature" in self.trainer.model_fields_set and \
+                self.trainer.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"trainer.temperature ({self.trainer.temperature:g}) differs from "
+                f"rollout.temperature ({self.rollout.temperature:g}): the trainer computes "
+                f"logprobs at the temperature the rollouts sample with; set only "
+                f"rollout.temperature")
+        return self
 
 
 def load_train_config(path: str | Path) -> TrainConfig:

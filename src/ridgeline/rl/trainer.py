@@ -2,8 +2,10 @@
 updated from token batches and synced back to the engine after each step.
 
 `step(batch)` computes the current policy's logprobs on exactly the recorded token ids,
-the decoupled PPO loss against the behaviour logprobs the sampler recorded
-(`losses.policy_loss`), and takes one AdamW step (gradient accumulation over
+the decoupled PPO loss (AReaL's: the clip is anchored to the proximal policy, the weights
+before this update, and the behaviour logprobs the sampler recorded only weigh each token
+by pi_prox / pi_behav, truncated at `max_behaviour_weight`; `losses.policy_loss`), and
+takes one AdamW step (gradient accumulation over
 micro-batches, gradient-norm clipping, optional bfloat16 autocast: this CPU has
 AVX512_BF16). `sync(worker)` copies the weights into the engine between two of its
 steps (`EngineWorker.update_weights`, which drops the prefix cache and stamps new tokens
@@ -45,6 +47,14 @@ class TrainerConfig(BaseModel):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy")
     kl_estimator: Literal["k1", "k3"] = "k3"
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    decoupled: bool = Field(True, description="decoupled PPO (AReaL): clip against the "
+                            "proximal policy (the weights before this step) and weigh by "
+                            "pi_prox / pi_behav; False: PPO-clip against the behaviour "
+                            "logprobs, which zeroes the gradient of stale tokens")
+    max_behaviour_weight: float | None = Field(5.0, gt=0, description="cap of the behaviour "
+                                               "weight pi_prox / pi_behav (truncated "
+                                               "importance sampling; None: no cap); only "
+                                               "with decoupled")
     temperature: float = Field(1.0, gt=0, description="the rollouts' sampling temperature: "
                                "logprobs are of log_softmax(logits / temperature), matching "
                                "behaviour logprobs recorded with logprobs_mode='tempered'")
@@ -153,12 +163,18 @@ class PolicyTrainer:
             if tokens == 0:
                 continue
             new, entropy = self.logprobs(mb)
+            # The proximal policy is the weights before this update. The trainer takes one
+            # optimizer step per batch, so they are the weights of this very forward pass:
+            # its logprobs, detached, are exactly what a separate no-grad forward would give.
+            prox = new.detach() if cfg.decoupled else None
             ref = None
             if self.reference is not None and cfg.kl_coef > 0:
                 with torch.no_grad():
                     ref, _ = self.logprobs(mb, self.reference)
             loss, metrics = policy_loss(
                 new, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
+                proximal_logprobs=prox,
+                max_behaviour_weight=cfg.max_behaviour_weight if cfg.decoupled else None,
                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logprobs=ref,
                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 aggregation=cfg.aggregation, entropy=entropy)

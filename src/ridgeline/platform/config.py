@@ -1,8 +1,8 @@
 """The platform's configuration: one YAML file for the API server and its workers.
 
 Every section has defaults that run on one machine with nothing else installed (SQLite
-files and an embedded Qdrant under `data_dir`); pointing `store` (and `webhooks_url`,
-`tools_url`, `keys.path`) at PostgreSQL, `queue` at Redis and `rag` at a Qdrant server
+files and an embedded Qdrant under `data_dir`); pointing `store` (and `tools_url`,
+`keys.path`) at PostgreSQL, `queue` at Redis and `rag` at a Qdrant server
 scales the same code out. Relative paths are taken relative to `data_dir`.
 
     data_dir: platform-data
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ridgeline.config import load_config
 from ridgeline.errors import NotFoundError
@@ -76,10 +77,6 @@ class PlatformConfig(BaseModel):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     rag: RagConfig = Field(default_factory=RagConfig)
     webhooks: WebhookConfig = Field(default_factory=WebhookConfig)
-    webhooks_path: str = Field("webhooks.db", description="the webhook outbox (SQLite)")
-    webhooks_url: str | None = Field(None, description="the webhook outbox as a URL, "
-                                     "overriding webhooks_path: sqlite:///path or "
-                                     "postgresql://... (it may share the store's database)")
     tools_path: str = Field("tools.db", description="recorded results of side-effect tools")
     tools_url: str | None = Field(None, description="those results as a URL, overriding "
                                   "tools_path: sqlite:///path or postgresql://... (it may "
@@ -87,7 +84,20 @@ class PlatformConfig(BaseModel):
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
 
-    @field_validator("webhooks_url", "tools_url")
+    @model_validator(mode="before")
+    @classmethod
+    def _outbox_in_the_store(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old in ("webhooks_url", "webhooks_path"):
+                if old in data:
+                    raise ValueError(
+                        f"`{old}` is gone: the webhook outbox is a table in the store's "
+                        f"database (store.url), written in the same transaction as a "
+                        f"task's final status. Remove `{old}`; pending deliveries of an "
+                        f"old data_dir/webhooks.db are moved over at start")
+        return data
+
+    @field_validator("tools_url")
     @classmethod
     def _check_database_urls(cls, value: str | None) -> str | None:
         return database_location(value)

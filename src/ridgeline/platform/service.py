@@ -15,10 +15,12 @@ finished, a job the queue dead-lettered while its task still says in progress.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import threading
 import time
 from importlib import resources
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI
@@ -42,6 +44,7 @@ from ridgeline.platform.rag import (
 )
 from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
+from ridgeline.platform.db import Transaction
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
 from ridgeline.platform.tasks_api import AgentTaskRequest, enqueue, tasks_router
 from ridgeline.platform.openapi_tools import load_openapi_tools
@@ -58,6 +61,8 @@ log = logging.getLogger(__name__)
 
 #: Tasks queued longer than this without their job in the queue are enqueued again.
 ORPHAN_AFTER_S = 30.0
+#: The outbox's own SQLite file in data_dir before it moved into the store's database.
+LEGACY_OUTBOX = "webhooks.db"
 #: Dead jobs reconciled per query in `maintenance` (all of them are, a page at a time).
 DEAD_LETTER_PAGE = 1000
 #: The dashboard shows text tenants and models wrote: it may run only its own same-origin
@@ -74,6 +79,11 @@ DASHBOARD_ASSETS = {"dashboard.js": "text/javascript; charset=utf-8",
                     "dashboard.css": "text/css; charset=utf-8"}
 
 
+def _webhook_key(task: TaskRecord) -> str:
+    """One delivery per task and final status, however often it is written or repaired."""
+    return f"{task.id}:{task.status.value}"
+
+
 class Platform:
     def __init__(self, config: PlatformConfig, *, model_factory: ModelFactory | None = None,
                  env_factory: EnvFactory | None = None) -> None:
@@ -84,8 +94,11 @@ class Platform:
             update={"path": config.path(config.queue.path)}))
         self.keys = KeyStore.from_config(config.keys.model_copy(
             update={"path": store_path(config.keys.path, config.data_dir)}))
-        self.outbox = WebhookOutbox(store_path(config.webhooks_url or config.webhooks_path,
-                                               config.data_dir), config.webhooks)
+        # the outbox is a table of the store's database: a task's webhook is written in
+        # the transaction that writes its final status, so neither exists without the other
+        self.outbox = WebhookOutbox(self.store.db, config.webhooks)
+        self.store.on_terminal(self._queue_webhook, self.outbox.notify)
+        self._adopt_legacy_outbox()
         # a graph's nodes are admitted under its key like requests (rpm, live nodes)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished,
                                   admit=lambda who, live: self.gateway.admit_task(who, live))
@@ -190,20 +203,66 @@ class Platform:
                                  "secret": body.webhook.secret or new_secret()}
         return stored
 
-    def task_finished(self, task: TaskRecord) -> None:
-        """A task reached a terminal state: its webhook is queued (durably; the dispatcher
-        sends it) and its graph, if it is a node of one, moves on."""
+    def _queue_webhook(self, tx: Transaction, task: TaskRecord) -> None:
+        """In the transaction that made `task` terminal: its webhook's delivery row (the
+        dispatcher sends it). No DNS here (every attempt checks the addresses); a
+        delivery the outbox refuses is an event of the task, never a rolled-back finish."""
         hook = task.request.get("webhook")
-        if hook and task.status.terminal:
-            try:
-                self.outbox.submit(hook["url"], f"agent_task.{task.status.value}",
-                                   task_webhook_data(task, self.config.webhooks.public_url),
-                                   hook["secret"], owner=task.tenant,
-                                   idempotency_key=f"{task.id}:{task.status.value}")
-            except RidgelineError as e:  # e.g. the host now resolves to a private address
-                self.store.append_event(task.id, "webhook.refused", {"error": str(e)[:500]})
+        if not hook:
+            return
+        try:
+            self.outbox.insert(tx, self.outbox.prepare(
+                hook["url"], f"agent_task.{task.status.value}",
+                task_webhook_data(task, self.config.webhooks.public_url), hook["secret"],
+                owner=task.tenant, idempotency_key=_webhook_key(task), resolve=False))
+        except RidgelineError as e:
+            self.store.append_event_in(tx, task.id, "webhook.refused", {"error": str(e)[:500]})
+
+    def _adopt_legacy_outbox(self) -> None:
+        """Deliveries still pending in a `webhooks.db` of an older version (the outbox
+        had its own file then) move into the store's table once; the file is renamed."""
+        legacy = Path(self.config.data_dir) / LEGACY_OUTBOX
+        if not legacy.is_file():
+            return
+        # the API and its workers start together: one moves the rows, under a lock. The
+        # file is opened where it is (SQLite replays its WAL there) and renamed after.
+        with open(legacy.with_name(LEGACY_OUTBOX + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not legacy.is_file():
+                return
+            with WebhookOutbox(legacy, self.config.webhooks) as old:
+                rows = old.export_pending()
+            moved = self.outbox.adopt(rows)
+            legacy.rename(legacy.with_name(LEGACY_OUTBOX + ".moved"))
+        log.info("moved %d pending webhook deliveries from %s into the store", moved, legacy)
+
+    def task_finished(self, task: TaskRecord) -> None:
+        """A task reached a terminal state (its webhook was written with it): if it is a
+        node of a graph, the graph moves on."""
         if task.parent_id:
             self.graphs.advance(task.parent_id)
+
+    def repair_webhooks(self, *, within_s: float = 7 * 86400, limit: int = 1000) -> int:
+        """Terminal tasks of the last `within_s` with a webhook and no delivery row (ended
+        before the outbox shared the store's transaction, or by an older version) get
+        theirs; a refused one is not tried again. How many were written."""
+        since = time.time() - within_s
+        rows = self.store.db.fetchall(
+            "SELECT t.id FROM tasks t WHERE t.status IN ('completed', 'failed', 'cancelled')"
+            " AND t.updated_at >= ? AND t.request LIKE '%\"webhook\"%'"
+            " AND NOT EXISTS (SELECT 1 FROM webhook_deliveries w"
+            "   WHERE w.idempotency_key = t.id || ':' || t.status)"
+            " AND NOT EXISTS (SELECT 1 FROM task_events e WHERE e.task_id = t.id"
+            "   AND e.type = 'webhook.refused') LIMIT ?", (since, limit))
+        written = 0
+        for (task_id,) in rows:
+            task = self.store.get(task_id)
+            if task.request.get("webhook"):
+                self.store.db.run(lambda tx, task=task: self._queue_webhook(tx, task))
+                written += 1
+        if written:
+            self.outbox.notify()
+        return written
 
     def worker(self, name: str | None = None) -> AgentWorker:
         config = self.config.worker
@@ -261,7 +320,9 @@ class Platform:
                     self.task_finished(self.store.get(task.id))
                     cancelled += 1
         graphs = self.graphs.advance_all()
-        return {"requeued": requeued, "dead": dead, "cancelled": cancelled, "graphs": graphs}
+        webhooks = self.repair_webhooks()
+        return {"requeued": requeued, "dead": dead, "cancelled": cancelled, "graphs": graphs,
+                "webhooks": webhooks}
 
     def stats(self) -> dict[str, Any]:
         return {"tasks": self.store.counts(), "queue": self.queue.depth(),

@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -198,7 +198,24 @@ class TaskStore:
         self.path = str(path)
         self.db = open_database(path, data_dir=data_dir, pool_size=pool_size)
         self._changed = threading.Condition()  # in-process wake-up for event streams
+        self._terminal_hooks: list[Callable[[Transaction, TaskRecord], None]] = []
+        self._after_terminal: list[Callable[[], None]] = []
         self.db.executescript(_SCHEMA)  # idempotent
+
+    def on_terminal(self, in_transaction: Callable[[Transaction, TaskRecord], None],
+                    after_commit: Callable[[], None] | None = None) -> None:
+        """Run `in_transaction(tx, task)` inside every transaction that makes a task
+        terminal (`finish`, the cancel of a queued task), after the status is written:
+        what it writes commits or rolls back with the status (a transactional outbox).
+        An exception from it rolls the whole transaction back. `after_commit()` runs once
+        such a transaction committed."""
+        self._terminal_hooks.append(in_transaction)
+        if after_commit is not None:
+            self._after_terminal.append(after_commit)
+
+    def _terminal_committed(self) -> None:
+        for callback in self._after_terminal:
+            callback()
 
     def close(self) -> None:
         self.db.close()
@@ -363,6 +380,8 @@ class TaskStore:
         changed = self.db.run(lambda tx: self._finish(tx, task_id, status, result, error,
                                                       event_data, attempt, now))
         self._notify()
+        if changed:
+            self._terminal_committed()
         return changed
 
     def _finish(self, tx: Transaction, task_id: str, status: TaskStatus,
@@ -382,6 +401,11 @@ class TaskStore:
             if error:
                 data["error"] = error
             self._append(tx, task_id, f"task.{status.value}", data, now)
+            if self._terminal_hooks:
+                task = _record(tx.fetchone(f"SELECT {_COLUMNS} FROM tasks WHERE id = ?",
+                                           (task_id,)))
+                for hook in self._terminal_hooks:
+                    hook(tx, task)
         return bool(changed)
 
     def request_cancel(self, task_id: str, tenant: str | None) -> TaskRecord:
@@ -389,7 +413,7 @@ class TaskStore:
         worker stops after the current step. A finished task is a ConflictError."""
         now = time.time()
 
-        def cancel(tx: Transaction) -> None:
+        def cancel(tx: Transaction) -> bool:
             tx.lock(_task_lock(task_id))   # the status read here is the one acted on
             row = tx.fetchone("SELECT tenant, status FROM tasks WHERE id = ?", (task_id,))
             if row is None or (tenant is not None and row[0] != tenant):
@@ -402,10 +426,12 @@ class TaskStore:
                        (now, task_id))
             self._append(tx, task_id, "task.cancel_requested", {}, now)
             if status is TaskStatus.QUEUED:
-                self._finish(tx, task_id, TaskStatus.CANCELLED, None,
-                             "cancelled before it started", None, None, now)
+                return self._finish(tx, task_id, TaskStatus.CANCELLED, None,
+                                    "cancelled before it started", None, None, now)
+            return False
 
-        self.db.run(cancel)
+        if self.db.run(cancel):
+            self._terminal_committed()
         self._notify()
         return self.get(task_id)
 
@@ -419,6 +445,11 @@ class TaskStore:
         seq = self.db.run(lambda tx: self._append(tx, task_id, type, data, now))
         self._notify()
         return seq
+
+    def append_event_in(self, tx: Transaction, task_id: str, type: str,
+                        data: dict[str, Any]) -> int:
+        """`append_event` inside the caller's transaction (an `on_terminal` hook)."""
+        return self._append(tx, task_id, type, data, time.time())
 
     @staticmethod
     def _append(tx: Transaction, task_id: str, type: str, data: dict[str, Any],

@@ -78,7 +78,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ridgeline.errors import (
     ConfigError, ConflictError, NotFoundError, PayloadTooLargeError, RidgelineError,
 )
-from ridgeline.platform.db import Transaction, is_postgres_url, open_database, resolve_location
+from ridgeline.platform.db import (
+    Database, Transaction, is_postgres_url, open_database, resolve_location,
+)
 from ridgeline.platform.store import TaskRecord
 from ridgeline.platform.urls import UnsafeURLError, check_outbound_url, safe_async_client
 
@@ -290,6 +292,11 @@ class Delivery:
 _COLUMNS = ("id, url, event_type, body, state, attempts, next_attempt_at, created_at, "
             "updated_at, last_status, last_error, delivered_at, idempotency_key, owner")
 
+#: Every stored column (secrets included): what `export_pending` and `adopt` move.
+_STORED = ("id, url, event_type, body, secret, idempotency_key, request_hash, state, "
+           "attempts, next_attempt_at, created_at, updated_at, last_status, last_error, "
+           "delivered_at, target, owner")
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS webhook_deliveries (
     id TEXT PRIMARY KEY,
@@ -387,22 +394,44 @@ class InFlight:
 # ---- the outbox ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PreparedDelivery:
+    """A delivery checked and signed-ready, not yet stored (`WebhookOutbox.prepare`)."""
+
+    id: str
+    url: str
+    event_type: str
+    body: str
+    secrets: str             # the signing keys, space-separated
+    idempotency_key: str | None
+    request_hash: str
+    owner: str | None
+    created_at: float
+
+
 class WebhookOutbox:
     """Durable store of deliveries in one database: a SQLite file (a path or
-    `sqlite:///path`) or `postgresql://...`; safe to share between threads, processes
-    and, on PostgreSQL, machines."""
+    `sqlite:///path`), `postgresql://...`, or an open `Database` shared with another
+    store (the platform's task store: a delivery is then written in the same transaction
+    as the task's final status, `insert`). Safe to share between threads, processes and,
+    on PostgreSQL, machines."""
 
-    def __init__(self, path: str | Path, config: WebhookConfig | None = None, *,
+    def __init__(self, path: str | Path | Database, config: WebhookConfig | None = None, *,
                  clock: Callable[[], float] = time.time, pool_size: int = 4) -> None:
-        location = resolve_location(path)
-        self.path: Path | str = location if is_postgres_url(location) else Path(location)
         self.config = config or WebhookConfig()
         self._clock = clock
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
-        if isinstance(self.path, Path) and location != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = open_database(location, pool_size=pool_size)
+        self._owns_db = not isinstance(path, Database)
+        if isinstance(path, Database):
+            self.path: Path | str = "(shared)"
+            self._db = path
+        else:
+            location = resolve_location(path)
+            self.path = location if is_postgres_url(location) else Path(location)
+            if isinstance(self.path, Path) and location != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = open_database(location, pool_size=pool_size)
         column, self._order = _INSERTION_ORDER[self._db.dialect]
         self._db.executescript(_SCHEMA.format(insertion_order=column))
         self._db.run(self._add_columns)
@@ -422,7 +451,8 @@ class WebhookOutbox:
                 tx.execute(f"ALTER TABLE webhook_deliveries ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
-        self._db.close()
+        if self._owns_db:   # a shared database is closed by its owner
+            self._db.close()
 
     def __enter__(self) -> WebhookOutbox:
         return self
@@ -442,7 +472,8 @@ class WebhookOutbox:
             if callback in self._listeners:
                 self._listeners.remove(callback)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Wake the listeners (the dispatcher): after a commit that stored deliveries."""
         with self._lock:
             listeners = list(self._listeners)
         for cb in listeners:
@@ -459,7 +490,20 @@ class WebhookOutbox:
         the first delivery's id; with a different request it is a `ConflictError`. Keys
         are global to the outbox: namespace them (tenant, task). `owner` (a tenant) is
         whose share of the dispatcher's slots its attempts use."""
-        url = check_outbound_url(url, allow_private=self.config.allow_private_targets)
+        prepared = self.prepare(url, event_type, payload, secret,
+                                idempotency_key=idempotency_key, owner=owner)
+        delivery_id = self._db.run(lambda tx: self.insert(tx, prepared))
+        if delivery_id == prepared.id:
+            self.notify()
+        return delivery_id
+
+    def prepare(self, url: str, event_type: str, payload: dict[str, Any],
+                secret: str | Sequence[str], *, idempotency_key: str | None = None,
+                owner: str | None = None, resolve: bool = True) -> PreparedDelivery:
+        """`submit`'s checks and body, nothing stored. `resolve=False` checks the URL
+        without DNS (inside a transaction); every attempt checks the addresses anyway."""
+        url = check_outbound_url(url, allow_private=self.config.allow_private_targets,
+                                 resolve=resolve)
         if not isinstance(event_type, str) or not event_type.strip() or len(event_type) > 200:
             raise RidgelineError("event_type must be a non-empty string of at most 200 "
                                  "characters, such as 'task.completed'")
@@ -488,34 +532,33 @@ class WebhookOutbox:
                 "link to fetch the rest) or raise max_body_bytes")
         request_hash = hashlib.sha256(
             json.dumps([url, event_type, data]).encode()).hexdigest()
-        delivery_id = "msg_" + uuid.uuid4().hex
+        return PreparedDelivery("msg_" + uuid.uuid4().hex, url, event_type, body,
+                                " ".join(keys), idempotency_key, request_hash, owner, now)
 
-        def store(tx: Transaction) -> tuple[Any, ...] | None:
-            if idempotency_key is not None:
-                # two submits with one key must not both miss the row and both insert
-                tx.lock(f"webhook-idempotency:{idempotency_key}")
-                found = tx.fetchone("SELECT id, request_hash FROM webhook_deliveries "
-                                    "WHERE idempotency_key = ?", (idempotency_key,))
-                if found is not None:
-                    return found
-            tx.execute(
-                "INSERT INTO webhook_deliveries (id, url, event_type, body, secret, "
-                "idempotency_key, request_hash, state, attempts, next_attempt_at, "
-                "created_at, updated_at, target, owner) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?)",
-                (delivery_id, url, event_type, body, " ".join(keys), idempotency_key,
-                 request_hash, now, now, now, delivery_target(url), owner))
-            return None
-
-        found = self._db.run(store)
-        if found is not None:
-            if found[1] != request_hash:
-                raise ConflictError(
-                    f"idempotency key {idempotency_key!r} was used for another "
-                    "webhook", hint="use a new key for a different request")
-            return str(found[0])
-        self._notify()
-        return delivery_id
+    def insert(self, tx: Transaction, d: PreparedDelivery) -> str:
+        """Store `d` in the caller's transaction (of this outbox's database); its id, or
+        the id of the delivery already stored under its idempotency key (`ConflictError`
+        if that one was another request). Call `notify()` after the commit."""
+        if d.idempotency_key is not None:
+            # two inserts with one key must not both miss the row and both insert
+            tx.lock(f"webhook-idempotency:{d.idempotency_key}")
+            found = tx.fetchone("SELECT id, request_hash FROM webhook_deliveries "
+                                "WHERE idempotency_key = ?", (d.idempotency_key,))
+            if found is not None:
+                if found[1] != d.request_hash:
+                    raise ConflictError(
+                        f"idempotency key {d.idempotency_key!r} was used for another "
+                        "webhook", hint="use a new key for a different request")
+                return str(found[0])
+        tx.execute(
+            "INSERT INTO webhook_deliveries (id, url, event_type, body, secret, "
+            "idempotency_key, request_hash, state, attempts, next_attempt_at, "
+            "created_at, updated_at, target, owner) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', 0, ?, ?, ?, ?, ?)",
+            (d.id, d.url, d.event_type, d.body, d.secrets, d.idempotency_key,
+             d.request_hash, d.created_at, d.created_at, d.created_at,
+             delivery_target(d.url), d.owner))
+        return d.id
 
     def requeue(self, delivery_id: str, *, now: float | None = None) -> Delivery:
         """Send a dead (or delivered) delivery again, with a fresh count of attempts and
@@ -527,7 +570,7 @@ class WebhookOutbox:
             (now, now, delivery_id))
         if changed == 0:
             raise NotFoundError(f"no webhook delivery {delivery_id!r}")
-        self._notify()
+        self.notify()
         return self.get(delivery_id)
 
     # -- reading --
@@ -557,6 +600,26 @@ class WebhookOutbox:
             f"SELECT {_COLUMNS} FROM webhook_deliveries {where} "
             f"ORDER BY created_at DESC, {self._order} DESC LIMIT ?", (*args, limit))
         return [_row(r) for r in rows]
+
+    def export_pending(self) -> list[tuple[Any, ...]]:
+        """Every delivery not yet delivered, whole (`_STORED` columns): for `adopt`."""
+        return self._db.fetchall(f"SELECT {_STORED} FROM webhook_deliveries "
+                                 f"WHERE state <> 'delivered' ORDER BY {self._order}")
+
+    def adopt(self, rows: Sequence[tuple[Any, ...]]) -> int:
+        """Store deliveries exported from another outbox (same ids, so a receiver
+        deduplicates a delivery sent by both); rows whose id or key exists are skipped."""
+        marks = ", ".join("?" * len(_STORED.split(",")))
+
+        def store(tx: Transaction) -> int:
+            return sum(tx.execute(f"INSERT INTO webhook_deliveries ({_STORED}) VALUES "
+                                  f"({marks}) ON CONFLICT DO NOTHING", tuple(r))
+                       for r in rows)
+
+        added = self._db.run(store) if rows else 0
+        if added:
+            self.notify()
+        return added
 
     def counts(self) -> dict[str, int]:
         """How many deliveries are in each state (every state named, 0 if none)."""

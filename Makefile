@@ -4,7 +4,8 @@ VENV      := .venv
 PY        := $(VENV)/bin/python
 PIP       := $(VENV)/bin/pip
 STAMP     := $(VENV)/.ridgeline-installed
-PYTEST_ARGS ?=
+# the slowest tests in every run, so one that grows past the budget is seen
+PYTEST_ARGS ?= --durations=25
 
 .PHONY: demo test test-all bench install system-deps clean
 

@@ -84,7 +84,7 @@ def run_backend(backend: str, n_tasks: int, workers: int, sandbox_step: bool,
             "server": {"run_workers": 1, "maintenance_s": 60},
             "worker": {"sandbox": "bwrap",
                        "allow_replay_model": True, "concurrency": workers, "poll_s": 0.05},
-            "webhooks": {"allow_private_targets": True},  # the default caps,
+            "webhooks": {"allow_private_targets": True},  # the default caps
             "rag": {"embedder": "hashing", "qdrant_path": ":memory:"},
         })
         platform = Platform(config)

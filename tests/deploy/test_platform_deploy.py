@@ -42,10 +42,6 @@ COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 DOCKERFILES = {"ridgeline": DEPLOY / "docker" / "Dockerfile",
                "ridgeline-cuda": DEPLOY / "docker" / "Dockerfile.cuda"}
 RIDGELINE = Path(sys.executable).with_name("ridgeline")
-NO_PLATFORM_CLI = ("the `ridgeline platform` command group does not exist yet (the lead adds "
-                   "it before committing): the platform commands in the manifests are unchecked")
-NO_PLATFORM_CONFIG = ("ridgeline.platform.config is not importable yet (the lead adds it before "
-                      "committing): the platform configs are parsed as YAML only")
 
 
 # ---------------------------------------------------------------- Kubernetes schema parts
@@ -573,10 +569,6 @@ def check_help(path: list[str], argv: list[str]) -> None:
             assert word.split("=")[0] in text, (path, word)
 
 
-def _platform_cli_exists() -> bool:
-    return "platform" in _cli_root().commands
-
-
 def _k8s_argvs(docs: list[dict], tmp: Path) -> list[tuple[list[str], dict[str, Path]]]:
     """(argv, container path -> local file) of every container running our images; files
     mounted from a ConfigMap are written under tmp."""
@@ -1062,8 +1054,6 @@ def test_platform_commands_parse_with_the_ridgeline_cli(k8s, compose, tmp_path):
     for argv, files in commands:
         config = argv[argv.index("--config") + 1]
         assert config in files, f"{config} is not mounted"    # checked before the CLI
-    if not _platform_cli_exists():
-        pytest.skip(NO_PLATFORM_CLI)
     seen = set()
     for argv, files in commands:
         path = check_ridgeline_argv(argv, files)
@@ -1092,10 +1082,8 @@ def _dropped(raw: dict, model: object, where: str = "") -> list[str]:
 
 
 def _load_platform_configs(k8s: list[dict], tmp_path: Path) -> dict[str, tuple[dict, object]]:
-    try:
-        from ridgeline.platform.config import PlatformConfig
-    except ModuleNotFoundError:
-        pytest.skip(NO_PLATFORM_CONFIG)
+    from ridgeline.platform.config import PlatformConfig
+
     k8s_file = tmp_path / "platform.yaml"
     k8s_file.write_text(_one(k8s, "ConfigMap", "ridgeline-config")["data"]["platform.yaml"])
     return {name: (yaml.safe_load(path.read_text()), PlatformConfig.load(path))

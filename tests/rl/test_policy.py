@@ -63,6 +63,7 @@ def default_setup():
     return llm, policy
 
 
+@pytest.mark.slow  # loads the default model twice (engine and trainer): ~15 s on 2 cores
 def test_default_model_trainer_and_engine_agree_on_every_token(default_setup):
     llm, policy = default_setup
     assert policy.model_dir == hf_model_dir("default")

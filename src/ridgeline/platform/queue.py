@@ -4,11 +4,11 @@ dead-letter state. Two backends behind one `JobQueue` protocol:
 - `SqliteJobQueue` (the embedded default): one table in a WAL-mode SQLite file. Leases are
   taken inside `BEGIN IMMEDIATE`, so two threads or processes on the same file never lease
   the same job.
-- `RedisJobQueue` (scale-out): a stream per kind read through one consumer group
-  (XREADGROUP), expired leases taken over with XAUTOCLAIM, a hash per job holding its state,
-  attempts and lease token, a sorted set of delayed jobs and a dead-letter stream. Every
-  state change is one Lua script, so a stale lease holder can never ack, fail or extend a
-  job another worker now holds.
+- `RedisJobQueue` (scale-out): a stream per kind and fairness group read through one
+  consumer group (XREADGROUP), expired leases taken over with XAUTOCLAIM, a hash per job
+  holding its state, attempts and lease token, a sorted set of delayed jobs and a
+  dead-letter stream. Every state change is one Lua script (`lua/*.lua`), so a stale lease
+  holder can never ack, fail or extend a job another worker now holds.
 
 Fairness. Every job belongs to a `group` (the platform uses the submitting tenant). A lease
 serves the group whose last lease is the oldest among the groups with a ready job, then the
@@ -27,6 +27,8 @@ States: queued (waiting, possibly delayed), leased, done, dead, cancelled.
 
 from __future__ import annotations
 
+import functools
+import importlib.resources
 import json
 import math
 import os
@@ -46,7 +48,7 @@ from ridgeline.errors import ConfigError
 STATES = ("queued", "leased", "done", "dead", "cancelled")
 
 #: The longest lease a job may hold between heartbeats. Redis measures every lease against
-#: this one XAUTOCLAIM threshold (see RedisJobQueue), so it is shared by all workers.
+#: this one XAUTOCLAIM threshold (see lua/common.lua), so it is shared by all workers.
 MAX_LEASE_S = 86_400.0
 
 
@@ -553,323 +555,19 @@ class SqliteJobQueue(_QueueBase):
 # Redis
 # ---------------------------------------------------------------------------------------
 
-# Keys, for prefix P: P:job:<id> (hash: state, attempts, lease token, stream entry, the
-# stream it is in...), P:lane:<n>:<kind>:<group> (the stream of one kind and fairness group,
-# consumer group P), P:lanes (hash: lane stream -> kind) and P:lane_group (lane stream ->
-# group), P:served (hash: group -> serial of its last lease; P:serial counts), P:delayed
-# (sorted set of job ids by due time), P:dead (dead-letter stream), P:dead_cursor (the
-# dead entry up to which every job is reconciled), P:depth (hash of counts by state),
-# P:cursor:<stream> (where XAUTOCLAIM's scan of the group's pending list goes on).
-# P:stream:<kind> and P:kinds are the streams of jobs queued before groups existed: they
-# are still served, as lanes of group "". Times are the server's clock (TIME), so
-# workers' clocks do not matter.
-#
-# The lease clock is the pending entry's idle time. Every entry a worker holds has its idle
-# time set (XCLAIM ... IDLE) to MAX_LEASE - lease, so it reaches MAX_LEASE exactly when the
-# lease ends, whatever each worker's lease_s; XAUTOCLAIM with min-idle MAX_LEASE then finds
-# precisely the expired leases. A heartbeat sets the idle time back the same way.
-_LUA_COMMON = """
-local P, G = ARGV[1], ARGV[2]
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function job_key(id) return P .. ':job:' .. id end
-local function stream_key(kind) return P .. ':stream:' .. kind end
-local function job_stream(job, kind)  -- the lane the job is in (older jobs: their kind's)
-  return redis.call('HGET', job, 'lane') or stream_key(kind)
-end
-local function count(from, to)
-  if from then redis.call('HINCRBY', P .. ':depth', from, -1) end
-  if to then redis.call('HINCRBY', P .. ':depth', to, 1) end
-end
-local function push(job, id, kind)
-  local s = job_stream(job, kind)
-  if redis.call('HSETNX', P .. ':lanes', s, kind) == 1 then
-    redis.call('HSET', P .. ':lane_group', s, redis.call('HGET', job, 'group') or '')
-  end
-  redis.pcall('XGROUP', 'CREATE', s, G, '0', 'MKSTREAM')  -- BUSYGROUP when it exists
-  redis.call('HSET', job, 'entry', redis.call('XADD', s, '*', 'id', id))
-end
-local function release(job, kind)  -- drop the job's stream entry (and pending entry)
-  local e = redis.call('HGET', job, 'entry')
-  if e then
-    local s = job_stream(job, kind)
-    redis.call('XACK', s, G, e)
-    redis.call('XDEL', s, e)
-    redis.call('HDEL', job, 'entry')
-  end
-end
-local function bury(job, id, kind, err)  -- to the dead-letter stream
-  release(job, kind)
-  local d = redis.call('XADD', P .. ':dead', '*', 'id', id)
-  redis.call('HSET', job, 'state', 'dead', 'last_error', err, 'dead_entry', d,
-             'lease_token', '')
-  redis.call('HDEL', job, 'reconciled')
-end
-local function holds(job, token)  -- is this lease token the job's current lease?
-  local h = redis.call('HMGET', job, 'state', 'lease_token')
-  return h[1] == 'leased' and h[2] == token
-end
-"""
+# Every state change is one Lua script, lua/<name>.lua; lua/common.lua describes the key
+# layout and the lease clock they share.
+_LUA_SCRIPTS = ("enqueue", "lease", "heartbeat", "ack", "fail", "cancel", "requeue_dead",
+                "mark_reconciled")
 
-_LUA_ENQUEUE = _LUA_COMMON + """
-local id, kind, payload, max, delay = ARGV[3], ARGV[4], ARGV[5], ARGV[6], tonumber(ARGV[7])
-local group = ARGV[8]
-local job = job_key(id)
-if redis.call('EXISTS', job) == 1 then return 0 end
-local now = now_ms()
--- the length prefix keeps (kind, group) pairs apart whatever characters they hold
-local lane = P .. ':lane:' .. #kind .. ':' .. kind .. ':' .. group
-redis.call('HSET', job, 'id', id, 'kind', kind, 'payload', payload, 'state', 'queued',
-           'attempts', 0, 'max_attempts', max, 'created_ms', now, 'lane', lane,
-           'group', group)
-if delay > 0 then
-  redis.call('ZADD', P .. ':delayed', now + delay, id)
-else
-  push(job, id, kind)
-end
-count(nil, 'queued')
-return 1
-"""
 
-_LUA_LEASE = _LUA_COMMON + """
-local worker, token, lease, max_idle = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local now = now_ms()
-
--- delayed jobs that are due join their stream
-local delayed = P .. ':delayed'
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, 100)) do
-  redis.call('ZREM', delayed, id)
-  local job = job_key(id)
-  local h = redis.call('HMGET', job, 'state', 'kind')
-  if h[1] == 'queued' then push(job, id, h[2]) end
-end
-
--- the lanes (streams) of the kinds asked for: {stream, kind, group}
-local wanted = nil
-if #ARGV > 6 then
-  wanted = {}
-  for i = 7, #ARGV do wanted[ARGV[i]] = true end
-end
-local lanes = {}
-local groups = redis.call('HGETALL', P .. ':lane_group')
-local group_of = {}
-for i = 1, #groups, 2 do group_of[groups[i]] = groups[i + 1] end
-local all = redis.call('HGETALL', P .. ':lanes')
-for i = 1, #all, 2 do
-  if wanted == nil or wanted[all[i + 1]] then
-    lanes[#lanes + 1] = {all[i], all[i + 1], group_of[all[i]] or ''}
-  end
-end
-for _, kind in ipairs(redis.call('SMEMBERS', P .. ':kinds')) do  -- pre-group streams
-  if wanted == nil or wanted[kind] then lanes[#lanes + 1] = {stream_key(kind), kind, ''} end
-end
-table.sort(lanes, function(a, b) return a[1] < b[1] end)
-
-local function grant(job, id, kind, s, eid, last_error)
-  local attempts = redis.call('HINCRBY', job, 'attempts', 1)
-  redis.call('HSET', job, 'state', 'leased', 'lease_token', token, 'worker', worker,
-             'lease_until_ms', now + lease, 'entry', eid)
-  if last_error then redis.call('HSET', job, 'last_error', last_error) end
-  redis.call('XCLAIM', s, G, worker, 0, eid, 'IDLE', max_idle - lease, 'JUSTID')
-  local h = redis.call('HMGET', job, 'payload', 'max_attempts', 'last_error')
-  return {id, kind, h[1], attempts, tonumber(h[2]), token, h[3] or false}
-end
-
-local function served(group)
-  redis.call('HSET', P .. ':served', group, redis.call('INCR', P .. ':serial'))
-end
-
--- 1. leases that expired: their holders stopped heartbeating
-for _, lane in ipairs(lanes) do
-  local s, kind = lane[1], lane[2]
-  if redis.call('EXISTS', s) == 1 then
-    local ckey = P .. ':cursor:' .. s
-    local cursor = redis.call('GET', ckey) or '0-0'
-    for _ = 1, 10 do
-      local r = redis.call('XAUTOCLAIM', s, G, worker, max_idle, cursor, 'COUNT', 1)
-      cursor = r[1]
-      local entry = r[2][1]
-      if entry and entry[2] then
-        local eid, id = entry[1], entry[2][2]
-        local job = job_key(id)
-        local h = redis.call('HMGET', job, 'state', 'entry', 'attempts', 'max_attempts',
-                             'worker')
-        if h[1] ~= 'leased' or h[2] ~= eid then
-          redis.call('XACK', s, G, eid)  -- an orphan entry: nothing holds it
-          redis.call('XDEL', s, eid)
-        else
-          local attempts, max = tonumber(h[3]), tonumber(h[4])
-          local err = 'lease expired: worker ' .. (h[5] or '?') ..
-                      ' stopped heartbeating (attempt ' .. attempts .. ' of ' .. max .. ')'
-          if attempts >= max then
-            bury(job, id, kind, err)
-            count('leased', 'dead')
-          else
-            redis.call('SET', ckey, cursor)
-            served(lane[3])
-            return grant(job, id, kind, s, eid, err)
-          end
-        end
-      end
-      if cursor == '0-0' then break end
-    end
-    redis.call('SET', ckey, cursor)
-  end
-end
-
--- 2. the next entry not yet delivered: of the group served least recently (round robin
--- over groups), the oldest of its lanes
-local function older(a, b)
-  local am, as = string.match(a, '(%d+)-(%d+)')
-  local bm, bs = string.match(b, '(%d+)-(%d+)')
-  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
-  return am < bm or (am == bm and as < bs)
-end
-local serial = {}
-local s_all = redis.call('HGETALL', P .. ':served')
-for i = 1, #s_all, 2 do serial[s_all[i]] = tonumber(s_all[i + 1]) end
-for _ = 1, 100 do
-  local best, best_id, best_serial = nil, nil, nil
-  for _, lane in ipairs(lanes) do
-    local s = lane[1]
-    if redis.call('EXISTS', s) == 1 then
-      if redis.call('XLEN', s) == 0 and redis.call('HEXISTS', P .. ':lanes', s) == 1 then
-        -- an empty lane: forget it (a later job of its kind and group makes it again)
-        redis.call('DEL', s, P .. ':cursor:' .. s)
-        redis.call('HDEL', P .. ':lanes', s)
-        redis.call('HDEL', P .. ':lane_group', s)
-      else
-        for _, g in ipairs(redis.call('XINFO', 'GROUPS', s)) do
-          local f = {}
-          for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
-          if f['name'] == G then
-            local nxt = redis.call('XRANGE', s, '(' .. f['last-delivered-id'], '+', 'COUNT', 1)
-            if nxt[1] then
-              local rank = serial[lane[3]] or 0
-              if best == nil or rank < best_serial
-                  or (rank == best_serial and older(nxt[1][1], best_id)) then
-                best, best_id, best_serial = lane, nxt[1][1], rank
-              end
-            end
-          end
-        end
-      end
-    end
-  end
-  if not best then return false end
-  local s, best_kind = best[1], best[2]
-  local got = redis.call('XREADGROUP', 'GROUP', G, worker, 'COUNT', 1, 'STREAMS', s, '>')
-  local eid, id = got[1][2][1][1], got[1][2][1][2][2]
-  local job = job_key(id)
-  local h = redis.call('HMGET', job, 'state', 'entry')
-  if h[1] == 'queued' and h[2] == eid then
-    count('queued', 'leased')
-    served(best[3])
-    return grant(job, id, best_kind, s, eid, nil)
-  end
-  redis.call('XACK', s, G, eid)  -- an orphan entry (its job was cancelled or removed)
-  redis.call('XDEL', s, eid)
-end
-return false
-"""
-
-_LUA_HEARTBEAT = _LUA_COMMON + """
-local id, token, lease, max_idle = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
-local job = job_key(id)
-if not holds(job, token) then return 0 end
-local h = redis.call('HMGET', job, 'kind', 'worker', 'entry')
-redis.call('XCLAIM', job_stream(job, h[1]), G, h[2], 0, h[3], 'IDLE', max_idle - lease,
-           'JUSTID')
-redis.call('HSET', job, 'lease_until_ms', now_ms() + lease)
-return 1
-"""
-
-_LUA_ACK = _LUA_COMMON + """
-local id, token = ARGV[3], ARGV[4]
-local job = job_key(id)
-if not holds(job, token) then return 0 end
-release(job, redis.call('HGET', job, 'kind'))
-redis.call('HSET', job, 'state', 'done', 'done_ms', now_ms())
-count('leased', 'done')
-return 1
-"""
-
-_LUA_FAIL = _LUA_COMMON + """
-local id, token, err, retry = ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6])
-local job = job_key(id)
-if not holds(job, token) then return 'lost' end
-local h = redis.call('HMGET', job, 'kind', 'attempts', 'max_attempts')
-local kind = h[1]
-if tonumber(h[2]) >= tonumber(h[3]) then
-  bury(job, id, kind, err)
-  count('leased', 'dead')
-  return 'dead'
-end
-release(job, kind)
-redis.call('HSET', job, 'state', 'queued', 'last_error', err, 'lease_token', '')
-if retry > 0 then
-  redis.call('ZADD', P .. ':delayed', now_ms() + retry, id)
-else
-  push(job, id, kind)
-end
-count('leased', 'queued')
-return 'queued'
-"""
-
-_LUA_CANCEL = _LUA_COMMON + """
-local id = ARGV[3]
-local job = job_key(id)
-local h = redis.call('HMGET', job, 'state', 'kind')
-if h[1] ~= 'queued' and h[1] ~= 'leased' then return 0 end
-redis.call('ZREM', P .. ':delayed', id)
-release(job, h[2])
-redis.call('HSET', job, 'state', 'cancelled', 'lease_token', '')
-count(h[1], 'cancelled')
-return 1
-"""
-
-_LUA_REQUEUE_DEAD = _LUA_COMMON + """
-local id = ARGV[3]
-local job = job_key(id)
-local h = redis.call('HMGET', job, 'state', 'kind', 'dead_entry')
-if h[1] ~= 'dead' then return 0 end
-if h[3] then redis.call('XDEL', P .. ':dead', h[3]) end
-redis.call('HDEL', job, 'dead_entry', 'reconciled')
-redis.call('HSET', job, 'state', 'queued', 'attempts', 0)
-push(job, id, h[2])
-count('dead', 'queued')
-return 1
-"""
-
-_LUA_RECONCILED = _LUA_COMMON + """
-local marked = 0
-for i = 3, #ARGV do
-  local job = job_key(ARGV[i])
-  if redis.call('HGET', job, 'state') == 'dead' and
-      redis.call('HSETNX', job, 'reconciled', '1') == 1 then
-    marked = marked + 1
-  end
-end
--- move the cursor over the reconciled head of the dead-letter stream, so the next
--- unreconciled page starts after it
-local ckey = P .. ':dead_cursor'
-local cursor = redis.call('GET', ckey) or '0-0'
-for _ = 1, 20 do
-  local page = redis.call('XRANGE', P .. ':dead', '(' .. cursor, '+', 'COUNT', 100)
-  if #page == 0 then break end
-  local stop = false
-  for _, e in ipairs(page) do
-    local h = redis.call('HMGET', job_key(e[2][2]), 'state', 'dead_entry', 'reconciled')
-    if h[1] == 'dead' and h[2] == e[1] and not h[3] then stop = true break end
-    cursor = e[1]
-  end
-  if stop then break end
-end
-redis.call('SET', ckey, cursor)
-return marked
-"""
+@functools.cache
+def _lua_script(name: str) -> str:
+    """Script `name` as Redis runs it, read once: lua/common.lua (the key helpers), which
+    is prepended because Redis EVAL has no include, then lua/<name>.lua."""
+    lua = importlib.resources.files("ridgeline.platform") / "lua"
+    return ((lua / "common.lua").read_text(encoding="utf-8") + "\n"
+            + (lua / f"{name}.lua").read_text(encoding="utf-8"))
 
 
 def _safe_url(url: str) -> str:
@@ -913,11 +611,8 @@ class RedisJobQueue(_QueueBase):
                               "or newer (XAUTOCLAIM)", hint="upgrade redis-server")
         self.prefix = config.stream_prefix
         self._max_idle_ms = int(MAX_LEASE_S * 1000)
-        scripts = {"enqueue": _LUA_ENQUEUE, "lease": _LUA_LEASE, "heartbeat": _LUA_HEARTBEAT,
-                   "ack": _LUA_ACK, "fail": _LUA_FAIL, "cancel": _LUA_CANCEL,
-                   "requeue_dead": _LUA_REQUEUE_DEAD, "reconciled": _LUA_RECONCILED}
-        self._scripts = {name: self._redis.register_script(src)
-                         for name, src in scripts.items()}
+        self._scripts = {name: self._redis.register_script(_lua_script(name))
+                         for name in _LUA_SCRIPTS}
 
     def _run(self, name: str, *args: Any) -> Any:
         self._check_open()
@@ -1012,7 +707,7 @@ class RedisJobQueue(_QueueBase):
         return out
 
     def mark_reconciled(self, job_ids: Sequence[str]) -> int:
-        return int(self._run("reconciled", *job_ids))
+        return int(self._run("mark_reconciled", *job_ids))
 
     def requeue_dead(self, job_id: str) -> bool:
         ok = bool(self._run("requeue_dead", job_id))

@@ -17,7 +17,7 @@ import ridgeline
 SRC = Path(ridgeline.__file__).parent
 # Lower layers first (errors and config are the foundation every subsystem uses);
 # packages in one layer may not import each other.
-LAYERS = [{"errors"}, {"config"}, {"sandbox", "engine"}, {"llm"}, {"tasks", "serve"},
+LAYERS = [{"errors"}, {"config"}, {"wire"}, {"sandbox", "engine"}, {"llm"}, {"tasks", "serve"},
           {"agent"}, {"rl", "eval"}, {"platform"}, {"cli"}]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
@@ -64,8 +64,9 @@ def test_no_module_imports_beside_or_to_its_right() -> None:
     ("ridgeline.llm", ("ridgeline.engine", "ridgeline.serve", "torch")),
     # `ridgeline --help` mounts serve's CLI; FastAPI loads only when serving
     ("ridgeline.serve.cli", ("ridgeline.serve.app", "fastapi")),
-    # the platform's API processes and workers never run a model in-process
-    ("ridgeline.platform.service", ("torch",)),
+    # the platform's API processes and workers never run a model in-process, and speak
+    # the wire format without the model server (ridgeline.wire)
+    ("ridgeline.platform.service", ("torch", "ridgeline.serve")),
 ])
 def test_importing_loads_only_what_is_to_the_left(module: str,
                                                   must_not_load: tuple[str, ...]) -> None:
@@ -74,3 +75,12 @@ def test_importing_loads_only_what_is_to_the_left(module: str,
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]", f"importing {module} loaded {out.strip()}"
+
+
+def test_the_platform_imports_nothing_from_the_model_server() -> None:
+    """The platform speaks OpenAI's wire format through `ridgeline.wire`; `serve` is a
+    model server it may call over HTTP, never a library it imports."""
+    wrong = [f"{path.relative_to(SRC)}:{line}"
+             for path in (SRC / "platform").rglob("*.py")
+             for target, line in imported_subsystems(path) if target == "serve"]
+    assert not wrong, "\n".join(wrong)

@@ -45,7 +45,13 @@ class PathEscapeError(SandboxError):
 
 
 class EngineError(RidgelineError):
-    """A request to the inference engine is invalid (bad sampling params, too long)."""
+    """A request to the inference engine is invalid (bad sampling params, too long).
+    `param`: the request field it concerns, when there is one (servers report it)."""
+
+    def __init__(self, message: str, *, hint: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.param = param
 
 
 class ModelLoadError(RidgelineError):

@@ -23,7 +23,7 @@ from ridgeline.errors import ConfigError, ConflictError, NotFoundError
 from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location
 from ridgeline.platform.principal import Principal, group_reader, user_reader
 from ridgeline.platform.store import TaskStatus, TaskStore, store_path
-from ridgeline.serve.protocol import error_for
+from ridgeline.wire import error_for
 
 ALICE = Principal(key_id="k-alice", tenant="acme", user="alice")
 CAROL = Principal(key_id="k-carol", tenant="acme", user="carol")

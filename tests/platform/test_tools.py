@@ -33,7 +33,7 @@ from ridgeline.platform.tools import (
     ToolCallContext, ToolFailure, ToolPermissionError, ToolRegistry, ToolResult,
     function_tool, strict_schema,
 )
-from ridgeline.serve.protocol import error_for
+from ridgeline.wire import error_for
 
 READER = Principal(key_id="k-read", tenant="acme", scopes=frozenset({"tools:read"}))
 WRITER = Principal(key_id="k-write", tenant="acme",

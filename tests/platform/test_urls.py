@@ -20,7 +20,7 @@ from ridgeline.platform.urls import (
     UnresolvableURLError, UnsafeURLError, address_category, check_outbound_url, resolve_host,
     safe_async_client, safe_client,
 )
-from ridgeline.serve.protocol import error_for
+from ridgeline.wire import error_for
 
 # (url, words the refusal must contain): refused whatever allow_private says.
 ALWAYS_REFUSED = [

@@ -34,7 +34,7 @@ from ridgeline.platform.webhooks import (
     WebhookConfig, WebhookDispatcher, WebhookOutbox, WebhookSignatureError, new_secret,
     retry_after_seconds, sign, signature_header, verify,
 )
-from ridgeline.serve.protocol import error_for
+from ridgeline.wire import error_for
 
 SECRET = new_secret()
 # "Now" for the outbox and the dispatcher in scheduling tests (signatures use real time).

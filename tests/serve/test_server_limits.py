@@ -24,8 +24,9 @@ from test_server import HELLO, engine_for, error_of, llama, make_tokenizer, sse_
 from ridgeline.serve import app as serve_app
 from ridgeline.serve.app import ServerThread, create_app
 from ridgeline.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, RequestError, ServerLimits, parse_request,
+    ChatCompletionRequest, CompletionRequest, ServerLimits, parse_request,
 )
+from ridgeline.wire import RequestError
 
 MAX_LEN = 256
 LIMITS = ServerLimits(max_body_bytes=64 * 1024, max_prompts=4, max_n=3, max_choices=6,

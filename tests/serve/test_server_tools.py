@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ridgeline.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, RequestError, parse_request,
-)
+from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from ridgeline.wire import RequestError
 from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, wire_tool_call,
 )

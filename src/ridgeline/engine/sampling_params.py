@@ -11,7 +11,8 @@ MAX_LOGPROBS = 20
 
 
 def _bad(field_name: str, value: object, rule: str) -> EngineError:
-    return EngineError(f"invalid sampling parameter {field_name}={value!r}: {rule}")
+    return EngineError(f"invalid sampling parameter {field_name}={value!r}: {rule}",
+                       param=field_name)
 
 
 @dataclass

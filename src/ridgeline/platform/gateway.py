@@ -76,11 +76,12 @@ from ridgeline.platform.http import install_error_handlers, principal_dependency
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.limits import Admission, KeyLimits, KeyRateLimitError, RateLimiter
 from ridgeline.platform.principal import Principal
-from ridgeline.serve.protocol import FAST_SUFFIX, RequestError, base_model_name, error_body
+from ridgeline.wire import (
+    FAST_SUFFIX, NITRO_SUFFIX, RequestError, base_model_name, error_body, split_variant,
+)
 
 log = logging.getLogger(__name__)
 
-NITRO_SUFFIX = ":nitro"   # OpenRouter's name for "the fastest provider"
 VARIANT_HEADER = "x-ridgeline-variant"
 UPSTREAM_HEADER = "x-ridgeline-upstream"
 MAX_FALLBACK_MODELS = 8
@@ -875,17 +876,13 @@ async def _disconnected(request: Request) -> None:
 
 def _fast_base(name: str) -> str | None:
     """`x` for `x:fast` or `x:nitro` (the fast variant), else None."""
-    for suffix in (FAST_SUFFIX, NITRO_SUFFIX):
-        if name.endswith(suffix) and len(name) > len(suffix):
-            return name[:-len(suffix)]
-    return None
+    base, variant = split_variant(name)
+    return base if variant in ("fast", "nitro") else None
 
 
 def _base_name(name: str) -> str:
     """The name allow-lists hold: without :fast, :fast-q or :nitro."""
-    if name.endswith(NITRO_SUFFIX):
-        return name[:-len(NITRO_SUFFIX)]
-    return base_model_name(name) or name
+    return split_variant(name)[0]
 
 
 def _clip(text: str, limit: int = 100) -> str:

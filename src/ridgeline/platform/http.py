@@ -15,7 +15,7 @@ it. A 401 or 413 closes the connection, so an unread body is not drained either.
 `install_docs` serves `/openapi.json`, `/docs` and `/redoc` to holders of a key only.
 
 `install_error_handlers` answers a `RidgelineError` with its status and the body
-``{"error": {"message", "type", "param", "code"}}`` (`serve.protocol.error_for`; a 429
+``{"error": {"message", "type", "param", "code"}}`` (`wire.error_for`; a 429
 also carries Retry-After, a 401 ``WWW-Authenticate: Bearer``), FastAPI's validation
 errors with a 400 naming the first bad field, unknown routes and methods with 404/405 in
 the same shape, and a bug with a 500 that says only "internal error" and the request
@@ -44,7 +44,7 @@ from ridgeline.errors import (
 from ridgeline.platform.keys import InvalidApiKeyError, KeyStore
 from ridgeline.platform.limits import retry_after_header
 from ridgeline.platform.principal import Principal
-from ridgeline.serve.protocol import error_body, error_for, error_type
+from ridgeline.wire import error_body, error_for, error_type, internal_error_body
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -97,11 +97,6 @@ def parse_body(raw: bytes, model: type[M]) -> M:
 def _too_large(limit: int) -> PayloadTooLargeError:
     return PayloadTooLargeError(f"the request body is over this route's limit of {limit} "
                                 "bytes", hint="send a smaller request")
-
-
-def internal_error_body(request_id: str) -> dict[str, Any]:
-    return error_body(f"internal error (request id {request_id})", type="internal_error",
-                      code="internal_error")
 
 
 def request_id_of(request: Request) -> str:

@@ -42,7 +42,7 @@ from ridgeline.errors import (
 from ridgeline.platform.chunking import chunk_text, looks_like_code
 from ridgeline.platform.embeddings import Embedder, make_embedder
 from ridgeline.platform.principal import Principal
-from ridgeline.serve.protocol import RequestError
+from ridgeline.wire import RequestError
 
 #: namespace of the point ids: uuid5 of tenant, document id and chunk position, so the
 #: same document re-added overwrites its own points and never another tenant's

@@ -54,7 +54,7 @@ from ridgeline.platform.urls import check_outbound_url
 from ridgeline.platform.webhooks import (
     WebhookDispatcher, WebhookOutbox, new_secret, task_webhook_data,
 )
-from ridgeline.serve.protocol import RequestError
+from ridgeline.wire import RequestError
 from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
 
 log = logging.getLogger(__name__)

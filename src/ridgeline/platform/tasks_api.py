@@ -45,7 +45,7 @@ from ridgeline.platform.principal import Principal, group_reader, user_reader
 from ridgeline.platform.queue import JobQueue
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
 from ridgeline.platform.worker import AGENT_TASK
-from ridgeline.serve.protocol import RequestError
+from ridgeline.wire import RequestError
 
 MAX_FILES_BYTES = 8 << 20
 MAX_INSTRUCTION_CHARS = 100_000

@@ -63,8 +63,11 @@ from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
-    FAST_Q_SUFFIX, FAST_SUFFIX, ChatCompletionRequest, CompletionRequest, RequestError,
-    ServerLimits, base_model_name, error_body, error_for, error_type, parse_request,
+    ChatCompletionRequest, CompletionRequest, ServerLimits, parse_request,
+)
+from ridgeline.wire import (
+    FAST_Q_SUFFIX, FAST_SUFFIX, RequestError, base_model_name, error_body, error_for,
+    error_type, internal_error_body,
 )
 from ridgeline.serve.tools import (
     ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
@@ -355,12 +358,6 @@ class _Gate:
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
             return "incorrect API key provided"
         return None
-
-
-def internal_error_body(request_id: str) -> dict[str, Any]:
-    """What a client learns of a bug: that it happened, and the id to find it in the log."""
-    return error_body(f"internal error (request id {request_id})", type="internal_error",
-                      code="internal_error")
 
 
 async def _send_error(send: Any, status: int, body: dict[str, Any],

@@ -15,7 +15,6 @@ limit, and `check_token_ids` checks token ids against the model's vocabulary.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,60 +23,9 @@ from pydantic import (
 
 from ridgeline.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ridgeline.errors import EngineError, RidgelineError
+from ridgeline.wire import RequestError
 
-# ---- errors --------------------------------------------------------------------------------
-
-
-class RequestError(EngineError):
-    """A bad HTTP request, with the OpenAI `param` and `code` it concerns."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int = 400, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.param = param
-        self.code = code
-        self.http_status = status
-
-
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def error_type(status: int) -> str:
-    if status == 401:
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error"
-    return "invalid_request_error"
-
-
-def error_for(exc: RidgelineError) -> tuple[int, dict[str, Any]]:
-    """The HTTP status and OpenAI error body for a user mistake."""
-    status = exc.http_status
-    param = getattr(exc, "param", None)
-    code = getattr(exc, "code", None)
-    return status, error_body(str(exc), type=error_type(status), param=param, code=code)
-
-
-# ---- limits --------------------------------------------------------------------------------
-
-
-#: `<model>:fast` names the lossless high-speed variant of `<model>` (the same weights),
-#: `<model>:fast-q` the quantized one (int8 KV cache and weights).
-FAST_SUFFIX = ":fast"
-FAST_Q_SUFFIX = ":fast-q"
-
-
-def base_model_name(name: str) -> str | None:
-    """`<model>` for a variant name `<model>:fast` or `<model>:fast-q`, else None."""
-    return next((name[:-len(s)] for s in (FAST_SUFFIX, FAST_Q_SUFFIX) if name.endswith(s)),
-                None)
-
+# ---- errors and variant names: ridgeline.wire (shared with the platform) -----------------
 
 class ServerLimits(BaseModel):
     """Bounds on what one request may ask for, so that no client can make the server
@@ -236,10 +184,7 @@ class _SamplingRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens, logprobs_mode=self.logprobs_mode)
         except EngineError as e:
-            # "invalid sampling parameter top_k=-3: ..." -> param "top_k"
-            match = re.match(r"invalid sampling parameter (\w+)=", e.message)
-            raise RequestError(e.message, param=match.group(1) if match else None,
-                               code="invalid_value") from None
+            raise RequestError(e.message, param=e.param, code="invalid_value") from None
 
 
 # ---- /v1/chat/completions ---------------------------------------------------------------------

@@ -27,7 +27,8 @@ from typing import Any
 
 from ridgeline.llm.base import Message, ToolCall, ToolSpec
 from ridgeline.llm.tool_parser import coerce_arguments, parse_one_call, parse_tool_calls
-from ridgeline.serve.protocol import ChatMessage, NamedToolChoice, RequestError, ToolDef
+from ridgeline.serve.protocol import ChatMessage, NamedToolChoice, ToolDef
+from ridgeline.wire import RequestError
 
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"

@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from ridgeline.errors import RidgelineError
-from ridgeline.serve.protocol import FAST_SUFFIX, RequestError, base_model_name
+from ridgeline.wire import FAST_SUFFIX, RequestError, base_model_name
 
 WEIGHTS_PATH = "/v1/weights"
 

@@ -77,15 +77,14 @@ class EvalRun:
 
 
 def make_model(config: EvalConfig) -> ChatModel:
-    """The model behind the `llm` agent: an OpenAI-compatible URL or the in-process engine."""
+    """The model behind the `llm` agent: an OpenAI-compatible URL or the in-process engine
+    (`llm.make_chat_model`, the one place that tells them apart)."""
+    from ridgeline.llm import make_chat_model
+
     if config.model.startswith(("http://", "https://")):
-        from ridgeline.llm import OpenAIClient
-
         # model=None lets the client discover the served model's name and context window.
-        return OpenAIClient(config.model, model=config.model_name, api_key=config.api_key)
-    from ridgeline.llm import EngineClient
-
-    return EngineClient(config.model)
+        return make_chat_model(config.model, model=config.model_name, api_key=config.api_key)
+    return make_chat_model(config.model)
 
 
 def select_tasks(config: EvalConfig) -> list[Task]:

@@ -791,7 +791,7 @@ def test_the_autoscalers_measure_the_queue_the_workers_read(k8s, alternatives, r
     from ridgeline.platform.keys import ADMIN_KEY_ENV
     from ridgeline.platform.queue import STATES
     from ridgeline.platform.service import Platform
-    from ridgeline.platform.worker import AGENT_TASK
+    from ridgeline.platform.task_service import AGENT_TASK
 
     raw = _platform_yaml(k8s)
     cfg = PlatformConfig.model_validate({

@@ -21,7 +21,8 @@ from ridgeline.errors import ModelEndpointError
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import QueueConfig, open_queue
 from ridgeline.platform.store import TaskStatus, TaskStore
-from ridgeline.platform.worker import AGENT_TASK, AgentWorker, WorkerConfig
+from ridgeline.platform.task_service import AGENT_TASK
+from ridgeline.platform.worker import AgentWorker, WorkerConfig
 
 ALICE = Principal(key_id="k1", tenant="acme", user="alice")
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from ridgeline.platform.dag import GraphRunner, TaskGraph
 from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import QueueConfig, open_queue
 from ridgeline.platform.store import TaskStatus, TaskStore
-from ridgeline.platform.tasks_api import enqueue
+from ridgeline.platform.task_service import enqueue
 from ridgeline.platform.worker import AgentWorker, WorkerConfig
 
 ALICE = Principal(key_id="k1", tenant="acme", user="alice")

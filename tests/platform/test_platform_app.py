@@ -375,7 +375,7 @@ def test_maintenance_ends_a_cancelled_task_whose_worker_died(platform) -> None:
     plat, server, keys = platform
     plat.stop_background()
     from ridgeline.platform.principal import Principal
-    from ridgeline.platform.tasks_api import enqueue
+    from ridgeline.platform.task_service import enqueue
 
     task, _ = plat.store.create_task(Principal(key_id="k", tenant="acme"),
                                      {"instruction": "x", "model": "replay"})

@@ -28,8 +28,8 @@ from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import QueueConfig, open_queue
 from ridgeline.platform.service import Platform
 from ridgeline.platform.store import TaskStatus, TaskStore
-from ridgeline.platform.tasks_api import enqueue
-from ridgeline.platform.worker import AGENT_TASK
+from ridgeline.platform.task_service import enqueue
+from ridgeline.platform.task_service import AGENT_TASK
 from ridgeline.serve.app import ServerThread
 
 

@@ -46,7 +46,8 @@ from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
 from ridgeline.platform.db import Transaction
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
-from ridgeline.platform.tasks_api import AgentTaskRequest, enqueue, tasks_router
+from ridgeline.platform.task_service import AGENT_TASK, enqueue
+from ridgeline.platform.tasks_api import AgentTaskRequest, tasks_router
 from ridgeline.platform.openapi_tools import load_openapi_tools
 from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.platform.tools import SQLIdempotencyStore, ToolCallContext, ToolRegistry
@@ -55,7 +56,7 @@ from ridgeline.platform.webhooks import (
     WebhookDispatcher, WebhookOutbox, new_secret, task_webhook_data,
 )
 from ridgeline.wire import RequestError
-from ridgeline.platform.worker import AGENT_TASK, AgentWorker, EnvFactory, ModelFactory
+from ridgeline.platform.worker import AgentWorker, EnvFactory, ModelFactory
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from ridgeline.platform.http import parse_body, read_body
 from ridgeline.platform.principal import Principal, group_reader, user_reader
 from ridgeline.platform.queue import JobQueue
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
-from ridgeline.platform.worker import AGENT_TASK
+from ridgeline.platform.task_service import enqueue
 from ridgeline.wire import RequestError
 
 MAX_FILES_BYTES = 8 << 20
@@ -263,17 +263,6 @@ def tasks_router(store: TaskStore, queue: JobQueue, principal: Callable[..., Any
                                           "x-accel-buffering": "no"})
 
     return router
-
-
-def enqueue(store: TaskStore, queue: JobQueue, task: TaskRecord) -> None:
-    """Queue the task's job; if the queue refuses, the task fails with the reason (the
-    client sees it in the status instead of a task that never starts)."""
-    try:
-        # grouped by tenant: workers take turns between tenants (queue fairness)
-        queue.enqueue(AGENT_TASK, {"task_id": task.id}, job_id=task.id, group=task.tenant)
-    except Exception as e:
-        store.finish(task.id, TaskStatus.FAILED, error=f"could not be queued: {e}")
-        raise
 
 
 async def _stream(store: TaskStore, task_id: str, after: int, request: Request,

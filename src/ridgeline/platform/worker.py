@@ -52,12 +52,12 @@ from ridgeline.platform.principal import Principal
 from ridgeline.platform.queue import Job, JobQueue
 from ridgeline.platform.replay import REPLAY_MODEL, ReplayModel
 from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
+from ridgeline.platform.task_service import AGENT_TASK
 from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.sandbox import Sandbox, SandboxSpec, get_provider
 
 log = logging.getLogger(__name__)
 
-AGENT_TASK = "agent_task"
 # Failures of what the task runs on, not of the task: retried from the last checkpoint.
 INFRASTRUCTURE_ERRORS = (ModelEndpointError, SandboxError)
 CHECKPOINT_FILE = ".ridgeline-checkpoint.tgz"

@@ -28,9 +28,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ridgeline.agent.config import AgentConfig
 from ridgeline.agent.environment import ToolEnvironment
-from ridgeline.agent.tools import Workbench
 from ridgeline.errors import NotFoundError, PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
@@ -56,7 +54,7 @@ from ridgeline.platform.webhooks import (
     WebhookDispatcher, WebhookOutbox, new_secret, task_webhook_data,
 )
 from ridgeline.wire import RequestError
-from ridgeline.platform.worker import AgentWorker, EnvFactory, ModelFactory
+from ridgeline.platform.worker import AgentWorker, EnvFactory, ModelFactory, sandbox_workbench
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +173,7 @@ class Platform:
                               groups=frozenset(p.get("groups", [])),
                               scopes=frozenset(p.get("scopes", [])))
         return PlatformToolEnvironment(
-            Workbench(sandbox, AgentConfig().observation_max_bytes), self.tools, principal,
+            sandbox_workbench(sandbox), self.tools, principal,
             idempotency_prefix=task.id, only=task.request.get("tools") or [])
 
     # -- the life of a task ------------------------------------------------------------

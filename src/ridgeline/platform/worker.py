@@ -475,9 +475,15 @@ def default_model_factory(config: WorkerConfig) -> ModelFactory:
     return make
 
 
+def sandbox_workbench(sandbox: Sandbox) -> Workbench:
+    """The agent's sandbox tools for a platform task (the agent's default observation
+    budget): the one place the platform builds them."""
+    return Workbench(sandbox, AgentConfig().observation_max_bytes)
+
+
 def workbench_env(config: WorkerConfig) -> EnvFactory:
     def make(task: TaskRecord, sandbox: Sandbox, run: TaskRun) -> ToolEnvironment:
-        return Workbench(sandbox, AgentConfig().observation_max_bytes)
+        return sandbox_workbench(sandbox)
     return make
 
 

@@ -22,11 +22,12 @@ import json
 import math
 import platform
 import statistics
-import sys
 import tempfile
 import warnings
 from datetime import date
 from pathlib import Path
+
+from bench_common import machine
 
 from ridgeline.agent import AgentConfig, run_agent
 from ridgeline.llm.base import Completion, Message, Sampling, ToolCall, ToolSpec, Usage
@@ -126,7 +127,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "agent_overhead",
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {platform.system()}, python {sys.version.split()[0]}",
+        "machine": machine(arch=platform.machine(), os=platform.system()),
         "sandbox_backend": args.backend,
         "steps": len(every),
         "condensations": n_condensations,

@@ -54,7 +54,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import cpu_info, machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
 import torch  # noqa: E402
 
@@ -285,6 +285,13 @@ def bench_prefill(dtype: torch.dtype, lengths: list[int], threads: int,
     return result
 
 
+def machine_fields() -> dict[str, Any]:
+    """This script's own machine fields, kept beside bench_common.machine()'s."""
+    flags = cpu_info()[2]
+    return {"cpu": platform.processor() or platform.machine(),
+            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags}
+
+
 def main_prefill(args: argparse.Namespace, say: Callable[[str], None]) -> None:
     rounds = args.rounds or (5 if args.quick else 11)
     results: dict[str, Any] = {}
@@ -297,11 +304,8 @@ def main_prefill(args: argparse.Namespace, say: Callable[[str], None]) -> None:
     report = {
         "benchmark": "attention_bench/prefill",
         "date": date.today().isoformat(),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "avx512": "avx512f" in cpu_kernels.cpu_flags(),
-                    "avx512_bf16": "avx512_bf16" in cpu_kernels.cpu_flags(),
-                    "threads": args.threads,
-                    "kernel_path": cpu_kernels.kernel_path()},
+        "machine": machine(args.threads, **machine_fields(),
+                           kernel_path=cpu_kernels.kernel_path()),
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE},
         "rounds": rounds,
@@ -363,12 +367,9 @@ def main() -> None:
     report = {
         "benchmark": "attention_bench",
         "date": date.today().isoformat(),
-        "machine": {"cpu": platform.processor() or platform.machine(),
-                    "avx512": "avx512f" in cpu_kernels.cpu_flags(),
-                    "avx512_bf16": "avx512_bf16" in cpu_kernels.cpu_flags(),
-                    "threads": args.threads,
-                    "kernel_vector_width": cpu_kernels.vector_width(),
-                    "kernel_path": cpu_kernels.kernel_path()},
+        "machine": machine(args.threads, **machine_fields(),
+                           kernel_vector_width=cpu_kernels.vector_width(),
+                           kernel_path=cpu_kernels.kernel_path()),
         "shape": {"seqs": args.seqs, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "block_size": BLOCK_SIZE, "new_tokens_per_seq": 1},
         "baseline": args.baseline[:7],

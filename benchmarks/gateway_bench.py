@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from bench_common import machine
 
 GOAL_MS = 2.0
 STUB_MODEL = "stub"
@@ -300,8 +300,7 @@ def main() -> None:
         "overhead_p50_ms": stub["overhead_p50_ms"],
         "overhead_goal_p50_ms": GOAL_MS,
         "requests_counted_in_usage": counted,
-        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": round(load_start, 2),
-                    "python": platform.python_version(), "httpx": httpx.__version__},
+        "machine": machine(load_avg_at_start=round(load_start, 2), httpx=httpx.__version__),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
     if args.json:

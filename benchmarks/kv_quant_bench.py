@@ -29,7 +29,7 @@ from datetime import date
 from typing import Any
 
 # before torch: idle OpenMP workers sleep, the same for every cache
-from bench_common import engine_arg_parser, on_worker_thread, progress_log  # noqa: I001
+from bench_common import engine_arg_parser, machine, on_worker_thread, progress_log  # noqa: I001
 
 import torch  # noqa: E402
 
@@ -139,7 +139,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "float32_kv_capacity_tokens": ref_stats.kv_capacity_tokens,
         "float32_teacher_forced_self_agreement": round(
             sum(a == b for x, y in zip(ref_tf, ref) for a, b in zip(x, y)) / (n * max_tokens), 4),
-        "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
+        "machine": machine(args.threads, cpu=platform.processor() or platform.machine()),
         "date": date.today().isoformat(), "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_avg_start": round(os.getloadavg()[0], 2),

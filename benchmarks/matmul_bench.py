@@ -36,7 +36,7 @@ import json
 import time
 from collections.abc import Callable
 
-from bench_common import median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import machine, median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -144,7 +144,7 @@ def main() -> None:
     out = {"benchmark": "matmul", "threads": args.threads, "peaks": peak,
            "shapes": {k: list(v) for k, v in SHAPES.items()}, "results": results,
            "step_floor_ms": {p: {m: round(v, 2) for m, v in d.items()} for p, d in floor.items()},
-           "date": time.strftime("%Y-%m-%d")}
+           "machine": machine(args.threads), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(out, indent=None if args.json else 1))
 
 

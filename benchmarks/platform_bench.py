@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from standardwebhooks.webhooks import Webhook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "platform"))
+from bench_common import machine  # noqa: E402
 from redis_server import RedisServer, redis_server_path  # noqa: E402
 
 from ridgeline.platform.config import PlatformConfig  # noqa: E402
@@ -149,7 +150,7 @@ def main() -> None:
                                        redis.url))
     out = {"benchmark": "platform_bench", "date": time.strftime("%Y-%m-%d"),
            "tasks": args.tasks, "workers": args.workers, "sandbox_step": args.sandbox_step,
-           "results": results}
+           "results": results, "machine": machine()}
     if not all(r["lost"] == 0 and r["duplicates"] == 0 for r in results):
         out["error"] = "tasks were lost or duplicated"
     print(json.dumps(out, indent=None if args.json else 2))

@@ -22,7 +22,7 @@ import json
 import random
 import time
 
-from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
 from ridgeline.engine import LLM  # noqa: E402
 from ridgeline.rl.digits import DIGITS, shift_reward, shift_tasks, tiny_policy  # noqa: E402
@@ -105,7 +105,7 @@ def main() -> None:
            "sync": sync, "async": async_,
            "speedup": (round(sync["seconds"] / async_["seconds"], 2)
                        if sync["reached"] and async_["reached"] else None),
-           "goal_speedup": 2.0, "date": time.strftime("%Y-%m-%d")}
+           "goal_speedup": 2.0, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(out, indent=None if args.json else 2))
 
 

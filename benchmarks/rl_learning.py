@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from bench_common import progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+from bench_common import machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
 from ridgeline.rl.run import TrainConfig, train  # noqa: E402
 
@@ -88,7 +88,8 @@ def main() -> None:
                         else None),
         "heldout_per_task_before": before["per_task"], "heldout_per_task_after": after["per_task"],
         "train_reward_first5": rewards[:5], "train_reward_last5": rewards[-5:],
-        "run_dir": str(res.run_dir), "goal_points": 15, "date": time.strftime("%Y-%m-%d"),
+        "run_dir": str(res.run_dir), "goal_points": 15, "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps(out, indent=None if args.json else 2))
 

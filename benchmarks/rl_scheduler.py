@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench_common import machine
+
 from ridgeline.rl.curriculum import CurriculumConfig
 from ridgeline.rl.filters import EpisodeRecord
 from ridgeline.rl.loop import TaskSampler
@@ -124,7 +126,8 @@ def main() -> None:
            "healthy_domains": args.domains, "failing_domain_hang_s": HANG_S,
            "fifo": fifo, "scheduler": mine,
            "throughput_ratio": round(mine["episodes_per_s"] / max(fifo["episodes_per_s"], 1e-9), 2),
-           "goal_ratio": 1.5, "goal_min_share": 0.5, "date": time.strftime("%Y-%m-%d")}
+           "goal_ratio": 1.5, "goal_min_share": 0.5, "machine": machine(),
+           "date": time.strftime("%Y-%m-%d")}
     print(json.dumps(out, indent=None if args.json else 2))
 
 

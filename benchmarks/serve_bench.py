@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from bench_common import on_worker_thread
+from bench_common import machine, on_worker_thread
 
 TOPICS = ["binary search", "a TCP handshake", "garbage collection", "unit tests", "git rebase",
           "hash maps", "recursion", "a REST API", "shell pipes", "file permissions",
@@ -241,8 +240,7 @@ def main() -> None:
         "overhead_goal_pct": 10.0,
         "same_prompts": same_prompts,
         "greedy_identical_fraction": round(sum(identical) / max(len(identical), 1), 4),
-        "machine": {"cpus": os.cpu_count(), "load_avg_at_start": round(load_start, 2),
-                    "python": platform.python_version()},
+        "machine": machine(load_avg_at_start=round(load_start, 2)),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
     }
     if args.json:

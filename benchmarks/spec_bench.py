@@ -422,7 +422,7 @@ def replay(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any
     modes = {"lookup": SpeculativeConfig(method="ngram", ngram_mode="lookup"),
              "suffix": SpeculativeConfig(method="ngram")}
     out: dict[str, Any] = {"model": args.model, "max_tokens": max_tokens, "quick": args.quick,
-                           "date": date.today().isoformat(),
+                           "machine": machine(args.threads), "date": date.today().isoformat(),
                            "configs": {m: c.model_dump() for m, c in modes.items()}}
     for ratio in [float(r) for r in args.cost_ratios.split(",")]:
         cost = StepCost(fixed=(1.0, ratio))

@@ -187,9 +187,7 @@ class ModelRunner:
 #: A CPU forward of at most this many tokens in bfloat16 (or float16) runs its decoder
 #: layers on one intra-op thread (the LM head keeps them all): waking the other OpenMP
 #: threads for each of a step's ~120 small oneDNN matmuls costs more than they save.
-#: Measured on 2 cores, SmolLM2 bf16: 120 one-row projections + the LM head 12.5-15.4 ms
-#: on 2 threads, 8.9 ms with the layers on one; a single-request decode step 30.2 -> 25.9
-#: ms. (float32 is unchanged: 38.3 vs 40.2 ms, within noise.)
+#: float32 keeps its threads. Measurements: docs/benchmarks.md, "Engine constants".
 FEW_TOKENS = 4
 
 
@@ -199,8 +197,7 @@ def _few_token_threads(num_tokens: int, device: torch.device, dtype: torch.dtype
     threads = torch.get_num_threads()
     # float32 keeps its threads: its small-batch matmuls (layers.linear) use them well; so
     # does bfloat16 where the C kernel takes its projections (no oneDNN matmul is left to
-    # wake the OpenMP threads, and the kernel reads its thread count from torch's). Zen 3,
-    # single-request decode: bf16 37.5 -> 32.4 ms a step, bf16 + int8 28.1 -> 23.8 ms.
+    # wake the OpenMP threads, and the kernel reads its thread count from torch's).
     if (device.type != "cpu" or dtype == torch.float32 or num_tokens > FEW_TOKENS
             or threads == 1 or (dtype == torch.bfloat16 and linear_kernel.available())):
         yield

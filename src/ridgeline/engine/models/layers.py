@@ -19,24 +19,17 @@ log = logging.getLogger(__name__)
 
 #: On CPU in float32, x W^T for 2..SMALL_BATCH_ROWS rows is computed as (W x^T)^T: MKL's
 #: kernel for a short x and a wide W runs at a fraction of memory bandwidth, while W x^T
-#: (many rows, few columns) streams W once. Measured on 2 cores, SmolLM2-135M, all
-#: matmuls of a step: 4 rows 83 -> 44 ms, 16 rows 132 -> 97 ms, 64 rows 231 -> 196 ms;
-#: from 128 rows the plain product is faster. bfloat16 goes to oneDNN, whose F.linear is
-#: the faster of the two at every size (gate/up at 4 rows: 128 vs 172 us).
+#: (many rows, few columns) streams W once; from 128 rows the plain product is faster.
+#: bfloat16 goes to oneDNN, faster at every size. Measurements: docs/benchmarks.md, "Engine constants".
 SMALL_BATCH_ROWS = 64
 
 
 #: From this many rows a CPU float32 matmul goes to oneDNN with the weight kept in its
-#: blocked layout (packed once, again only after the weight changes), the conversions
-#: of x and y included: gate/up at 64 rows 1608 -> 872 us, LM head at 16 rows 14.7 ->
-#: 7.0 ms; a whole step of SmolLM2's matmuls at 8 rows 46.4 vs 45.3 ms (even), at 12
-#: rows 75.7 -> 37.1 ms, at 1-4 rows the (W x^T)^T path is faster (16.3 vs 22.8 ms at 1).
-#: The call is `mkldnn._linear_pointwise` (what inductor's frozen CPU graphs call): a
-#: dense x and y, so no conversion of either; Zen 4, 64 rows, against mkldnn_linear with
-#: x.to_mkldnn() / y.to_dense(): gate/up 1051 -> 689 us, down 826 -> 550, LM head
-#: 51 -> 14 ms. bfloat16 products above the C kernel's rows take it too where the CPU
-#: has native bf16 dot products (bit-identical to F.linear, LM head at 17 rows 5.9 ->
-#: 2.8 ms).
+#: blocked layout (packed once, again only after the weight changes); below it the
+#: (W x^T)^T path is faster. The call is `mkldnn._linear_pointwise` (what inductor's
+#: frozen CPU graphs call): a dense x and y, so no conversion of either. bfloat16
+#: products above the C kernel's rows take it too where the CPU has native bf16 dot
+#: products (bit-identical to F.linear). Measurements: docs/benchmarks.md, "Engine constants".
 ONEDNN_MIN_ROWS = 10
 _onednn_weights: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 _onednn_lock = threading.Lock()
@@ -96,14 +89,8 @@ _ONEDNN = (torch.backends.mkldnn.is_available()
 #: (and int8 ones: `int8_linear`) go to the C kernel of `engine.linear_kernel` where it
 #: builds (AVX-512 or AVX2 + FMA): it streams each weight once for all rows. One row goes
 #: here too: a row's result is the same whether it is computed alone (a standard step) or
-#: among a speculative verify's rows. SmolLM2-135M, all matmuls of a step, 2 cores
-#: (`benchmarks/matmul_bench.py`, step_floor_ms, before -> with the kernel):
-#: - AVX-512 (Zen 4), float32: 2 rows 22.1 -> 6.1 ms, 8 rows 42.3 -> 10.2 ms, 16 rows
-#:   36.2 -> 17.8 ms; 1 row 12.3 -> 4.7 ms (weights in cache; 31.4 -> 12.6 ms streamed).
-#: - AVX2 (Zen 3), float32: 1 row 32.5 -> 18.6 ms, 4 rows 52.6 -> 24.5, 16 rows 102 ->
-#:   69; bfloat16 (oneDNN emulates it here): 1 row 23.2 -> 12.5, 4 rows 73.7 -> 23.0, 16
-#:   rows 321 -> 66. Single-request decode (whole step): float32 67 -> 42 ms, bfloat16
-#:   46 -> 31 ms.
+#: among a speculative verify's rows. Measurements (`benchmarks/matmul_bench.py`, AVX-512
+#: and AVX2): docs/benchmarks.md, "Engine constants".
 KERNEL_MIN_ROWS = 1
 KERNEL_MAX_ROWS = 16
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -111,20 +98,15 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 #: Without AVX512_BF16 or AMX oneDNN emulates bfloat16 matmuls, slowly: there bfloat16
 #: products of more than KERNEL_MAX_ROWS rows go to the kernel up to BF16_KERNEL_MAX_ROWS
 #: rows and from there to a float32 GEMM of widened copies (x and W widened per call).
-#: Zen 3, 2 cores, all matmuls of a SmolLM2 step, weights streamed from memory: oneDNN
-#: 16 rows 444 ms, 512 rows ~19 s; kernel vs widened 32 rows 94 vs 185 ms, 128 rows 311
-#: vs 361 ms, 256 rows 612 vs 599 ms, 512 rows 1322 vs 1052 ms.
+#: Measurements (Zen 3): docs/benchmarks.md, "Engine constants".
 _BF16_NATIVE = bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 BF16_KERNEL_MAX_ROWS = 128
 
 #: Where the kernel multiplies bf16 by vdpbf16ps (`linear_kernel.bf16_dot()`), bf16
-#: products go to it up to this many rows and to oneDNN beyond: oneDNN's bf16 call costs
-#: ~17 ms for all of a SmolLM2 step's projections at 16 rows and little more per row.
-#: Zen 4, 2 cores, kernel / oneDNN, ms: 16 rows 9.1 / 17.0, 24 13.6 / 20.2, 32 15.1 /
-#: 19.0, 40 17.6 / 20.8, 48 20.8 / 22.1, 64 26.3-28.7 / 26.1-27.4, 96 39.2 / 32.8. Up to 64
-#: rows every decode pass of a 64-sequence batch can run as one `decode_stack` call;
-#: engine_bench's bf16 workload, the limits interleaved on fresh prompts: 16 -> 40 rows
-#: 445 -> 478 tok/s, 40 -> 64 rows 563 -> 599 tok/s (after the stack).
+#: products go to it up to this many rows and to oneDNN beyond: oneDNN's bf16 call has a
+#: large fixed cost and grows slowly with rows; the two meet near 64 rows. Up to 64 rows every decode
+#: pass of a 64-sequence batch can run as one `decode_stack` call. Measurements (Zen 4):
+#: docs/benchmarks.md, "Engine constants".
 BF16_DOT_KERNEL_MAX_ROWS = 64
 #: int8 weights times bf16 where the kernel has the dot path: every row count (see below)
 INT8_DOT_KERNEL_MAX_ROWS = 1 << 30
@@ -139,8 +121,7 @@ def kernel_max_rows(dtype: torch.dtype, int8: bool = False) -> int:
     """The most rows of a product with `dtype` activations that `linear` (float weights)
     or `int8_linear` (`int8`) gives the kernel. int8 weights times bf16 with the dot path
     (converted to bf16 in registers, exactly): the kernel at any size, since it beat
-    torch's int8 GEMM at every size measured (Zen 4, all of a SmolLM2 step's projections,
-    ms: 16 rows 14.4 vs 16.9, 64 31.2 vs 53.8, 1024 568 vs 763)."""
+    torch's int8 GEMM at every size measured (docs/benchmarks.md, "Engine constants")."""
     if int8:
         dot = dtype == torch.bfloat16 and _kernel_bf16_dot()
         return INT8_DOT_KERNEL_MAX_ROWS if dot else KERNEL_MAX_ROWS
@@ -197,10 +178,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias) with W = qweight * scales (per output channel), in x's dtype: the C
     kernel for KERNEL_MIN_ROWS..kernel_max_rows(x.dtype, int8=True) rows where it builds,
-    else PyTorch's weight-only int8 GEMM (both read a quarter of the fp32 weight bytes).
-    Zen 3 (AVX2), 2 cores, bfloat16 x, all matmuls of a SmolLM2 step (matmul_bench
-    step_floor_ms): 1 row 18.1 -> 10.3 ms, 4 rows 26.8 -> 20.1, 16 rows 98 -> 66;
-    single-request decode 39 -> 26 ms a step."""
+    else PyTorch's weight-only int8 GEMM (both read a quarter of the fp32 weight bytes;
+    measurements: docs/benchmarks.md, "Engine constants")."""
     if _kernel_takes(x, qweight, bias, kernel_max_rows(x.dtype, int8=True)):
         return linear_kernel.small_linear(x, qweight, bias, scales=scales)
     out = torch._weight_int8pack_mm(x.contiguous(), qweight, scales)

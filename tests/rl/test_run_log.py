@@ -14,7 +14,8 @@ import pytest
 
 from ridgeline.errors import ConfigError, NotFoundError
 from ridgeline.rl import run_log as run_log_mod
-from ridgeline.rl.run_log import RunLog, format_progress, plot_run, read_metrics
+from ridgeline.rl.run_log import RunLog, format_progress, read_metrics
+from ridgeline.rl.run_plots import plot_run
 
 # ---- reading TensorBoard event files (tensorboardX has no reader) ---------------------
 

@@ -37,7 +37,8 @@ from ridgeline.rl import checkpoint
 from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout, passed
 from ridgeline.rl.policy import PolicyConfig, load_policy
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
-from ridgeline.rl.run_log import RunLog, plot_run
+from ridgeline.rl.run_log import RunLog
+from ridgeline.rl.run_plots import plot_run
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,9 @@ from bench_common import machine, progress_log  # noqa: I001  (sets the OpenMP p
 
 from ridgeline.engine import LLM  # noqa: E402
 from ridgeline.rl.digits import DIGITS, shift_reward, shift_tasks, tiny_policy  # noqa: E402
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout  # noqa: E402
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig  # noqa: E402
+from ridgeline.rl.rollouts import TokenTaskRollout  # noqa: E402
+from ridgeline.rl.sampler import TaskSampler  # noqa: E402
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 
 

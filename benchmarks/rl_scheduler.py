@@ -29,7 +29,7 @@ from bench_common import machine
 
 from ridgeline.rl.curriculum import CurriculumConfig
 from ridgeline.rl.filters import EpisodeRecord
-from ridgeline.rl.loop import TaskSampler
+from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 
 HANG_S = 2.0

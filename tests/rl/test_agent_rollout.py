@@ -21,6 +21,7 @@ from ridgeline.llm.engine_client import EngineClient
 from ridgeline.rl.agent_rollout import AgentRollout
 from ridgeline.rl.filters import EpisodeRecord, FilterConfig, filter_episode
 from ridgeline.rl.losses import policy_loss
+from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.token_chat import HISTORY_REWRITTEN, TokenChat
 from ridgeline.rl.tokens import TokenBatch
 from ridgeline.rl.trainer import PolicyTrainer
@@ -292,7 +293,7 @@ def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
                            Sampling(temperature=1.0, max_tokens=8))
     trainer = PolicyTrainer(model)
     loop = rl_loop.AsyncRLLoop(
-        trainer, rl_loop.TaskSampler([hello_task()]), rollout, llm.worker,
+        trainer, TaskSampler([hello_task()]), rollout, llm.worker,
         rl_loop.LoopConfig(group_size=4, batch_groups=2, eta=0, rollout_threads=1,
                            filters=FilterConfig(limit_policy="score")))
     groups = [rollout(hello_task(), [10 + i for i in range(4)]) for _ in range(2)]

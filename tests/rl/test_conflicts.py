@@ -11,7 +11,8 @@ import torch
 from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor, cosine
 from ridgeline.rl.digits import tiny_policy
 from ridgeline.rl.filters import EpisodeRecord
-from ridgeline.rl.loop import AsyncRLLoop, EpisodeGroup, LoopConfig
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
+from ridgeline.rl.rollouts import EpisodeGroup
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig

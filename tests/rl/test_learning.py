@@ -10,7 +10,9 @@ import itertools
 
 from ridgeline.engine import LLM
 from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks, tiny_policy
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier, TaskSampler, TokenTaskRollout
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
+from ridgeline.rl.rollouts import SandboxVerifier, TokenTaskRollout
+from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
 

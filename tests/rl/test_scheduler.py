@@ -21,7 +21,7 @@ import pytest
 from ridgeline.errors import ConfigError
 from ridgeline.rl.curriculum import CurriculumConfig
 from ridgeline.rl.filters import EpisodeRecord
-from ridgeline.rl.loop import TaskSampler
+from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.scheduler import DomainScheduler, DomainSpec, SchedulerConfig
 
 
@@ -323,7 +323,8 @@ def test_a_domain_whose_verifier_hangs_cannot_starve_a_real_run():
     groups are masked, never rewarded 0."""
     from ridgeline.engine import LLM
     from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER, shift_tasks, tiny_policy
-    from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, SandboxVerifier, TokenTaskRollout
+    from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
+    from ridgeline.rl.rollouts import SandboxVerifier, TokenTaskRollout
     from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
     family = shift_tasks(3)

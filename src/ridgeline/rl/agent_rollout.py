@@ -26,7 +26,7 @@ from ridgeline.agent import AgentConfig
 from ridgeline.agent.run import TaskEpisode, run_task_episode
 from ridgeline.llm.base import Sampling
 from ridgeline.rl.filters import EpisodeRecord
-from ridgeline.rl.loop import EpisodeGroup
+from ridgeline.rl.rollouts import EpisodeGroup
 from ridgeline.rl.token_chat import TokenChat, TokenGenerator
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ridgeline.rl.loop import TokenTask
+from ridgeline.rl.rollouts import TokenTask
 
 DIGITS, SEP, BOS, EOS = 3, 10, 11, 12
 VOCAB = 16

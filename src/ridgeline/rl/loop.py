@@ -18,184 +18,37 @@ never becomes a reward of 0. The trainer takes `batch_groups` groups per step, f
 them (masked episodes, zero-variance groups), computes GRPO advantages, steps, syncs the
 weights into the engine as a new version and publishes it to the buffer.
 
-The sampler hands out tasks in a seeded order and knows which draws are not yet trained
-on, and episode seeds derive from (run seed, draw, sample): a checkpoint of the sampler
-and the buffer resumes the same data order.
+The sampler (`sampler.py`) hands out tasks in a seeded order and knows which draws are
+not yet trained on, and episode seeds derive from (run seed, draw, sample): a checkpoint
+of the sampler and the buffer resumes the same data order. The rollouts and their groups
+are in `rollouts.py`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ridgeline.engine import SamplingParams
 from ridgeline.errors import RidgelineError
 from ridgeline.rl.advantages import group_advantages
 from ridgeline.rl.buffer import BufferClosed, RolloutBuffer
 from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor
 from ridgeline.rl.filters import (
-    TOO_FEW_VALID, ZERO_VARIANCE, EpisodeRecord, FilterConfig, filter_batch,
+    TOO_FEW_VALID, ZERO_VARIANCE, FilterConfig, filter_batch,
 )
+from ridgeline.rl.rollouts import EpisodeGroup, GroupRollout, VerifierError, passed
+from ridgeline.rl.sampler import TaskSampler, episode_seed
 from ridgeline.rl.scheduler import task_domain
-from ridgeline.rl.tokens import TokenBatch, TokenEpisode
+from ridgeline.rl.tokens import TokenBatch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TokenTask:
-    """A single-turn verifiable task: a prompt of token ids and what the verifier needs
-    to score a completion (JSON-able)."""
-
-    id: str
-    prompt_ids: list[int]
-    answer: Any
-
-
-@dataclass
-class EpisodeGroup:
-    """One task's group of sampled episodes, as the buffer holds it. `index` is the
-    sampler's draw number (the checkpoint's data order); `samples[i]` is None for an
-    episode with no token record (its record says why it is masked)."""
-
-    task: Any
-    samples: list[TokenEpisode | None]
-    records: list[EpisodeRecord] = field(default_factory=list)
-    seconds: float = 0.0
-    index: int = -1
-    tokens: int = 0        # tokens sampled for this group (throughput)
-
-
-class GroupRollout(Protocol):
-    """Plays `len(seeds)` episodes of one task, one per seed."""
-
-    def __call__(self, task: Any, seeds: list[int]) -> EpisodeGroup: ...
-
-
-def episode_seed(run_seed: int, draw: int, sample: int) -> int:
-    """A sampling seed per episode, a function of where it is in the data order only
-    (so a resumed run samples what the uninterrupted one would have)."""
-    return (run_seed * 1_000_003 + draw * 1009 + sample) % (2**31 - 1)
-
-
-class TaskSampler:
-    """Tasks in a seeded order: shuffled epochs over a list, or `tasks(i)` for a family
-    that generates task `i`. Tracks which draws are not yet consumed by a train step, so
-    a checkpoint resumes with them first and then where the order left off."""
-
-    def __init__(self, tasks: Sequence[Any] | Callable[[int], Any], seed: int = 0) -> None:
-        if not callable(tasks) and not tasks:
-            raise RidgelineError("no tasks to train on",
-                                 hint="check the task selection of the config")
-        self.tasks = tasks
-        self.seed = seed
-        self._lock = threading.Lock()
-        self._next = 0
-        self._redo: list[int] = []          # draws to hand out again (after a resume)
-        self._pending: set[int] = set()     # handed out, not yet consumed
-
-    def task(self, draw: int) -> Any:
-        if callable(self.tasks):
-            return self.tasks(draw)
-        n = len(self.tasks)
-        epoch, pos = divmod(draw, n)
-        order = list(range(n))
-        random.Random(self.seed * 7919 + epoch).shuffle(order)
-        return self.tasks[order[pos]]
-
-    def draw(self) -> tuple[int, Any]:
-        with self._lock:
-            if self._redo:
-                i = self._redo.pop(0)
-            else:
-                i, self._next = self._next, self._next + 1
-            self._pending.add(i)
-        return i, self.task(i)
-
-    def done(self, draw: int) -> None:
-        """A train step consumed the group of `draw`."""
-        with self._lock:
-            self._pending.discard(draw)
-
-    def finished(self, draw: int, group: Any | None) -> None:
-        """The rollout of `draw` ended (`group` None: it raised); a shuffled order does
-        not adapt, the `DomainScheduler` does."""
-
-    def close(self) -> None:
-        """The run is ending (nothing blocks in `draw` here)."""
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def domain_report(self) -> dict[str, dict[str, float]]:
-        """A shuffled order keeps no per-domain state."""
-        return {}
-
-    def scale_weight(self, domain: str, factor: float) -> None:
-        """A shuffled order has no domain weights to scale."""
-
-    def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
-        """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
-        with self._lock:
-            pending = sorted((self._pending | set(self._redo)) - set(exclude))
-            return {"kind": "shuffled", "seed": self.seed, "next": self._next, "redo": pending}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("kind", "shuffled") != "shuffled":
-            raise RidgelineError(f"the checkpoint's task order is a {state['kind']} "
-                                 "scheduler's, not a shuffled order",
-                                 hint="resume with the scheduler setting the run started with")
-        with self._lock:
-            self.seed, self._next = int(state["seed"]), int(state["next"])
-            self._redo, self._pending = [int(i) for i in state["redo"]], set()
-
-
-class VerifierError(RidgelineError):
-    """The verifier could not score a group (its episodes are masked, never rewarded 0)."""
-
-
-class SandboxVerifier:
-    """Scores completions with a Python program run in a sandbox. The program reads
-    `[{"answer": ..., "completion": [ids...]}, ...]` as JSON on stdin and prints a JSON
-    list of rewards (numbers, or null for "cannot score")."""
-
-    def __init__(self, script: str, sandbox: Any | None = None, timeout_s: float = 30.0) -> None:
-        from ridgeline.sandbox import SandboxSpec, create_sandbox
-
-        self.script = script
-        self.timeout_s = timeout_s
-        self._own = sandbox is None
-        self.sandbox = sandbox or create_sandbox(SandboxSpec())
-        self._lock = threading.Lock()  # one command at a time per sandbox
-
-    def __call__(self, task: TokenTask, completions: list[list[int]]) -> list[float | None]:
-        payload = json.dumps([{"answer": task.answer, "completion": c} for c in completions])
-        with self._lock:
-            res = self.sandbox.run(["python3", "-I", "-c", self.script],
-                                   stdin=payload.encode(), timeout=self.timeout_s)
-        if not res.ok:
-            raise VerifierError(f"verifier exited {res.exit_code}: {res.stderr.strip()[-300:]}")
-        try:
-            rewards = json.loads(res.stdout)
-        except ValueError:
-            raise VerifierError(f"verifier printed no JSON: {res.stdout[-200:]!r}") from None
-        if not isinstance(rewards, list) or len(rewards) != len(completions):
-            raise VerifierError(f"verifier gave {rewards!r} for {len(completions)} completions")
-        return [None if r is None else float(r) for r in rewards]
-
-    def close(self) -> None:
-        if self._own:
-            self.sandbox.close()
 
 
 class LoopConfig(BaseModel):
@@ -211,52 +64,6 @@ class LoopConfig(BaseModel):
                                 "low-variance groups); the recorded learning runs used True")
     filters: FilterConfig = Field(default_factory=FilterConfig)
     conflicts: ConflictConfig = Field(default_factory=ConflictConfig)
-
-
-Reward = Callable[[TokenTask, list[list[int]]], Sequence[float | None]]
-
-
-class TokenTaskRollout:
-    """Single-turn groups of a `TokenTask` on the in-process engine, scored by `reward`
-    (e.g. a `SandboxVerifier`)."""
-
-    def __init__(self, llm: Any, reward: Reward, *, max_tokens: int = 16,
-                 temperature: float = 1.0) -> None:
-        self.llm = llm
-        self.reward = reward
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-
-    def __call__(self, task: TokenTask, seeds: list[int]) -> EpisodeGroup:
-        t0 = time.perf_counter()
-        reqs = [(self.llm.new_request_id("rl"), task.prompt_ids,
-                 SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                ignore_eos=True, seed=seed, logprobs_mode="tempered"))
-                for seed in seeds]
-        samples = []
-        for handle in self.llm.worker.submit_many(reqs):
-            c = handle.result().outputs[0]
-            ep = TokenEpisode.start(task.prompt_ids, group=task.id)
-            ep.add_completion(c.token_ids, c.logprobs, c.token_versions)
-            samples.append(ep)
-        try:
-            rewards = list(self.reward(task, [s.token_ids[len(task.prompt_ids):]
-                                              for s in samples]))
-            verdict, detail = "passed", ""
-        except Exception as e:  # noqa: BLE001 - a broken verifier masks, never scores 0
-            log.warning("verifier failed on task %s: %s", task.id, e)
-            rewards, verdict, detail = [None] * len(samples), "infra_error", str(e)[:300]
-        records = []
-        for ep, r in zip(samples, rewards):
-            ep.reward = r
-            records.append(EpisodeRecord(verdict=verdict, reward=r, sample=ep, detail=detail))
-        return EpisodeGroup(task, list(samples), records, time.perf_counter() - t0,
-                            tokens=sum(s.num_policy_tokens for s in samples))
-
-
-def passed(record: EpisodeRecord) -> bool:
-    """An episode counts as a pass when it is graded and earned the full reward."""
-    return record.verdict == "passed" and record.reward is not None and record.reward >= 1.0
 
 
 class AsyncRLLoop:

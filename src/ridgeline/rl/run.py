@@ -34,7 +34,9 @@ from ridgeline.config import load_config
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import Sampling
 from ridgeline.rl import checkpoint
-from ridgeline.rl.loop import AsyncRLLoop, LoopConfig, TaskSampler, TokenTaskRollout, passed
+from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
+from ridgeline.rl.rollouts import TokenTaskRollout, passed
+from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.policy import PolicyConfig, load_policy
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 from ridgeline.rl.run_log import RunLog
@@ -326,7 +328,7 @@ class _Run:
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """The held-out tasks, `eval_samples` episodes each, with the rollout's sampling."""
-        from ridgeline.rl.loop import episode_seed
+        from ridgeline.rl.sampler import episode_seed
 
         cfg = self.config
         t0 = time.perf_counter()
@@ -387,7 +389,7 @@ def make_rollout(cfg: TrainConfig, llm: Any, generator: Any, tokenizer: Any
     r = cfg.rollout
     if cfg.tasks.source == "shift":
         from ridgeline.rl.digits import DIGITS, SHIFT_VERIFIER
-        from ridgeline.rl.loop import SandboxVerifier
+        from ridgeline.rl.rollouts import SandboxVerifier
 
         verifier = SandboxVerifier(SHIFT_VERIFIER)
         return TokenTaskRollout(llm, verifier, max_tokens=DIGITS,

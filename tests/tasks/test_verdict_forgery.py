@@ -359,15 +359,20 @@ def test_oracle_still_passes_after_the_agent_broke_modes():
     assert verdict.status is VerdictStatus.PASSED, (verdict.detail, verdict.output)
 
 
-def test_filling_the_disk_quota_is_the_agents_failure(tmp_path):
+@pytest.mark.parametrize("also", ["", "head -c 4194304 /dev/urandom > /logs/agent-notes; "],
+                         ids=["workspace", "workspace-and-logs"])
+def test_filling_the_disk_quota_is_the_agents_failure(tmp_path, also):
+    """The workspace at its quota (and, in the second case, the sum over the writable
+    trees past it, so the quota watcher kills whatever starts next, the verifier's new
+    init included): the agent's failure, never an infrastructure error."""
     d = tmp_path / "small"
     shutil.copytree(FIXTURES / "harbor-hello", d)
     toml = (d / "task.toml").read_text().replace("storage_mb = 10240", "storage_mb = 64")
     (d / "task.toml").write_text(toml)
     task = load_task(d)
     with prepare_environment(task) as sb:
-        fill = sb.run("for i in $(seq 100); do head -c 1048576 /dev/urandom > /app/f$i "
-                      "|| break; done; du -sm /app | cut -f1", timeout=60)
+        fill = sb.run(also + "for i in $(seq 100); do head -c 1048576 /dev/urandom > "
+                      "/app/f$i || break; done; du -sm /app | cut -f1", timeout=60)
         used_mb = int((fill.stdout.split() or ["0"])[-1]) if fill.stdout.strip() else 0
         # positive control: the agent's files reach the quota (writes were refused or
         # the agent was killed for it)

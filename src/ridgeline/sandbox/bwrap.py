@@ -443,9 +443,15 @@ class BwrapSandbox(HostSandbox):
     def _init_alive(self) -> bool:
         """pid 1 still runs (its pidfd is not readable). Checked before every nsenter,
         whose `-t pid` must never meet a recycled pid."""
-        if self._pidfd is None or self._proc is None:
+        fd = self._pidfd
+        if fd is None or self._proc is None:
             return False
-        return not select.select([self._pidfd], [], [], 0)[0]
+        try:
+            return not select.select([fd], [], [], 0)[0]
+        except (OSError, ValueError):
+            # the quota watcher's thread restarted the init meanwhile (the descriptor is
+            # closed): the init this call asked about is gone
+            return False
 
     @property
     def alive(self) -> bool:

@@ -65,10 +65,17 @@ log = logging.getLogger(__name__)
 
 
 class VerdictStatus(str, Enum):
+    """The outcome of a graded episode: the one vocabulary of tasks, evaluation and RL."""
+
     PASSED = "passed"
     FAILED = "failed"              # the agent's fault
     INFRA_ERROR = "infra_error"    # ours: never a reward
     UNSUPPORTED = "unsupported"    # this machine cannot run the task: never a reward
+
+    @property
+    def scored(self) -> bool:
+        """Passed or failed: the agent's result. The other two are never a reward."""
+        return self in (VerdictStatus.PASSED, VerdictStatus.FAILED)
 
 
 @dataclass
@@ -393,6 +400,17 @@ def agent_filled_disk(sb: TaskSandbox) -> bool:
     return False
 
 
+def _broken(sb: TaskSandbox, detail: str, t0: float) -> Verdict:
+    """A sandbox that could not be readied for the tests: an infrastructure error, unless
+    the agent filled its disk quota. Then writes fail, and the quota watcher (which bounds
+    the sum over the writable trees) kills new sandbox processes as soon as anything else
+    is written, so any step or probe may fail: the agent's files are the cause."""
+    if agent_filled_disk(sb):
+        return _agents_failure("disk_full", f"the workspace is full: the agent's files use "
+                               f"the task's whole disk quota ({detail})", t0)
+    return infra_error("health_failed", detail, t0)
+
+
 def _agents_failure(reason: str, detail: str, t0: float, output: str = "",
                     tests: list[TestResult] | None = None) -> Verdict:
     graded = [r for r in tests or [] if r.outcome is not Outcome.SKIPPED]
@@ -426,26 +444,22 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
     try:
         stop_all(sandbox, task)     # nothing of the agent's may run beside the tests
     except Exception as e:     # a sandbox that cannot restart is a broken one
-        return infra_error("health_failed", f"could not stop the agent's processes: "
-                           f"{type(e).__name__}: {e}", t0)
+        return _broken(sandbox, f"could not stop the agent's processes: "
+                                f"{type(e).__name__}: {e}", t0)
     try:
         if reset_agent_state(sandbox, task):
             sandbox.stop_processes()
     except (OSError, SandboxError) as e:   # a tree gone from under the sandbox
-        return infra_error("health_failed", f"could not reset the sandbox's trees for the "
-                           f"tests: {e}", t0)
+        return _broken(sandbox, f"could not reset the sandbox's trees for the tests: {e}",
+                       t0)
     try:
         health = sandbox.health()
     except Exception as e:      # a sandbox that cannot even answer is broken
-        return infra_error("health_failed", f"health probe raised {type(e).__name__}: {e}",
-                           t0)
+        return _broken(sandbox, f"health probe raised {type(e).__name__}: {e}", t0)
     if not health.healthy:
         failed = [k for k, ok in health.checks.items() if not ok]
-        if set(failed) <= {"workspace_writable", "disk"} and agent_filled_disk(sandbox):
-            return _agents_failure("disk_full", "the workspace is full: the agent's files "
-                                   "use the task's whole disk quota", t0)
-        return infra_error("health_failed", f"sandbox unhealthy ({', '.join(failed)}): "
-                           f"{health.detail}", t0)
+        return _broken(sandbox, f"sandbox unhealthy ({', '.join(failed)}): {health.detail}",
+                       t0)
     script = task.test_script
     if not script.is_file():
         return infra_error("test_script_missing", f"test script missing: {script}", t0)

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ridgeline.errors import ConfigError
+from ridgeline.tasks.verifier import VerdictStatus
 
 console = Console()
 
@@ -61,7 +62,7 @@ def eval_command(
 
         def on_result(res) -> None:
             nonlocal passed
-            passed += res.status == "passed"
+            passed += res.status is VerdictStatus.PASSED
             progress.update(bar, advance=1, passed=passed, description=f"{agent} on {tasks}: {res.task_id}")
 
         run = runner(config, on_result=on_result, on_start=lambda n: progress.update(bar, total=n))

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ridgeline.eval.results import EpisodeResult, Summary
+from ridgeline.tasks.verifier import VerdictStatus
 
 
 def write_results(out_dir: Path, results: list[EpisodeResult], summary: Summary,
@@ -48,8 +49,8 @@ def write_plots(out_dir: Path, results: list[EpisodeResult], summary: Summary) -
 
     if results:
         fig, ax = plt.subplots(figsize=(6, 4))
-        passed = [r.steps for r in results if r.status == "passed"]
-        other = [r.steps for r in results if r.status != "passed"]
+        passed = [r.steps for r in results if r.status is VerdictStatus.PASSED]
+        other = [r.steps for r in results if r.status is not VerdictStatus.PASSED]
         top = max(r.steps for r in results)
         bins = range(0, max(top, 1) + 2)
         ax.hist([passed, other], bins=bins, stacked=True, label=["passed", "not passed"],
@@ -91,7 +92,7 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     lines += ["", "## Episodes", "", "| task | sample | status | tests | steps | tokens | wall s | why |",
               "|---|---:|---|---:|---:|---:|---:|---|"]
     for r in sorted(results, key=lambda r: (r.task_id, r.sample)):
-        lines.append(f"| {r.task_id} | {r.sample} | {r.status} | {r.tests_passed}/{r.tests_total} | {r.steps} | "
+        lines.append(f"| {r.task_id} | {r.sample} | {r.status.value} | {r.tests_passed}/{r.tests_total} | {r.steps} | "
                      f"{r.tokens} | {r.wall_s:.1f} | {r.failure_class or ''} |")
     return "\n".join(lines) + "\n"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-Status = Literal["passed", "failed", "infra_error", "unsupported"]
+from ridgeline.tasks.verifier import VerdictStatus
 
 #: The failure class of an episode whose model endpoint failed: it stops the run.
 MODEL_ERROR = "model_error"
@@ -24,7 +24,7 @@ class EpisodeResult(BaseModel):
     domain: str = "unknown"
     difficulty: str = "unknown"
     sample: int = 0
-    status: Status
+    status: VerdictStatus
     tests_passed: int = 0
     tests_total: int = 0
     steps: int = 0
@@ -39,7 +39,7 @@ class EpisodeResult(BaseModel):
 
     @property
     def scored(self) -> bool:
-        return self.status in ("passed", "failed")
+        return self.status.scored
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -73,7 +73,7 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
     for r in results:
         per_task[r.task_id].append(r)
     scored = [r for r in results if r.scored]
-    passed = [r for r in scored if r.status == "passed"]
+    passed = [r for r in scored if r.status is VerdictStatus.PASSED]
 
     pass_k: dict[str, float] = {}
     for k in sorted({1, samples} | ({2} if samples >= 4 else set())):
@@ -81,14 +81,14 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
         for rs in per_task.values():
             s = [r for r in rs if r.scored]
             if len(s) >= k:
-                vals.append(pass_at_k(len(s), sum(r.status == "passed" for r in s), k))
+                vals.append(pass_at_k(len(s), sum(r.status is VerdictStatus.PASSED for r in s), k))
         if vals:
             pass_k[f"pass@{k}"] = sum(vals) / len(vals)
 
     by_domain: dict[str, dict[str, float]] = {}
     for dom in sorted({r.domain for r in results}):
         d_scored = [r for r in scored if r.domain == dom]
-        d_pass = sum(r.status == "passed" for r in d_scored)
+        d_pass = sum(r.status is VerdictStatus.PASSED for r in d_scored)
         by_domain[dom] = {
             "episodes": float(sum(r.domain == dom for r in results)),
             "scored": float(len(d_scored)),
@@ -104,8 +104,8 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
     return Summary(
         n_tasks=len(per_task), n_episodes=len(results), n_scored=len(scored), n_passed=len(passed),
         n_failed=len(scored) - len(passed),
-        n_infra_error=sum(r.status == "infra_error" for r in results),
-        n_unsupported=sum(r.status == "unsupported" for r in results),
+        n_infra_error=sum(r.status is VerdictStatus.INFRA_ERROR for r in results),
+        n_unsupported=sum(r.status is VerdictStatus.UNSUPPORTED for r in results),
         pass_rate=len(passed) / len(scored) if scored else 0.0,
         pass_at_k=pass_k, by_domain=by_domain, failure_classes=dict(sorted(classes.items())),
         mean_steps=sum(r.steps for r in results) / len(results) if results else 0.0,

@@ -144,9 +144,9 @@ def episode_result(task: EvalTask, sample: int, verdict: Verdict, agent: AgentRe
             isinstance(agent.exception, ModelEndpointError):
         endpoint_error = agent.exception
     if endpoint_error is not None:
-        status, failure, detail = "infra_error", MODEL_ERROR, str(endpoint_error)
+        status, failure, detail = VerdictStatus.INFRA_ERROR, MODEL_ERROR, str(endpoint_error)
     else:
-        status, failure = verdict.status.value, _failure_class(verdict, run)
+        status, failure = verdict.status, _failure_class(verdict, run)
         detail = verdict.detail or (run.error if run is not None else None) or ""
     return EpisodeResult(
         task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,

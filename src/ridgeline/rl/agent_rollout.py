@@ -63,7 +63,7 @@ class AgentRollout:
         ep = run_task_episode(task, chat, self.agent_config, backend=self.backend,
                               trajectory_path=path)
         status = ep.agent.result.status if ep.agent is not None else "error"
-        if ep.verdict.status.value in ("infra_error", "unsupported"):
+        if not ep.verdict.status.scored:
             log.warning("episode of %s masked: %s (%s): %s", task.id, ep.verdict.status.value,
                         ep.verdict.reason, (ep.verdict.detail or "")[:500])
         sample_ep, unusable = chat.sample()

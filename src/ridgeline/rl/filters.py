@@ -46,13 +46,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-# VerdictStatus values (ridgeline.tasks.verifier)
-PASSED, FAILED, INFRA_ERROR, UNSUPPORTED = "passed", "failed", "infra_error", "unsupported"
-VERDICTS = frozenset({PASSED, FAILED, INFRA_ERROR, UNSUPPORTED})
-# ExitStatus values (ridgeline.agent.trajectory)
-FINISHED, ERROR = "finished", "error"
-LIMIT_EXITS = frozenset({"step_limit", "token_limit", "time_limit", "context_limit"})
-EXIT_STATUSES = LIMIT_EXITS | {FINISHED, ERROR}
+from ridgeline.agent.trajectory import ExitStatus
+from ridgeline.tasks.verifier import VerdictStatus
+
+VERDICTS = frozenset(VerdictStatus)
+LIMIT_EXITS = frozenset({ExitStatus.STEP_LIMIT, ExitStatus.TOKEN_LIMIT, ExitStatus.TIME_LIMIT,
+                         ExitStatus.CONTEXT_LIMIT})
+EXIT_STATUSES = frozenset(ExitStatus)
 #: the verifier's reason for a sandbox that failed its health probe
 HEALTH_FAILED = "health_failed"
 
@@ -94,9 +94,9 @@ class EpisodeRecord:
     """What the filters need to know about one episode (see the module docstring for the
     mapping from Verdict and ExitStatus). `mask`/`reason` are set by `filter_episode`."""
 
-    verdict: str = PASSED
+    verdict: str = VerdictStatus.PASSED.value   # a VerdictStatus value
     reward: float | None = None
-    exit_status: str = FINISHED
+    exit_status: str = ExitStatus.FINISHED.value  # an ExitStatus value
     healthy: bool = True
     sample: Any = None
     detail: str = ""            # the verdict's own reason (test_timeout, sandbox_error...)
@@ -105,12 +105,13 @@ class EpisodeRecord:
     reason: str | None = None   # why it does not, when it does not
 
     @classmethod
-    def from_verdict(cls, verdict: Any, exit_status: Any = FINISHED, healthy: bool = True,
-                     sample: Any = None) -> EpisodeRecord:
+    def from_verdict(cls, verdict: Any, exit_status: Any = ExitStatus.FINISHED,
+                     healthy: bool = True, sample: Any = None) -> EpisodeRecord:
         """From a `Verdict` (or its dict form, or None if the episode was never graded) and
         the episode's `ExitStatus` (or its value)."""
         if verdict is None:
-            return cls(verdict=INFRA_ERROR, reward=None, exit_status=str(_value(exit_status)),
+            return cls(verdict=VerdictStatus.INFRA_ERROR.value, reward=None,
+                       exit_status=str(_value(exit_status)),
                        healthy=healthy, sample=sample, detail="no_verdict")
         reason = _get(verdict, "reason") or ""
         reward = _get(verdict, "reward")
@@ -125,7 +126,8 @@ class EpisodeRecord:
                         sample: Any = None) -> EpisodeRecord:
         """From a `Trajectory` (its `result.status` and `verdict` dict)."""
         result = _get(trajectory, "result")
-        status = _get(result, "status", ERROR) if result is not None else ERROR
+        status = (_get(result, "status", ExitStatus.ERROR) if result is not None
+                  else ExitStatus.ERROR)
         return cls.from_verdict(_get(trajectory, "verdict"), status, healthy, sample)
 
 
@@ -141,18 +143,18 @@ def filter_episode(ep: EpisodeRecord, config: FilterConfig | None = None) -> Epi
         return _masked(ep, ep.unusable)
     if not ep.healthy:
         return _masked(ep, UNHEALTHY)
-    if ep.verdict in (INFRA_ERROR, UNSUPPORTED):
-        return _masked(ep, ep.verdict)
+    if ep.verdict in (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED):
+        return _masked(ep, VerdictStatus(ep.verdict).value)
     if ep.verdict not in VERDICTS:
         return _masked(ep, f"unknown_verdict:{ep.verdict}")
-    if ep.exit_status == ERROR:
+    if ep.exit_status == ExitStatus.ERROR:
         return _masked(ep, EPISODE_ERROR)
     if ep.exit_status not in EXIT_STATUSES:
         return _masked(ep, f"unknown_exit:{ep.exit_status}")
     if ep.reward is None or not math.isfinite(ep.reward):
         return _masked(ep, NO_REWARD)
     if ep.exit_status in LIMIT_EXITS and cfg.limit_policy == "mask":
-        return _masked(ep, ep.exit_status)
+        return _masked(ep, ExitStatus(ep.exit_status).value)
     return ep
 
 

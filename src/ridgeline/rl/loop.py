@@ -47,6 +47,7 @@ from ridgeline.rl.rollouts import EpisodeGroup, GroupRollout, VerifierError, pas
 from ridgeline.rl.sampler import TaskSampler, episode_seed
 from ridgeline.rl.scheduler import task_domain
 from ridgeline.rl.tokens import TokenBatch
+from ridgeline.tasks.verifier import VerdictStatus
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class AsyncRLLoop:
             metrics[f"masked/{reason}"] = float(count)
         # what the verifier said about infrastructure failures (test_timeout, ...)
         for detail, count in Counter(r.detail or "?" for r in records
-                                     if r.verdict in ("infra_error", "unsupported")).items():
+                                     if r.verdict in (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)).items():
             metrics[f"infra/{detail[:40]}"] = float(count)
         adv = group_advantages(torch.tensor(rewards), ids, mask=torch.tensor(valid, dtype=torch.bool),
                                normalize_std=cfg.normalize_std) if episodes else None

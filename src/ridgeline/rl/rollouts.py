@@ -22,6 +22,7 @@ from ridgeline.engine import SamplingParams
 from ridgeline.errors import RidgelineError
 from ridgeline.rl.filters import EpisodeRecord
 from ridgeline.rl.tokens import TokenEpisode
+from ridgeline.tasks.verifier import VerdictStatus
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,11 @@ class TokenTaskRollout:
         try:
             rewards = list(self.reward(task, [s.token_ids[len(task.prompt_ids):]
                                               for s in samples]))
-            verdict, detail = "passed", ""
+            verdict, detail = VerdictStatus.PASSED.value, ""
         except Exception as e:  # noqa: BLE001 - a broken verifier masks, never scores 0
             log.warning("verifier failed on task %s: %s", task.id, e)
-            rewards, verdict, detail = [None] * len(samples), "infra_error", str(e)[:300]
+            rewards, detail = [None] * len(samples), str(e)[:300]
+            verdict = VerdictStatus.INFRA_ERROR.value
         records = []
         for ep, r in zip(samples, rewards):
             ep.reward = r
@@ -137,4 +139,5 @@ class TokenTaskRollout:
 
 def passed(record: EpisodeRecord) -> bool:
     """An episode counts as a pass when it is graded and earned the full reward."""
-    return record.verdict == "passed" and record.reward is not None and record.reward >= 1.0
+    return (record.verdict == VerdictStatus.PASSED and record.reward is not None
+            and record.reward >= 1.0)

@@ -46,6 +46,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.rl.buffer import BufferClosed
 from ridgeline.rl.curriculum import Curriculum, CurriculumConfig
+from ridgeline.rl.rollouts import passed
+from ridgeline.tasks.verifier import VerdictStatus
+
+_SCORED = (VerdictStatus.PASSED, VerdictStatus.FAILED)
+_NOT_SCORED = (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)
 
 DEFAULT_DOMAIN = "tasks"
 
@@ -91,17 +96,14 @@ def group_failed(group: Any) -> bool:
     records = list(getattr(group, "records", []) or [])
     if not records:
         return False
-    return all(getattr(r, "verdict", "passed") in ("infra_error", "unsupported")
+    return all(getattr(r, "verdict", VerdictStatus.PASSED) in _NOT_SCORED
                or not getattr(r, "healthy", True) for r in records)
 
 
 def _passes(group: Any) -> list[bool]:
-    out = []
-    for r in getattr(group, "records", []) or []:
-        reward = getattr(r, "reward", None)
-        if getattr(r, "verdict", "") in ("passed", "failed") and reward is not None:
-            out.append(reward >= 1.0)
-    return out
+    """Pass or not, for each graded episode of the group (`rollouts.passed`)."""
+    return [passed(r) for r in getattr(group, "records", []) or []
+            if getattr(r, "verdict", "") in _SCORED and getattr(r, "reward", None) is not None]
 
 
 class _Domain:

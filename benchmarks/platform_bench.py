@@ -25,9 +25,9 @@ import httpx
 from fastapi import FastAPI, Request
 from standardwebhooks.webhooks import Webhook
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "platform"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.helpers
 from bench_common import machine  # noqa: E402
-from redis_server import RedisServer, redis_server_path  # noqa: E402
+from tests.helpers.redis_server import RedisServer, redis_server_path  # noqa: E402
 
 from ridgeline.platform.config import PlatformConfig  # noqa: E402
 from ridgeline.platform.service import Platform  # noqa: E402

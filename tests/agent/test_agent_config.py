@@ -8,7 +8,7 @@ from ridgeline.agent import Agent, AgentConfig, NullAgent, OracleAgent, load_age
 from ridgeline.agent.config import fill
 from ridgeline.errors import ConfigError
 
-from scripted_model import ScriptedModel
+from tests.helpers.scripted_model import ScriptedModel
 
 
 def test_yaml_config_and_its_errors(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import pytest
 
-from scripted_model import ScriptedModel, tool_reply
+from tests.helpers.scripted_model import ScriptedModel, tool_reply
 from ridgeline.agent import (
     AgentConfig, AgentResult, ExitStatus, InstructionTask, Trajectory, run_agent,
 )

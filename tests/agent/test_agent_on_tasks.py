@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripted_model import ScriptedModel, tool_reply
+from tests.helpers.scripted_model import ScriptedModel, tool_reply
 from ridgeline.agent import ExitStatus, Trajectory, run_agent
 from ridgeline.tasks import builtin_suite_dir, load_task, prepare_environment, verify
 

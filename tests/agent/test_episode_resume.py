@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scripted_model import ScriptedModel
+from tests.helpers.scripted_model import ScriptedModel
 from ridgeline.agent import AgentConfig, InstructionTask
 from ridgeline.agent.loop import Agent, Episode
 from ridgeline.agent.tools import Workbench

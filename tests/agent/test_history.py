@@ -3,7 +3,7 @@ the model's notes plus a deterministic digest; tool calls stay paired with resul
 
 from __future__ import annotations
 
-from scripted_model import ScriptedModel
+from tests.helpers.scripted_model import ScriptedModel
 from ridgeline.agent.config import AgentConfig
 from ridgeline.agent.history import History, HistoryStep, condense
 from ridgeline.llm.base import Message, ToolCall

@@ -29,8 +29,7 @@ import yaml
 import ridgeline
 from ridgeline.engine.config import EngineConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-from redis_server import redis_server_fixture  # noqa: E402  (tests/platform's helper)
+from tests.helpers.redis_server import redis_server_fixture
 
 redis_server = redis_server_fixture(scope="module")
 

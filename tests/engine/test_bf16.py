@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import (ARCHS, agreement, cached_model, hf_greedy, random_prompts,
+from tests.helpers.engine_fixtures import (ARCHS, agreement, cached_model, hf_greedy, random_prompts,
                              tiny_model)
 
 from ridgeline.engine import LLM, SamplingParams

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_fixtures import KERNEL_BUILDS, kernel_build
+from tests.helpers.engine_fixtures import KERNEL_BUILDS, kernel_build
 
 from ridgeline.engine import cpu_kernels
 from ridgeline.engine.kv_quant import dequantize, quantize

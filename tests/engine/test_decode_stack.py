@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import cached_model, random_prompts
+from tests.helpers.engine_fixtures import cached_model, random_prompts
 
 from ridgeline.engine import (
     LLM,

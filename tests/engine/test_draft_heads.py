@@ -11,7 +11,7 @@ from functools import cache
 
 import pytest
 import torch
-from engine_fixtures import cached_model
+from tests.helpers.engine_fixtures import cached_model
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from ridgeline.engine.config import SpeculativeConfig
@@ -233,7 +233,7 @@ def test_collect_refuses_a_speculating_engine() -> None:
 def test_train_and_store_from_chat_prompts(tmp_path) -> None:
     """The whole self-distillation path: generated chat prompts through the model's chat
     template, replies, fit, a file that records how it was made and loads again."""
-    from engine_fixtures import char_tokenizer
+    from tests.helpers.engine_fixtures import char_tokenizer
     from safetensors import safe_open
 
     from ridgeline.engine.draft_heads import train_and_store

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import cached_model, char_tokenizer, hf_greedy, random_prompts, tiny_model
-from gguf_writer import write_gguf
+from tests.helpers.engine_fixtures import cached_model, char_tokenizer, hf_greedy, random_prompts, tiny_model
+from tests.helpers.gguf_writer import write_gguf
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, PromptTooLongError, SamplingParams
 from ridgeline.errors import ConfigError, EngineError, ModelLoadError, NotFoundError

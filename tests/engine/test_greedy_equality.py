@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import pytest
 import torch
-from engine_fixtures import ARCHS, cached_model, hf_greedy, random_prompts
+from tests.helpers.engine_fixtures import ARCHS, cached_model, hf_greedy, random_prompts
 
 from ridgeline.engine import LLM, SamplingParams
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from engine_fixtures import cached_model
+from tests.helpers.engine_fixtures import cached_model
 
 from ridgeline.engine import LLM
 from ridgeline.engine.kv_cache import KVCache

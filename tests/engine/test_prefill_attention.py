@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from engine_fixtures import (
+from tests.helpers.engine_fixtures import (
     KERNEL_BUILDS,
     cached_model,
     hf_greedy,

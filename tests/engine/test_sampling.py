@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import cached_model, char_tokenizer, random_prompts
+from tests.helpers.engine_fixtures import cached_model, char_tokenizer, random_prompts
 
 from ridgeline.engine import LLM, SamplingParams
 from ridgeline.engine.sampler import Sampler, apply_penalties

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import pytest
 import torch
-from engine_fixtures import cached_model, char_tokenizer, tiny_model
+from tests.helpers.engine_fixtures import cached_model, char_tokenizer, tiny_model
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from ridgeline.engine.config import SpeculativeConfig

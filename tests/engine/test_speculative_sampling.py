@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from engine_fixtures import tiny_model
+from tests.helpers.engine_fixtures import tiny_model
 
 from ridgeline.engine import LLM, SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import ARCHS, agreement, cached_model, random_prompts
+from tests.helpers.engine_fixtures import ARCHS, agreement, cached_model, random_prompts
 
 from ridgeline.engine import LLM, LLMEngine, SamplingParams
 from ridgeline.engine.models.layers import int8_linear, quantize_int8

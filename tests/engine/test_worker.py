@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from engine_fixtures import hf_greedy, random_prompts, tiny_model
+from tests.helpers.engine_fixtures import hf_greedy, random_prompts, tiny_model
 
 from ridgeline.engine import LLM, SamplingParams
 from ridgeline.engine.block_manager import BlockManager

@@ -19,8 +19,7 @@ from ridgeline.eval.toolbench.tasks import TOOL_TASKS
 from ridgeline.eval.toolbench.world import World
 from ridgeline.llm.base import Message
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
-from scripted_model import ScriptedModel, tool_reply  # noqa: E402
+from tests.helpers.scripted_model import ScriptedModel, tool_reply
 
 
 def _config(tmp_path: Path, agent: str, **kw) -> EvalConfig:

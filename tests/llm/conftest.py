@@ -7,7 +7,7 @@ from typing import Iterator
 
 import pytest
 
-from fake_openai_server import FakeOpenAIServer
+from tests.helpers.fake_openai_server import FakeOpenAIServer
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_tokenizer import QWEN_LIKE_TEMPLATE, tiny_tokenizer
+from tests.helpers.tiny_tokenizer import QWEN_LIKE_TEMPLATE, tiny_tokenizer
 from ridgeline.errors import ConfigError
 from ridgeline.llm import Message, ToolCall, ToolSpec
 from ridgeline.llm.chat_template import render_prompt, template_supports_tools

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tiny_tokenizer import QWEN_LIKE_TEMPLATE, tiny_tokenizer
+from tests.helpers.tiny_tokenizer import QWEN_LIKE_TEMPLATE, tiny_tokenizer
 from ridgeline.engine import LLM
 from ridgeline.llm import ChatModel, ContextLengthError, EngineClient, Message, Sampling, ToolSpec
 from ridgeline.llm.chat_template import render_prompt

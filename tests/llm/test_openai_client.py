@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fake_openai_server import FakeOpenAIServer, Reply, chat_body
+from tests.helpers.fake_openai_server import FakeOpenAIServer, Reply, chat_body
 from ridgeline.errors import ConfigError, ModelEndpointError
 from ridgeline.llm import ContextLengthError, Message, OpenAIClient, Sampling, ToolCall, ToolSpec
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,8 +31,7 @@ from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.limits import KeyLimits
 from ridgeline.serve.app import ServerThread, create_app
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from engine_fixtures import char_tokenizer  # noqa: E402  (the engine tests' tokenizer)
+from tests.helpers.engine_fixtures import char_tokenizer
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
-from postgres_server import postgres_server_fixture
+from tests.helpers.postgres_server import postgres_server_fixture
 from pydantic import BaseModel, ValidationError
 
 from ridgeline.errors import ConfigError, NotFoundError

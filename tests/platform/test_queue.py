@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from redis_server import free_port, redis_server_fixture
+from tests.helpers.redis_server import free_port, redis_server_fixture
 
 from ridgeline.config import load_model
 from ridgeline.errors import ConfigError

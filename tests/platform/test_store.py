@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from postgres_server import PostgresServer, free_port, postgres_server_fixture
+from tests.helpers.postgres_server import PostgresServer, free_port, postgres_server_fixture
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError
 from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location

@@ -6,24 +6,22 @@ effect."""
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
-from scripted_model import ScriptedModel, tool_reply  # noqa: E402
+from tests.helpers.scripted_model import ScriptedModel, tool_reply
 
-from ridgeline.agent import AgentConfig, ExitStatus, InstructionTask, ToolEnvironment  # noqa: E402
-from ridgeline.agent.loop import Agent, Episode  # noqa: E402
-from ridgeline.agent.tools import Workbench  # noqa: E402
-from ridgeline.errors import ConfigError  # noqa: E402
-from ridgeline.platform.principal import Principal  # noqa: E402
-from ridgeline.platform.tool_env import PlatformToolEnvironment  # noqa: E402
-from ridgeline.platform.tools import SQLiteIdempotencyStore, ToolRegistry  # noqa: E402
-from ridgeline.sandbox import Sandbox, SandboxSpec, create_sandbox  # noqa: E402
+from ridgeline.agent import AgentConfig, ExitStatus, InstructionTask, ToolEnvironment
+from ridgeline.agent.loop import Agent, Episode
+from ridgeline.agent.tools import Workbench
+from ridgeline.errors import ConfigError
+from ridgeline.platform.principal import Principal
+from ridgeline.platform.tool_env import PlatformToolEnvironment
+from ridgeline.platform.tools import SQLiteIdempotencyStore, ToolRegistry
+from ridgeline.sandbox import Sandbox, SandboxSpec, create_sandbox
 
 AGENT = Principal(key_id="k-agent", tenant="acme",
                   scopes=frozenset({"tools:read", "tickets:write"}))

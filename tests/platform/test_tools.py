@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 import jsonschema
 import pytest
-from postgres_server import postgres_server_fixture
+from tests.helpers.postgres_server import postgres_server_fixture
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from postgres_server import postgres_server_fixture
+from tests.helpers.postgres_server import postgres_server_fixture
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from ridgeline.errors import (

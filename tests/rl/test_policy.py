@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import random_prompts, tiny_model
-from gguf_writer import write_gguf
+from tests.helpers.engine_fixtures import random_prompts, tiny_model
+from tests.helpers.gguf_writer import write_gguf
 
 from ridgeline.engine import LLM, SamplingParams
 from ridgeline.engine.loader import default_cache_dir

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import hf_greedy, random_prompts, tiny_model
+from tests.helpers.engine_fixtures import hf_greedy, random_prompts, tiny_model
 
 from ridgeline.engine import LLM, SamplingParams
 from ridgeline.rl.losses import policy_loss

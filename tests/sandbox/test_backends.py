@@ -14,7 +14,7 @@ import pytest
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Mount, SandboxSpec, create_sandbox
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 
 def test_local_backend_warns_loudly(caplog):

@@ -11,7 +11,7 @@ from ridgeline.config import load_model
 from ridgeline.errors import ConfigError, NotFoundError, SandboxError
 from ridgeline.sandbox import Limits, Mount, SandboxSpec, create_sandbox, get_provider
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 
 def test_unknown_backend_names_the_valid_ones():

@@ -23,7 +23,7 @@ from ridgeline.sandbox import SandboxSpec, create_sandbox, hostfs
 from ridgeline.sandbox import snapshot as snapshots
 from ridgeline.sandbox.host_sandbox import prepare_root
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 DEPTHS = [1500, 5000]
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -15,7 +15,7 @@ from ridgeline.errors import SandboxError
 from ridgeline.sandbox import Limits, Mount, SandboxPool, SandboxSpec, create_sandbox
 from ridgeline.sandbox.disk import allocated_bytes
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 pytestmark = needs_bwrap
 MiB = 1024 * 1024

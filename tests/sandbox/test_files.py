@@ -9,7 +9,7 @@ import pytest
 from ridgeline.errors import NotFoundError, PathEscapeError, SandboxError
 from ridgeline.sandbox import Limits, SandboxSpec, create_sandbox
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 pytestmark = needs_bwrap
 

@@ -15,7 +15,7 @@ import pytest
 
 from ridgeline.sandbox import Mount, SandboxSpec, create_sandbox
 
-from sandbox_helpers import needs_bwrap, pids_in_namespace
+from tests.helpers.sandbox_helpers import needs_bwrap, pids_in_namespace
 
 pytestmark = needs_bwrap
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the uid mapping matters when "

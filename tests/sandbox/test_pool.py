@@ -10,7 +10,7 @@ import pytest
 from ridgeline.errors import SandboxError
 from ridgeline.sandbox import SandboxPool, SandboxSpec, create_sandbox
 
-from sandbox_helpers import needs_bwrap, pids_in_namespace
+from tests.helpers.sandbox_helpers import needs_bwrap, pids_in_namespace
 
 pytestmark = needs_bwrap
 

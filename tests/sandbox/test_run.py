@@ -9,7 +9,7 @@ import pytest
 from ridgeline.errors import SandboxError
 from ridgeline.sandbox import Limits, SandboxSpec, create_sandbox
 
-from sandbox_helpers import cmdline, needs_bwrap, needs_root, pids_in_namespace
+from tests.helpers.sandbox_helpers import cmdline, needs_bwrap, needs_root, pids_in_namespace
 
 pytestmark = needs_bwrap
 

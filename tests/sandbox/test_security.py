@@ -12,7 +12,7 @@ import pytest
 
 from ridgeline.sandbox import Limits, NetworkPolicy, SandboxSpec, create_sandbox
 
-from sandbox_helpers import cmdline, needs_bwrap, needs_root, pids_in_namespace
+from tests.helpers.sandbox_helpers import cmdline, needs_bwrap, needs_root, pids_in_namespace
 
 pytestmark = needs_bwrap
 PY = "python3"

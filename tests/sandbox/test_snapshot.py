@@ -12,7 +12,7 @@ import pytest
 from ridgeline.errors import NotFoundError
 from ridgeline.sandbox import snapshot as snapshots
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 pytestmark = needs_bwrap
 

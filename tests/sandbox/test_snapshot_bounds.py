@@ -18,7 +18,7 @@ from ridgeline.errors import SandboxError
 from ridgeline.sandbox import SandboxPool, SandboxSpec, disk
 from ridgeline.sandbox import snapshot as snapshots
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 MiB = 1 << 20
 SPARSE = 32 * MiB  # on the host; the sandbox test makes the 256 MiB file of the report

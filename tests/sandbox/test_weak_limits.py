@@ -15,7 +15,7 @@ from ridgeline.errors import SandboxError
 from ridgeline.sandbox import Limits, SandboxSpec, get_provider, volume
 from ridgeline.sandbox.cgroups import V2, CgroupHost, v2_mount
 
-from sandbox_helpers import needs_bwrap
+from tests.helpers.sandbox_helpers import needs_bwrap
 
 pytestmark = needs_bwrap
 MiB = 1024 * 1024

@@ -7,14 +7,12 @@ import ast
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from ridgeline.tasks import TaskLayout, builtin_suite_dir, check_task, check_tasks, load_tasks
 
-sys.path.insert(0, str(Path(__file__).parent))
-import build_wheels  # noqa: E402
+from tests.helpers import build_wheels
 
 TASKS = load_tasks("builtin")
 DOMAINS = {"shell-and-files", "text-processing", "python", "dependency-repair", "git",

@@ -2,8 +2,8 @@
 Playwright) and one platform server for all three modules, and a local listener standing
 in for an attacker's server.
 
-    from dashboard_browser import chromium_browser, dashboard_platform, listener  # fixtures
-    from dashboard_browser import release_after_last_user  # autouse: closes them in time
+    from tests.helpers.dashboard_browser import chromium_browser, dashboard_platform, listener  # fixtures
+    from tests.helpers.dashboard_browser import release_after_last_user  # autouse: closes them in time
 
 Starting Playwright's driver, Chromium and a platform costs seconds each on a small machine,
 so each starts on first use and is closed right after the last selected test that uses it

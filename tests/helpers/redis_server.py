@@ -2,7 +2,7 @@
 (`--save "" --appendonly no`), its files in a temp dir; started, PINGed until it answers,
 and stopped. Tests that need Redis import it:
 
-    from redis_server import RedisServer, redis_server_fixture
+    from tests.helpers.redis_server import RedisServer, redis_server_fixture
 
     redis_server = redis_server_fixture()          # a session-wide server, fixture name
                                                    # "redis_server"; skips without one

@@ -3,7 +3,7 @@ authentication, reachable only on 127.0.0.1 and a Unix socket in that dir), `pos
 a free port with durability off (fsync, synchronous_commit, full_page_writes: the data
 dies with the test run anyway), polled until it accepts connections, and stopped.
 
-    from postgres_server import PostgresServer, postgres_server_fixture
+    from tests.helpers.postgres_server import PostgresServer, postgres_server_fixture
 
     postgres_server = postgres_server_fixture()    # a session-wide server, fixture name
                                                    # "postgres_server"; skips without one

@@ -1,0 +1,1 @@
+"""Ridgeline's test suite (a package, so its shared helpers import as tests.helpers)."""

@@ -1,6 +1,0 @@
-"""RL tests build the same tiny random models as the engine tests."""
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))

@@ -1,3 +1,3 @@
 """What several test folders share: tiny engine models and tokenizers, scripted models,
-sandbox checks, and the Redis, PostgreSQL, OpenAI-compatible and browser servers tests
+sandbox checks, and the Redis, PostgreSQL and OpenAI-compatible servers tests
 start on loopback."""

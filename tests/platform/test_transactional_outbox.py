@@ -84,9 +84,14 @@ def test_a_failed_webhook_write_rolls_the_status_back(platform, monkeypatch):
     assert f"{task_id}:completed" in _deliveries(platform)
 
 
-def test_a_refused_webhook_is_an_event_and_the_task_still_ends(platform):
-    task, _ = platform.store.create_task(
-        OWNER, {"instruction": "x", "webhook": {"url": HOOK, "secret": "not a secret"}})
+@pytest.mark.parametrize("webhook", [
+    {"url": HOOK, "secret": "not a secret"},
+    {"url": HOOK},                              # written by an older or a broken writer
+    {"secret": new_secret()},
+    "http://127.0.0.1:9/hook",
+], ids=["bad-secret", "no-secret", "no-url", "not-an-object"])
+def test_a_refused_webhook_is_an_event_and_the_task_still_ends(platform, webhook):
+    task, _ = platform.store.create_task(OWNER, {"instruction": "x", "webhook": webhook})
     platform.store.start_attempt(task.id)
     assert platform.store.finish(task.id, TaskStatus.COMPLETED)
     assert platform.store.get(task.id).status is TaskStatus.COMPLETED

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from ridgeline.errors import SandboxError
-from ridgeline.sandbox import Limits, Mount, SandboxPool, SandboxSpec, create_sandbox
+from ridgeline.sandbox import Limits, Mount, SandboxPool, SandboxSpec, create_sandbox, hostfs
 from ridgeline.sandbox.disk import allocated_bytes
 
 from tests.helpers.sandbox_helpers import needs_bwrap
@@ -86,11 +86,21 @@ def _quota_sandbox(**extra) -> object:
     return create_sandbox(SandboxSpec(limits=Limits(**limits), **extra))
 
 
-@pytest.mark.parametrize("where", ["workspace", "writable_mount"])
-@pytest.mark.parametrize("attack", sorted(ATTACKS))
-def test_every_way_to_take_disk_ends_at_the_limit(attack, where, tmp_path):
+@pytest.fixture
+def out_dir(tmp_path):
+    """The writable mount's host directory. Deleted iteratively afterwards: the deep
+    chain copied back into it would crash pytest's own (recursive) clean-up of old
+    temporary directories in a later session."""
     out = tmp_path / "out"
     out.mkdir()
+    yield out
+    hostfs.discard_tree(out, "test directory")
+
+
+@pytest.mark.parametrize("where", ["workspace", "writable_mount"])
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_every_way_to_take_disk_ends_at_the_limit(attack, where, out_dir):
+    out = out_dir
     with _quota_sandbox(mounts=[Mount(source=out, target="/out", writable=True)]) as sb:
         tree, image, cwd = ((sb.workspace_dir, "disk.img", None) if where == "workspace"
                             else (out, "mount-0.img", "/out"))

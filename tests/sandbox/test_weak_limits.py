@@ -154,8 +154,22 @@ def test_cgroup_v2_places_and_kills_every_process_of_a_sandbox(tmp_path):
             assert r.timed_out
             # Control: a background job started without a timeout lives in the group...
             assert sb.run("setsid sleep 300 > /dev/null 2>&1 &").ok
+
+            def sleepers_in_group() -> list[int]:
+                out = []
+                for p in sb._cg.pids() - {sb.init_pid}:
+                    try:
+                        if "sleep" in Path(f"/proc/{p}/cmdline").read_text():
+                            out.append(p)
+                    except OSError:
+                        pass
+                return out
+
+            # the job may still be forking or exec'ing when run() returns: wait for it
+            deadline = time.monotonic() + 10
+            while not (sleepers := sleepers_in_group()) and time.monotonic() < deadline:
+                time.sleep(0.05)
             inside = sb._cg.pids() - {sb.init_pid}
-            sleepers = [p for p in inside if "sleep" in Path(f"/proc/{p}/cmdline").read_text()]
             assert len(sleepers) == 1, inside   # ...and the timed-out command's did not survive
             assert _v2_group_of(sleepers[0]).startswith(rel + "/x")
         deadline = time.monotonic() + 10

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ridgeline.agent.environment import ToolEnvironment
-from ridgeline.errors import NotFoundError, PermissionDeniedError, RidgelineError
+from ridgeline.errors import ConflictError, NotFoundError, PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
 from ridgeline.platform.gateway import Gateway, gateway_router
@@ -210,11 +210,22 @@ class Platform:
         if not hook:
             return
         try:
-            self.outbox.insert(tx, self.outbox.prepare(
-                hook["url"], f"agent_task.{task.status.value}",
-                task_webhook_data(task, self.config.webhooks.public_url), hook["secret"],
-                owner=task.tenant, idempotency_key=_webhook_key(task), resolve=False))
-        except RidgelineError as e:
+            # pure checks and formatting: whatever fails here is a refusal, so a stored
+            # request the outbox cannot use never keeps its task from ending
+            if not isinstance(hook, dict):
+                raise RidgelineError("the stored webhook is not an object")
+            delivery = self.outbox.prepare(
+                hook.get("url"), f"agent_task.{task.status.value}",
+                task_webhook_data(task, self.config.webhooks.public_url),
+                hook.get("secret") or [], owner=task.tenant,
+                idempotency_key=_webhook_key(task), resolve=False)
+        except Exception as e:  # noqa: BLE001 - see above
+            self.store.append_event_in(tx, task.id, "webhook.refused",
+                                       {"error": f"{type(e).__name__}: {e}"[:500]})
+            return
+        try:
+            self.outbox.insert(tx, delivery)  # a database error rolls the status back too
+        except ConflictError as e:            # another request under the task's key
             self.store.append_event_in(tx, task.id, "webhook.refused", {"error": str(e)[:500]})
 
     def _adopt_legacy_outbox(self) -> None:

@@ -127,10 +127,12 @@ def test_no_byte_of_the_body_is_read_without_a_key(front, path: str) -> None:
     chunk = b" " * (1 << 20)
     status, read = asyncio.run(_drive(app, path, None, 200, chunk, content_length=False))
     assert (status, read) == (401, 0)
-    # positive control: with a key the same body is read, up to the route's cap (413)
+    # positive control: with a key the same body is read, and refused at the route's cap
+    # (what follows the cap is read and dropped within a budget, so the client gets the
+    # 413 instead of a reset; nothing of it is kept)
     status, read = asyncio.run(_drive(app, path, keys["full"], 200, chunk,
                                       content_length=False))
-    assert status == 413 and 1 <= read < 200
+    assert status == 413 and read >= 1
 
 
 @pytest.mark.parametrize("path", BODY_ROUTES)

@@ -25,6 +25,7 @@ in ``x-request-id``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -37,6 +38,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ridgeline.errors import (
     AuthenticationError, PayloadTooLargeError, RateLimitError, RidgelineError,
@@ -72,15 +74,37 @@ async def read_body(request: Request, limit: int, *,
     refuse = too_large or _too_large
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request)
         raise refuse(limit)
     parts: list[bytes] = []
     size = 0
     async for part in request.stream():
         size += len(part)
         if size > limit:
+            await _drain(request)
             raise refuse(limit)
         parts.append(part)
     return b"".join(parts)
+
+
+#: What is read and dropped of an authenticated client's refused body before the 413 and
+#: the close: a socket closed with unread data is reset, and the reset can destroy the 413
+#: on its way to a client that is still sending. Bounded in bytes and time (nothing is
+#: kept); past either, the connection closes anyway.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 2.0
+
+
+async def _drain(request: Request) -> None:
+    drained = 0
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            async for part in request.stream():
+                drained += len(part)
+                if drained > DRAIN_BYTES:
+                    return
+    except (TimeoutError, ClientDisconnect, RuntimeError):  # slow, gone, or all read
+        return
 
 
 def parse_body(raw: bytes, model: type[M]) -> M:

@@ -35,12 +35,12 @@ from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import Sampling
 from ridgeline.rl import checkpoint
 from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
-from ridgeline.rl.rollouts import TokenTaskRollout, passed
-from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.policy import PolicyConfig, load_policy
-from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
+from ridgeline.rl.rollouts import TokenTaskRollout, passed
 from ridgeline.rl.run_log import RunLog
 from ridgeline.rl.run_plots import plot_run
+from ridgeline.rl.sampler import TaskSampler
+from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
 log = logging.getLogger(__name__)

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 #: Tasks queued longer than this without their job in the queue are enqueued again.
 ORPHAN_AFTER_S = 30.0
+#: How often `maintenance` looks for terminal tasks without their webhook delivery.
+WEBHOOK_REPAIR_EVERY_S = 3600.0
 #: The outbox's own SQLite file in data_dir before it moved into the store's database.
 LEGACY_OUTBOX = "webhooks.db"
 #: Dead jobs reconciled per query in `maintenance` (all of them are, a page at a time).
@@ -114,6 +116,7 @@ class Platform:
         self._tasks = Gauge("ridgeline_agent_tasks", "agent tasks by status", ["status"],
                             registry=self.metrics)
         self._stop = threading.Event()
+        self._next_webhook_repair = 0.0
         self._threads: list[threading.Thread] = []
         self._rag: tuple[DocumentIndex, AgentMemory] | None = None
         self.dead_letter_page = DEAD_LETTER_PAGE
@@ -330,7 +333,13 @@ class Platform:
                     self.task_finished(self.store.get(task.id))
                     cancelled += 1
         graphs = self.graphs.advance_all()
-        webhooks = self.repair_webhooks()
+        # Deliveries are written with the final status now, so only tasks ended before
+        # that (or by an older version) lack one: a scan at start and then hourly, not
+        # a table scan every round.
+        webhooks = 0
+        if time.monotonic() >= self._next_webhook_repair:
+            self._next_webhook_repair = time.monotonic() + WEBHOOK_REPAIR_EVERY_S
+            webhooks = self.repair_webhooks()
         return {"requeued": requeued, "dead": dead, "cancelled": cancelled, "graphs": graphs,
                 "webhooks": webhooks}
 

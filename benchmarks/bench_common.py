@@ -8,7 +8,6 @@ Import this before torch: it imports `ridgeline`, which makes idle OpenMP worker
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.metadata
 import os
 import platform
@@ -21,6 +20,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 import ridgeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from ridgeline.cpu import cpu_info
 
 T = TypeVar("T")
 
@@ -42,36 +42,6 @@ def progress_log(json_only: bool) -> Callable[..., None]:
     return (lambda *a: print(*a, file=sys.stderr, flush=True)) if json_only else print
 
 
-#: the CPU flags that decide which kernels run and how fast: x86 vector and matrix
-#: extensions (avx, avx2, avx512*, avx_vnni, amx_*, fma, f16c) and Arm's (asimd*, sve*)
-SIMD_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "asimd", "sve")
-
-
-@functools.cache
-def cpu_info() -> tuple[str, str | None, frozenset[str]]:
-    """The CPU's model name, its vendor/family/model/stepping numbers and its feature
-    flags, from the first processor in /proc/cpuinfo (the name falls back to `platform`'s
-    answer, the rest to none). A VM may show only "AMD EPYC" as the name: the family and
-    model numbers still tell the generation (AMD family 25 = Zen 3/4, 26 = Zen 5)."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break  # one processor is enough: they all match
-                    continue
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    cpu_id = (f"{fields.get('vendor_id', '?')} family {fields['cpu family']} model "
-              f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}"
-              if "cpu family" in fields else None)
-    return name, cpu_id, frozenset((fields.get("flags") or fields.get("Features") or "").split())
-
-
 def _torch_version() -> str | None:
     """torch's version: from the module if loaded, else from its metadata (no import)."""
     if "torch" in sys.modules:
@@ -87,15 +57,15 @@ def machine(threads: int | None = None, **extra: Any) -> dict[str, Any]:
 
     A result is comparable only to a baseline from the same machine: the CPUs differ by
     generation (AVX2 only, or AVX-512 with BF16 and VNNI), and the C kernels with them.
-    `cpu_flags` lists the vector/matrix flags present (SIMD_FLAG_PREFIXES); `summary` is
+    `cpu_flags` lists the vector/matrix flags present (`ridgeline.cpu`); `summary` is
     one line (model, widest ISA, threads); `extra` adds a script's own fields."""
-    name, cpu_id, flags = cpu_info()
+    name, cpu_id, flags = cpu_info()  # ridgeline.cpu: the kernels' own reading
     isa = next((i for i in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if i in flags),
                "no avx2")
     info: dict[str, Any] = {
         "cpu_model": name,
         "cpu_id": cpu_id,
-        "cpu_flags": sorted(f for f in flags if f.startswith(SIMD_FLAG_PREFIXES)),
+        "cpu_flags": cpu_info().simd_flags,
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),

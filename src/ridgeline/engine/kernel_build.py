@@ -16,7 +16,6 @@ PyTorch path, which computes the same thing.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import importlib.resources
 import logging
@@ -30,6 +29,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ridgeline.cpu import cpu_info
+
 log = logging.getLogger(__name__)
 
 #: Changes when the way the library is built changes (part of the cache key).
@@ -42,15 +43,9 @@ def read_source(name: str) -> str:
     return (csrc / f"{name}.c").read_text(encoding="utf-8")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere), read once."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return frozenset(line.partition(":")[2].split())
+    """The CPU's feature flags (`ridgeline.cpu`; empty off Linux), read once."""
+    return cpu_info().flags
 
 
 def _cpu_signature() -> str:

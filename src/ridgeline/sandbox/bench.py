@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from ridgeline.cpu import cpu_info
 from ridgeline.sandbox import SandboxPool, SandboxSpec, create_sandbox, get_provider
 
 CONCURRENT_CMD = ["python3", "-c", "import sys; print(sum(range(1000)), sys.version_info[0])"]
@@ -193,25 +194,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
     res["phase_seconds"] = phases
     res["goals"] = {k: {"goal_ms": v, "met": res[k] <= v} for k, v in GOALS.items()}
     res["goals"]["concurrent_failures"] = {"goal": 0, "met": res["concurrent"]["failures"] == 0}
-    # the CPU, from the first processor in /proc/cpuinfo (read here: the sandbox does not
-    # import the engine): results compare only with baselines from the same CPU generation
-    cpu: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    if cpu:
-                        break
-                    continue
-                key, _, value = line.partition(":")
-                cpu.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = (cpu.get("flags") or cpu.get("Features") or "").split()
+    cpu = cpu_info()  # results compare only with baselines from the same CPU generation
     res["machine"] = {
-        "cpu_model": cpu.get("model name") or platform.processor() or platform.machine(),
-        "cpu_flags": sorted(f for f in flags
-                            if f.startswith(("avx", "amx", "fma", "f16c", "asimd", "sve"))),
+        "cpu_model": cpu.model, "cpu_flags": cpu.simd_flags,
         "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
         "cgroups": getattr(provider, "cgroups", None) is not None,
         "disk_volumes": getattr(provider, "volumes", None) is not None,

@@ -20,7 +20,7 @@ import glob
 import os
 import pwd
 import shutil
-import socket
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+
+from tests.helpers.local_servers import free_port, stop_process
 
 SKIP_REASON = ("PostgreSQL server binaries (initdb, postgres) are not installed (Debian: "
                "apt-get install postgresql; `make system-deps` does it) or psycopg 3 is "
@@ -67,12 +69,6 @@ def require_postgres() -> Path:
     if found is None or not have_psycopg():
         pytest.skip(SKIP_REASON)
     return found
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PostgresServer:
@@ -166,13 +162,7 @@ class PostgresServer:
     def _kill(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(2)   # SIGINT: PostgreSQL's "fast" shutdown
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGINT, timeout=10)  # PostgreSQL's "fast" shutdown
         self.proc = None
 
     def stop(self) -> None:

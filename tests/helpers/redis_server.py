@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.helpers.local_servers import free_port, stop_process
+
 SKIP_REASON = ("redis-server is not installed (Debian: apt-get install redis-server; "
                "`make system-deps` does it)")
 
@@ -37,12 +39,6 @@ def require_redis_server() -> str:
     if path is None:
         pytest.skip(SKIP_REASON)
     return path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ping(port: int, timeout: float = 0.5) -> bool:
@@ -98,13 +94,7 @@ class RedisServer:
     def _kill(self) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def stop(self) -> None:

@@ -400,15 +400,16 @@ def agent_filled_disk(sb: TaskSandbox) -> bool:
     return False
 
 
-def _broken(sb: TaskSandbox, detail: str, t0: float) -> Verdict:
-    """A sandbox that could not be readied for the tests: an infrastructure error, unless
-    the agent filled its disk quota. Then writes fail, and the quota watcher (which bounds
+def _broken(sb: TaskSandbox, detail: str, t0: float, reason: str = "health_failed"
+            ) -> Verdict:
+    """A sandbox that could not be readied for the tests, or restarted after them: an
+    infrastructure error (`reason`), unless the agent filled its disk quota. Then writes fail, and the quota watcher (which bounds
     the sum over the writable trees) kills new sandbox processes as soon as anything else
     is written, so any step or probe may fail: the agent's files are the cause."""
     if agent_filled_disk(sb):
         return _agents_failure("disk_full", f"the workspace is full: the agent's files use "
                                f"the task's whole disk quota ({detail})", t0)
-    return infra_error("health_failed", detail, t0)
+    return infra_error(reason, detail, t0)
 
 
 def _agents_failure(reason: str, detail: str, t0: float, output: str = "",
@@ -494,8 +495,8 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
             # socket) ends before anything is read
             stop_all(sandbox, task)
         except Exception as e:  # noqa: BLE001 - a sandbox that cannot restart is broken
-            return infra_error("sandbox_error", f"could not stop the tests' processes: "
-                               f"{type(e).__name__}: {e}", t0)
+            return _broken(sandbox, f"could not stop the tests' processes: "
+                                    f"{type(e).__name__}: {e}", t0, "sandbox_error")
     finally:
         channel.finish()
     return _grade(task, sandbox, res, sessions_of(channel.records), channel.overflow, limit,
@@ -520,7 +521,7 @@ def _verify_without_channel(task: Task, sandbox: TaskSandbox, cmd: list[str],
         res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir)
         stop_all(sandbox, task)
     except (OSError, SandboxError) as e:
-        return infra_error("sandbox_error", f"sandbox failed while testing: {e}", t0)
+        return _broken(sandbox, f"sandbox failed while testing: {e}", t0, "sandbox_error")
     return _grade(task, sandbox, res, None, False, limit, t0)
 
 

@@ -54,12 +54,11 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+import torch  # noqa: E402
 from bench_common import cpu_info, machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
-import torch  # noqa: E402
-
-from ridgeline.engine import cpu_kernels  # noqa: E402
-from ridgeline.engine.kv_quant import quantize  # noqa: E402
+from ridgeline.engine.kernels import cpu_kernels
+from ridgeline.engine.model_executor.kv_quant import quantize  # noqa: E402
 
 #: The last commit with only the 8-wide kernel (a horizontal sum per row and query vector).
 BASELINE_COMMIT = "08ade13ce041da0f21bb3310b3998a81532d25f9"
@@ -75,7 +74,7 @@ def baseline_module(commit: str = BASELINE_COMMIT) -> types.ModuleType:
     root = Path(__file__).resolve().parent.parent
     try:
         source = subprocess.run(
-            ["git", "show", f"{commit}:src/ridgeline/engine/cpu_kernels.py"],
+            ["git", "show", f"{commit}:src/ridgeline/engine/kernels/cpu_kernels.py"],
             cwd=root, check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         sys.exit(f"attention_bench needs the git history for its baseline ({e}); run it "

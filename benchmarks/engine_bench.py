@@ -34,11 +34,16 @@ import statistics
 import time
 from datetime import date
 
-# before torch: idle OpenMP workers sleep, the same for both engines
-from bench_common import (engine_arg_parser, machine, median_seconds, progress_log,
-                          read_bandwidth_gbs)  # noqa: I001
-
 import torch  # noqa: E402
+
+# before torch: idle OpenMP workers sleep, the same for both engines
+from bench_common import (
+    engine_arg_parser,
+    machine,
+    median_seconds,
+    progress_log,
+    read_bandwidth_gbs,  # noqa: I001
+)
 
 
 def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int,
@@ -97,7 +102,7 @@ def matmul_speeds(engine) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds the engine's own matmuls take at each row count of GRID: every projection
     of every layer (its own weights, so they stream from memory as in a real pass), and
     the LM head, through its own Linear modules and LM head (float or int8)."""
-    from ridgeline.engine.models.layers import int8_linear, linear
+    from ridgeline.engine.model_executor.models.layers import int8_linear, linear
 
     model = engine.runner.model
     projections = [m for layer in model.layers for m in (
@@ -222,7 +227,7 @@ def llama_cpp_decode(args, engine, depth: int) -> dict[str, float]:
     numbers we run (llama_cpp_baseline.py), same thread count, same context depth."""
     from llama_cpp_baseline import single_request as llama_single
 
-    from ridgeline.engine.registry import resolve_model
+    from ridgeline.engine.model_executor.registry import resolve_model
 
     entry = resolve_model(args.model)
     if entry.format != "gguf":

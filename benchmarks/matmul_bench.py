@@ -36,14 +36,13 @@ import json
 import time
 from collections.abc import Callable
 
-from bench_common import machine, median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from bench_common import machine, median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
 
-from ridgeline.engine import linear_kernel  # noqa: E402
-from ridgeline.engine.models.layers import int8_linear  # noqa: E402
-from ridgeline.engine.models.layers import linear as engine_linear  # noqa: E402
+from ridgeline.engine.kernels import linear_kernel
+from ridgeline.engine.model_executor.models.layers import int8_linear  # noqa: E402
+from ridgeline.engine.model_executor.models.layers import linear as engine_linear  # noqa: E402
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, LAYERS, VOCAB = 576, 1536, 9, 3, 64, 30, 49152
 SHAPES = {  # name: (out_features, in_features)

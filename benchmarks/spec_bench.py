@@ -48,12 +48,12 @@ import time
 from datetime import date
 from typing import Any
 
+import torch  # noqa: E402
+
 # before torch: idle OpenMP workers sleep (a spinning one that loses its core stalled
 # 2..8-token forward passes by a scheduler slice here, which would hide what speculation
 # does); the same for both sides
 from bench_common import engine_arg_parser, machine, on_worker_thread, progress_log  # noqa: I001
-
-import torch  # noqa: E402
 
 FILES = {
     "config.py": '''import os
@@ -370,11 +370,8 @@ def train_heads_if_missing(standard: Any, log: Any) -> float | None:
     """Seconds spent training the draft heads of `standard`'s model (None: it had them);
     the replies come from a bfloat16 engine, as `ridgeline train-draft-heads` makes them."""
     from ridgeline.engine import LLMEngine
-    from ridgeline.engine.draft_heads import (
-        heads_cache_path,
-        model_fingerprint,
-        train_and_store,
-    )
+    from ridgeline.engine.draft_training import train_and_store
+    from ridgeline.engine.spec_decode.draft_heads import heads_cache_path, model_fingerprint
 
     cfg = standard.config
     if heads_cache_path(model_fingerprint(standard.model), cfg.cache_dir).is_file():
@@ -389,12 +386,9 @@ def replay(args: argparse.Namespace, max_tokens: int, log: Any) -> dict[str, Any
     """The n-gram proposers replayed on the standard engine's greedy outputs."""
     from ridgeline.engine import LLMEngine
     from ridgeline.engine.config import SpeculativeConfig
-    from ridgeline.engine.speculative import (
-        NgramProposer,
-        ReplayStats,
-        StepCost,
-        replay_greedy,
-    )
+    from ridgeline.engine.spec_decode.cost_model import StepCost
+    from ridgeline.engine.spec_decode.proposers import NgramProposer
+    from ridgeline.engine.spec_decode.replay import ReplayStats, replay_greedy
 
     torch.set_num_threads(args.threads)
     cache = args.replay_cache
@@ -460,7 +454,8 @@ def proposer_cost(cfg: Any, text: list[int], n_ctx: int, steps: int = 300) -> di
     first call (which indexes the whole context in mode suffix)."""
     from ridgeline.engine import SamplingParams
     from ridgeline.engine.sequence import Sequence
-    from ridgeline.engine.speculative import NgramProposer, SpecState
+    from ridgeline.engine.spec_decode.proposal import SpecState
+    from ridgeline.engine.spec_decode.proposers import NgramProposer
 
     proposer = NgramProposer(cfg)
     toks = text * (n_ctx // len(text) + 2)

@@ -84,3 +84,48 @@ def test_the_platform_imports_nothing_from_the_model_server() -> None:
              for path in (SRC / "platform").rglob("*.py")
              for target, line in imported_subsystems(path) if target == "serve"]
     assert not wrong, "\n".join(wrong)
+
+
+# Inside the engine, from the bottom up: the data every layer passes around, the C
+# kernels, running a model, speculative decoding, the step loop, and the public entry
+# points. `ridgeline.engine` itself (the lazy public names) counts as the top.
+ENGINE_LAYERS = [{"config", "sampling_params", "sequence", "outputs"}, {"kernels"},
+                 {"model_executor"}, {"spec_decode"}, {"core"},
+                 {"llm", "cli", "draft_training", "__init__"}]
+ENGINE_LAYER = {part: i for i, layer in enumerate(ENGINE_LAYERS) for part in layer}
+
+
+def engine_part(module: str) -> str | None:
+    """The engine layer part a dotted `ridgeline.engine...` module belongs to."""
+    parts = module.split(".")
+    if parts[:2] != ["ridgeline", "engine"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_engine_packages_import_only_those_below_them() -> None:
+    engine = SRC / "engine"
+    assert set(ENGINE_LAYER) >= {p.name.removesuffix(".py") for p in engine.iterdir()
+                                 if p.suffix == ".py" or (p / "__init__.py").exists()}, \
+        "a new engine module or package needs its place in ENGINE_LAYERS"
+    wrong = []
+    for path in engine.rglob("*.py"):
+        owner = path.relative_to(engine).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+                if node.module == "ridgeline.engine":
+                    names = [f"ridgeline.engine.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = engine_part(name)
+                if target is None or target == owner:
+                    continue
+                if target not in ENGINE_LAYER:  # `from ridgeline.engine import LLM`
+                    target = "__init__"
+                if ENGINE_LAYER[target] > ENGINE_LAYER[owner]:
+                    wrong.append(f"engine/{path.relative_to(engine)}:{node.lineno} imports {name}")
+    assert not wrong, "\n".join(wrong)

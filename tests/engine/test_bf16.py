@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import (ARCHS, agreement, cached_model, hf_greedy, random_prompts,
-                             tiny_model)
 
 from ridgeline.engine import LLM, SamplingParams
+from tests.helpers.engine_fixtures import (
+    ARCHS,
+    agreement,
+    cached_model,
+    hf_greedy,
+    random_prompts,
+    tiny_model,
+)
 
 PROMPTS = random_prompts(8, 512, seed=5, min_len=10, max_len=50)
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -39,15 +45,15 @@ def test_bf16_matches_transformers_in_bf16_on_most_tokens():
 
 
 def test_a_half_dtype_without_a_fast_path_here_is_named_in_the_log(caplog, monkeypatch):
-    from ridgeline.engine import cpu_kernels
+    from ridgeline.engine.kernels import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "avx512f"})
-    with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
+    with caplog.at_level("WARNING", logger="ridgeline.engine.core.llm_engine"):
         LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="bfloat16")
     assert "without AVX512_BF16" in caplog.text
     caplog.clear()
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    with caplog.at_level("WARNING", logger="ridgeline.engine.llm_engine"):
+    with caplog.at_level("WARNING", logger="ridgeline.engine.core.llm_engine"):
         LLM.from_hf_model(cached_model("llama"), num_kv_blocks=16, dtype="float16")
         assert "bfloat16 is the fast half-precision here" in caplog.text
         caplog.clear()

@@ -8,9 +8,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ridgeline.engine.block_manager import BlockManager
+from ridgeline.engine.core.block_manager import BlockManager
+from ridgeline.engine.core.scheduler import Scheduler
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.scheduler import Scheduler
 from ridgeline.engine.sequence import Sequence, SequenceStatus
 
 

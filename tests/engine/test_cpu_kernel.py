@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.engine_fixtures import KERNEL_BUILDS, kernel_build
 
-from ridgeline.engine import cpu_kernels
-from ridgeline.engine.kv_quant import dequantize, quantize
+from ridgeline.engine.kernels import cpu_kernels
+from ridgeline.engine.model_executor.kv_quant import dequantize, quantize
+from tests.helpers.engine_fixtures import KERNEL_BUILDS, kernel_build
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridgeline.engine import decode_ops
-from ridgeline.engine.models.layers import RMSNorm, apply_rotary
+from ridgeline.engine.kernels import decode_ops
+from ridgeline.engine.model_executor.models.layers import RMSNorm, apply_rotary
 
 pytestmark = pytest.mark.skipif(decode_ops.load() is None, reason="no C compiler here")
 
@@ -187,7 +187,7 @@ def test_scatter_rows_refuses_what_it_cannot_copy_and_out_of_range_slots():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 1e4])
 def test_scatter_int8_rows_writes_what_kv_quant_quantizes(dtype, magnitude):
-    from ridgeline.engine.kv_quant import quantize
+    from ridgeline.engine.model_executor.kv_quant import quantize
 
     g = torch.Generator().manual_seed(11)
     qkv = (torch.randn(40, 15 * 64, generator=g) * magnitude).to(dtype)

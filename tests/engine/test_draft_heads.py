@@ -11,32 +11,31 @@ from functools import cache
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from ridgeline.engine.config import SpeculativeConfig
-from ridgeline.engine.draft_heads import (
-    DraftHeads,
+from ridgeline.engine.draft_training import (
     collect,
     fit_draft_heads,
     head_accuracy,
+    training_prompts,
+)
+from ridgeline.engine.model_executor.registry import default_model_path
+from ridgeline.engine.sequence import Sequence
+from ridgeline.engine.spec_decode.acceptance import HeadCalibration
+from ridgeline.engine.spec_decode.cost_model import expected_kept
+from ridgeline.engine.spec_decode.draft_heads import (
+    DraftHeads,
     heads_cache_path,
     load_draft_heads,
     model_fingerprint,
     resolve_draft_heads,
     save_draft_heads,
-    training_prompts,
 )
-from ridgeline.engine.registry import default_model_path
-from ridgeline.engine.sequence import Sequence
-from ridgeline.engine.speculative import (
-    HeadCalibration,
-    HeadsProposer,
-    Proposal,
-    SpecState,
-    expected_kept,
-)
+from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
+from ridgeline.engine.spec_decode.proposers import HeadsProposer
 from ridgeline.errors import ConfigError
+from tests.helpers.engine_fixtures import cached_model
 
 VOCAB = 96
 ENGINE = {"num_kv_blocks": 400, "block_size": 4, "max_num_seqs": 16}
@@ -233,10 +232,10 @@ def test_collect_refuses_a_speculating_engine() -> None:
 def test_train_and_store_from_chat_prompts(tmp_path) -> None:
     """The whole self-distillation path: generated chat prompts through the model's chat
     template, replies, fit, a file that records how it was made and loads again."""
-    from tests.helpers.engine_fixtures import char_tokenizer
     from safetensors import safe_open
 
-    from ridgeline.engine.draft_heads import train_and_store
+    from ridgeline.engine.draft_training import train_and_store
+    from tests.helpers.engine_fixtures import char_tokenizer
 
     engine = LLMEngine.from_hf_model(cached_model("llama", vocab=128), char_tokenizer(),
                                      **ENGINE)
@@ -256,7 +255,7 @@ def test_train_and_store_from_chat_prompts(tmp_path) -> None:
 def test_heads_for_the_default_model_keep_its_greedy_output(tmp_path) -> None:
     """SmolLM2-135M-Instruct: heads from a short self-distillation propose on unseen chat
     questions, some of their tokens are accepted, and the output is the standard one."""
-    from ridgeline.engine.draft_heads import train_and_store
+    from ridgeline.engine.draft_training import train_and_store
 
     cfg = EngineConfig.build(model="default", kv_cache_memory_mb=64, max_num_seqs=48)
     path = train_and_store(LLMEngine(cfg), tmp_path / "h.safetensors", num_prompts=96,

@@ -8,12 +8,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model, char_tokenizer, hf_greedy, random_prompts, tiny_model
-from tests.helpers.gguf_writer import write_gguf
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, PromptTooLongError, SamplingParams
-from ridgeline.errors import ConfigError, EngineError, ModelLoadError, NotFoundError
-from ridgeline.errors import UnsupportedError
+from ridgeline.errors import (
+    ConfigError,
+    EngineError,
+    ModelLoadError,
+    NotFoundError,
+    UnsupportedError,
+)
+from tests.helpers.engine_fixtures import (
+    cached_model,
+    char_tokenizer,
+    hf_greedy,
+    random_prompts,
+    tiny_model,
+)
+from tests.helpers.gguf_writer import write_gguf
 
 PROMPTS = random_prompts(4, 512, seed=21, min_len=4, max_len=25)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -90,7 +101,7 @@ def test_bad_requests_fail_alone() -> None:
 def test_request_failing_inside_the_loop_does_not_stop_others(monkeypatch) -> None:
     """Fault injection: postprocessing of one request raises; it finishes with an error
     and finish_reason "abort" while the other request completes."""
-    import ridgeline.engine.output_processor as le
+    import ridgeline.engine.core.output_processor as le
 
     tok = char_tokenizer()
     model = cached_model("llama", vocab=len(tok), seed=3)
@@ -271,7 +282,7 @@ def test_corrupt_gguf_is_a_model_load_error(tmp_path: Path) -> None:
 
 
 def test_registry_lists_default_and_model_dirs(hf_dir: Path, monkeypatch) -> None:
-    from ridgeline.engine.registry import list_models, resolve_model
+    from ridgeline.engine.model_executor.registry import list_models, resolve_model
 
     monkeypatch.setenv("RIDGELINE_MODEL_DIRS", str(hf_dir.parent))
     names = {e.name: e for e in list_models()}

@@ -7,9 +7,9 @@ from functools import lru_cache
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import ARCHS, cached_model, hf_greedy, random_prompts
 
 from ridgeline.engine import LLM, SamplingParams
+from tests.helpers.engine_fixtures import ARCHS, cached_model, hf_greedy, random_prompts
 
 VOCAB = 512
 PROMPTS = random_prompts(16, VOCAB, seed=1, min_len=3, max_len=60, shared_prefix=21)
@@ -95,7 +95,8 @@ def test_top_logprobs_match_transformers() -> None:
 def test_multi_token_decode_matches_one_by_one(use_kernel: bool) -> None:
     """The forward accepts several new tokens per sequence after a cached context (what
     speculative decoding verifies): their logits equal decoding them one at a time."""
-    from ridgeline.engine import LLMEngine, cpu_kernels
+    from ridgeline.engine import LLMEngine
+    from ridgeline.engine.kernels import cpu_kernels
     from ridgeline.engine.sequence import Sequence
 
     if use_kernel and not cpu_kernels.available():
@@ -117,7 +118,7 @@ def test_multi_token_decode_matches_one_by_one(use_kernel: bool) -> None:
         assert engine.block_manager.allocate_slots(seq, len(new))
         batch.append((seq, len(new)))
     # logits for every new token: run the model on the flat batch directly
-    from ridgeline.engine.attention import build_attention_metadata
+    from ridgeline.engine.model_executor.attention import build_attention_metadata
 
     ids, pos, meta_in = [], [], []
     for seq, n in batch:

@@ -1,4 +1,4 @@
-"""The engine's C kernels live in C files (`ridgeline/engine/csrc/`), not in Python strings:
+"""The engine's C kernels live in C files (`ridgeline/engine/kernels/csrc/`), not in Python strings:
 each compiles without a warning in every variant the engine builds (and for the other CPUs
 those variants stand for), the package ships them, and the limits the Python side checks
 against are the C's."""
@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 
 import ridgeline
-from ridgeline.engine import cpu_kernels, decode_ops, decode_stack, kernel_build, linear_kernel
+from ridgeline.engine.kernels import (
+    cpu_kernels,
+    decode_ops,
+    decode_stack,
+    kernel_build,
+    linear_kernel,
+)
 
 SRC = Path(ridgeline.__file__).parent
 CSRC = SRC / "engine" / "csrc"

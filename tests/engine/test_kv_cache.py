@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model
 
 from ridgeline.engine import LLM
-from ridgeline.engine.kv_cache import KVCache
-from ridgeline.engine.kv_quant import make_kv_cache
+from ridgeline.engine.model_executor.kv_cache import KVCache
+from ridgeline.engine.model_executor.kv_quant import make_kv_cache
+from tests.helpers.engine_fixtures import cached_model
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) is Linux")
 PAGE = 4096
@@ -91,7 +91,7 @@ def test_the_engine_prefaults_by_default_and_sleep_stops_it() -> None:
 @pytest.mark.parametrize("kind", ["auto", "bfloat16"])
 @pytest.mark.parametrize("rows", [3, 100])
 def test_writes_of_fused_qkv_rows_land_in_their_slots(kind, rows, monkeypatch) -> None:
-    from ridgeline.engine import decode_ops
+    from ridgeline.engine.kernels import decode_ops
 
     calls = []
     real = decode_ops.scatter_rows

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model, random_prompts
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from ridgeline.engine.kv_cache import KVCache
-from ridgeline.engine.kv_quant import (
-    KV_CACHE_DTYPES, QuantizedKVCache, dequantize, kv_bytes_per_token, make_kv_cache, quantize,
+from ridgeline.engine.model_executor.kv_cache import KVCache
+from ridgeline.engine.model_executor.kv_quant import (
+    KV_CACHE_DTYPES,
+    QuantizedKVCache,
+    dequantize,
+    kv_bytes_per_token,
+    make_kv_cache,
+    quantize,
 )
 from ridgeline.errors import ConfigError
+from tests.helpers.engine_fixtures import cached_model, random_prompts
 
 PROMPTS = random_prompts(8, 512, seed=11, min_len=10, max_len=50, shared_prefix=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ridgeline.engine.models.layers import SMALL_BATCH_ROWS, linear
+from ridgeline.engine.model_executor.models.layers import SMALL_BATCH_ROWS, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1])
@@ -43,7 +43,7 @@ def test_the_onednn_path_follows_in_place_weight_updates():
     weight; an in-place update (RL's update_weights) must not leave that copy stale."""
     import torch.nn.functional as F
 
-    from ridgeline.engine.models import layers
+    from ridgeline.engine.model_executor.models import layers
 
     torch.manual_seed(0)
     w = torch.randn(96, 40)
@@ -69,7 +69,7 @@ def test_the_onednn_path_follows_in_place_weight_updates():
 def test_without_a_working_packed_onednn_linear_takes_pytorch(monkeypatch):
     """The packed oneDNN call is a private torch op, checked once per dtype: where the
     check fails, products of many rows take PyTorch's path (and give F.linear's result)."""
-    from ridgeline.engine.models import layers
+    from ridgeline.engine.model_executor.models import layers
 
     assert layers._onednn_works(torch.float32) in (True, False)
     monkeypatch.setattr(layers, "_onednn_works", lambda dtype: False)

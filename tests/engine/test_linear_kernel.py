@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-from ridgeline.engine import cpu_kernels, linear_kernel
-from ridgeline.engine.models import layers
+from ridgeline.engine.kernels import cpu_kernels, linear_kernel
+from ridgeline.engine.model_executor.models import layers
 
 needs_kernel = pytest.mark.skipif(not linear_kernel.available(),
                                   reason="needs AVX-512 or AVX2 + FMA, Linux and a C compiler")
@@ -363,7 +363,7 @@ def test_int8_linear_uses_the_kernel_up_to_its_limit(dt) -> None:
 @needs_kernel
 def test_a_bfloat16_few_token_forward_keeps_its_threads_for_the_kernel() -> None:
     # the kernel reads torch's thread count; bf16 decode must not drop it to 1
-    from ridgeline.engine.model_runner import _few_token_threads
+    from ridgeline.engine.model_executor.model_runner import _few_token_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -383,7 +383,7 @@ def test_without_the_kernel_linear_falls_back_to_pytorch(tmp_path) -> None:
     code = (
         "import torch, torch.nn.functional as F\n"
         "from ridgeline.engine import linear_kernel\n"
-        "from ridgeline.engine.models import layers\n"
+        "from ridgeline.engine.model_executor.models import layers\n"
         "assert not linear_kernel.available()\n"
         "assert linear_kernel.portable_library() is None\n"
         "w, b = torch.randn(70, 48), torch.randn(70)\n"

@@ -8,6 +8,11 @@ import random
 
 import pytest
 import torch
+
+from ridgeline.engine import LLM, SamplingParams
+from ridgeline.engine.kernels import cpu_kernels
+from ridgeline.engine.model_executor.attention import build_attention_metadata, paged_attention
+from ridgeline.engine.model_executor.kv_quant import make_kv_cache
 from tests.helpers.engine_fixtures import (
     KERNEL_BUILDS,
     cached_model,
@@ -15,10 +20,6 @@ from tests.helpers.engine_fixtures import (
     kernel_build,
     random_prompts,
 )
-
-from ridgeline.engine import LLM, SamplingParams, cpu_kernels
-from ridgeline.engine.attention import build_attention_metadata, paged_attention
-from ridgeline.engine.kv_quant import make_kv_cache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
                                 reason="no C compiler to build the kernel")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model, char_tokenizer, random_prompts
 
 from ridgeline.engine import LLM, SamplingParams
-from ridgeline.engine.sampler import Sampler, apply_penalties
+from ridgeline.engine.model_executor.sampler import Sampler, apply_penalties
 from ridgeline.engine.sequence import Sequence
 from ridgeline.errors import EngineError
+from tests.helpers.engine_fixtures import cached_model, char_tokenizer, random_prompts
 
 PROMPTS = random_prompts(6, 512, seed=7, min_len=5, max_len=30)
 
@@ -62,7 +62,7 @@ def test_top_k_top_p_min_p_filters() -> None:
 def test_greedy_batch_takes_the_fused_pass_with_the_same_result(monkeypatch) -> None:
     """All-greedy rows go through decode_ops.argmax_logsumexp: the same tokens, logprobs
     and top logprobs as PyTorch's argmax and logsumexp."""
-    from ridgeline.engine import decode_ops
+    from ridgeline.engine.kernels import decode_ops
 
     if decode_ops.load() is None:
         pytest.skip("no C compiler here")

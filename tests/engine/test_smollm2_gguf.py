@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ridgeline.engine import LLM, SamplingParams
-from ridgeline.engine.registry import default_model_path
+from ridgeline.engine.model_executor.registry import default_model_path
 
 pytestmark = pytest.mark.slow  # two loads of a 135M model: ~40 s on 2 cores
 

@@ -11,27 +11,21 @@ from functools import lru_cache
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import cached_model, char_tokenizer, tiny_model
 
 from ridgeline.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from ridgeline.engine.config import SpeculativeConfig
-from ridgeline.engine.registry import default_model_path
-from ridgeline.engine.rejection_sampler import rejection_sample
-from ridgeline.engine.sampler import Sampler
+from ridgeline.engine.model_executor.registry import default_model_path
+from ridgeline.engine.model_executor.sampler import Sampler
 from ridgeline.engine.sequence import Sequence, SequenceStatus
-from ridgeline.engine.speculative import (
-    AcceptanceModel,
-    NgramProposer,
-    Proposal,
-    ReplayStats,
-    SpecState,
-    StepCost,
-    cut_proposal,
-    ngram_lookup,
-    replay_greedy,
-)
-from ridgeline.engine.suffix_index import Evidence, GlobalIndex, SuffixIndex, walk
+from ridgeline.engine.spec_decode.acceptance import AcceptanceModel
+from ridgeline.engine.spec_decode.cost_model import StepCost, cut_proposal
+from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
+from ridgeline.engine.spec_decode.proposers import NgramProposer, ngram_lookup
+from ridgeline.engine.spec_decode.rejection_sampler import rejection_sample
+from ridgeline.engine.spec_decode.replay import ReplayStats, replay_greedy
+from ridgeline.engine.spec_decode.suffix_index import Evidence, GlobalIndex, SuffixIndex, walk
 from ridgeline.errors import ConfigError
+from tests.helpers.engine_fixtures import cached_model, char_tokenizer, tiny_model
 
 VOCAB = 96
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -568,6 +562,6 @@ def test_draft_with_another_tokenizer_is_refused_at_start() -> None:
 
 
 def _source(model: torch.nn.Module, tok):
-    from ridgeline.engine.loader import InMemorySource
+    from ridgeline.engine.model_executor.loader import InMemorySource
 
     return InMemorySource(model, tok)

@@ -9,9 +9,9 @@ import itertools
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import tiny_model
 
 from ridgeline.engine import LLM, SamplingParams
+from tests.helpers.engine_fixtures import tiny_model
 
 VOCAB = 12
 PROMPT = [5, 7, 3, 9, 4, 5, 7, 3, 9, 4, 5, 7]  # n-gram lookup proposes "3 9 4 ..."

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import ARCHS, agreement, cached_model, random_prompts
 
 from ridgeline.engine import LLM, LLMEngine, SamplingParams
-from ridgeline.engine.models.layers import int8_linear, quantize_int8
+from ridgeline.engine.model_executor.models.layers import int8_linear, quantize_int8
 from ridgeline.errors import ConfigError, ModelLoadError
+from tests.helpers.engine_fixtures import ARCHS, agreement, cached_model, random_prompts
 
 PROMPTS = random_prompts(8, 512, seed=3, min_len=10, max_len=50)
 

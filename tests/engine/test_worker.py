@@ -7,14 +7,14 @@ import threading
 import time
 
 import pytest
-from tests.helpers.engine_fixtures import hf_greedy, random_prompts, tiny_model
 
 from ridgeline.engine import LLM, SamplingParams
-from ridgeline.engine.block_manager import BlockManager
-from ridgeline.engine.scheduler import Scheduler
+from ridgeline.engine.core.block_manager import BlockManager
+from ridgeline.engine.core.scheduler import Scheduler
+from ridgeline.engine.core.worker import EngineUnavailableError
 from ridgeline.engine.sequence import Sequence
-from ridgeline.engine.worker import EngineUnavailableError
 from ridgeline.errors import EngineError
+from tests.helpers.engine_fixtures import hf_greedy, random_prompts, tiny_model
 
 PROMPTS = random_prompts(6, 512, seed=5, min_len=4, max_len=20)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -112,7 +112,7 @@ def kernel_build(build: str):
     """The compiled attention kernel of one of KERNEL_BUILDS (skips where AVX2 is absent)."""
     import pytest
 
-    from ridgeline.engine import cpu_kernels
+    from ridgeline.engine.kernels import cpu_kernels
 
     lib = {"native": cpu_kernels.load, "avx2": cpu_kernels.avx2_library,
            "portable": cpu_kernels.portable_library}[build]()

@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.engine_fixtures import random_prompts, tiny_model
-from tests.helpers.gguf_writer import write_gguf
 
 from ridgeline.engine import LLM, SamplingParams
-from ridgeline.engine.loader import default_cache_dir
-from ridgeline.engine.registry import default_model_path
+from ridgeline.engine.model_executor.loader import default_cache_dir
+from ridgeline.engine.model_executor.registry import default_model_path
 from ridgeline.errors import ConfigError, ModelLoadError, NotFoundError, UnsupportedError
-from ridgeline.rl.policy import (DEFAULT_LORA_TARGETS, LoraConfig, Policy, PolicyConfig,
-                                 hf_model_dir, load_policy)
+from ridgeline.rl.policy import (
+    DEFAULT_LORA_TARGETS,
+    LoraConfig,
+    Policy,
+    PolicyConfig,
+    hf_model_dir,
+    load_policy,
+)
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
+from tests.helpers.engine_fixtures import random_prompts, tiny_model
+from tests.helpers.gguf_writer import write_gguf
 
 PROMPTS = random_prompts(4, 512, seed=9, min_len=5, max_len=12)
 
@@ -221,7 +227,7 @@ def test_a_gguf_model_is_converted_once_into_the_engines_cache(tmp_path: Path):
 
 
 def test_a_gguf_that_cannot_be_converted_is_a_clear_error(tmp_path: Path, monkeypatch):
-    from ridgeline.engine import loader
+    from ridgeline.engine.model_executor import loader
 
     gguf = tmp_path / "tiny.gguf"
     write_gguf(tiny_model("llama", seed=6), gguf)

@@ -106,7 +106,7 @@ def test_resume_restores_trainer_buffer_and_task_order(tmp_path, tiny_models):
     # trained weights
     from safetensors.torch import load_file
 
-    from ridgeline.engine.registry import resolve_model
+    from ridgeline.engine.model_executor.registry import resolve_model
 
     assert resolve_model(str(out / "checkpoint")).format == "hf"
     saved = load_file(str(out / "checkpoint" / "model.safetensors"))

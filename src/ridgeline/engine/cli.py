@@ -18,7 +18,7 @@ models_app = typer.Typer(help="Models the engine can load.", no_args_is_help=Tru
 @models_app.command("list")
 def models_list() -> None:
     """Show the models found on this machine ("default" is SmolLM2-135M-Instruct)."""
-    from ridgeline.engine.registry import list_models, model_dirs
+    from ridgeline.engine.model_executor.registry import list_models, model_dirs
 
     entries = list_models()
     table = Table("name", "format", "path", "description")
@@ -101,7 +101,7 @@ def train_draft_heads(
     """Train draft heads for a model by self-distillation (its own greedy replies; ~8 min
     for SmolLM2 on 2 cores). `:fast` then proposes from them beside n-gram lookup."""
     from ridgeline.engine import EngineConfig, LLMEngine
-    from ridgeline.engine.draft_heads import train_and_store
+    from ridgeline.engine.draft_training import train_and_store
 
     err = Console(stderr=True)
     with err.status(f"loading {model}"):

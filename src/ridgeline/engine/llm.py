@@ -11,10 +11,10 @@ import threading
 from typing import Any
 
 from ridgeline.engine.config import EngineConfig
-from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.core.llm_engine import LLMEngine
+from ridgeline.engine.core.worker import EngineWorker, RequestHandle
 from ridgeline.engine.outputs import RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.worker import EngineWorker, RequestHandle
 from ridgeline.errors import EngineError
 
 

@@ -25,6 +25,10 @@ class SequenceStatus(enum.Enum):
 _seq_ids = itertools.count()
 
 
+#: Prompt tokens kept as left context for decoding the first output tokens.
+DETOKENIZE_CONTEXT_TOKENS = 5
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -52,9 +56,10 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # incremental detokenisation state (offsets into the output tokens)
-    prefix_offset: int = 0
-    read_offset: int = 0
+    # incremental detokenisation (core/detokenizer.py): the decoded window starts a few
+    # prompt tokens back (tokenizer-specific spacing), and nothing before the output is shown
+    prefix_offset: int = -1
+    read_offset: int = -1
     # what the last RequestOutput reported, to compute deltas
     reported_tokens: int = 0
     reported_text: int = 0
@@ -62,6 +67,9 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.top_logprobs is None:
             self.top_logprobs = []
+        if self.read_offset < 0:
+            self.read_offset = self.num_prompt_tokens
+            self.prefix_offset = max(self.num_prompt_tokens - DETOKENIZE_CONTEXT_TOKENS, 0)
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +128,6 @@ class Request:
         generator of its own, so its draws do not depend on its batch mates."""
         import torch
 
-        from ridgeline.engine.detokenizer import init_offsets
 
         seqs = []
         for i in range(params.n):
@@ -131,7 +138,6 @@ class Request:
             seq = Sequence(request_id=request_id, index=i, token_ids=list(ids),
                            num_prompt_tokens=len(ids), params=params, cache_salt=cache_salt,
                            generator=gen)
-            init_offsets(seq)
             seqs.append(seq)
         return cls(request_id, prompt, list(ids), params, seqs)
 

@@ -78,8 +78,8 @@ def hf_model_dir(model: str, *, cache_dir: str | None = None) -> Path:
     """The Hugging Face directory the engine loads for `model` (what `LLM(model)`
     accepts): the directory itself for an HF model; for a GGUF file its cached
     conversion, converted now if it is not cached yet."""
-    from ridgeline.engine.loader import HFDirSource, conversion_dir, open_source
-    from ridgeline.engine.registry import resolve_model
+    from ridgeline.engine.model_executor.loader import HFDirSource, conversion_dir, open_source
+    from ridgeline.engine.model_executor.registry import resolve_model
 
     entry = resolve_model(model)  # NotFoundError with the known models as the hint
     source = open_source(entry, cache_dir=cache_dir)

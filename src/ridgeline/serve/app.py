@@ -55,25 +55,38 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ridgeline.engine.config import EngineConfig
-from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.core.llm_engine import LLMEngine
+from ridgeline.engine.core.worker import EngineUnavailableError, EngineWorker
 from ridgeline.engine.outputs import CompletionOutput, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.worker import EngineUnavailableError, EngineWorker
 from ridgeline.errors import ConfigError, RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, ServerLimits, parse_request,
-)
-from ridgeline.wire import (
-    FAST_Q_SUFFIX, FAST_SUFFIX, RequestError, base_model_name, error_body, error_for,
-    error_type, internal_error_body,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ServerLimits,
+    parse_request,
 )
 from ridgeline.serve.tools import (
-    ToolCallExtractor, extract_tool_calls, forced_prefix, to_messages, tool_specs,
+    ToolCallExtractor,
+    extract_tool_calls,
+    forced_prefix,
+    to_messages,
+    tool_specs,
     wire_tool_call,
 )
 from ridgeline.serve.weights import WEIGHTS_PATH, add_weight_routes
+from ridgeline.wire import (
+    FAST_Q_SUFFIX,
+    FAST_SUFFIX,
+    RequestError,
+    base_model_name,
+    error_body,
+    error_for,
+    error_type,
+    internal_error_body,
+)
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ridgeline.engine.worker import EngineWorker
+    from ridgeline.engine.core.worker import EngineWorker
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

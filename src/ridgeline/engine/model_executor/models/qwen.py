@@ -3,7 +3,7 @@ query and key head before RoPE). Both use the rotate-half RoPE layout, also in G
 
 from __future__ import annotations
 
-from ridgeline.engine.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

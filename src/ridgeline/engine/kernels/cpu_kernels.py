@@ -31,10 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ridgeline.engine import kernel_build
+from ridgeline.engine.kernels import kernel_build
 
 # Other modules and tests use these through this module.
-from ridgeline.engine.kernel_build import LazyLibrary, cpu_flags  # noqa: F401
+from ridgeline.engine.kernels.kernel_build import LazyLibrary, cpu_flags  # noqa: F401
 
 # The C source's MAXQV, MAXD and MAXBS (tests/engine/test_kernel_sources.py checks them).
 MAX_QUERY_VECTORS = 64  # query heads per KV head x new tokens per sequence

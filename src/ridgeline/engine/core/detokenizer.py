@@ -11,14 +11,6 @@ from typing import Any
 
 from ridgeline.engine.sequence import Sequence
 
-#: prompt tokens kept as left context for the first output tokens
-_CONTEXT_TOKENS = 5
-
-
-def init_offsets(seq: Sequence) -> None:
-    seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
-    seq.read_offset = seq.num_prompt_tokens
-
 
 def detokenize_step(tokenizer: Any, seq: Sequence, *, final: bool = False,
                     upto: int | None = None) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from ridgeline.engine import cpu_kernels, kernel_build
+from ridgeline.engine.kernels import cpu_kernels, kernel_build
 
 #: From this many rows (prefill chunks) each op is split by rows over torch's intra-op
 #: threads: a C call a share, the calling thread taking the last one (below it, waking a

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ridgeline.engine import decode_ops
 from ridgeline.engine.config import KV_CACHE_DTYPES, normalize_kv_cache_dtype
-from ridgeline.engine.kv_cache import KVCache, _zeros
+from ridgeline.engine.kernels import decode_ops
+from ridgeline.engine.model_executor.kv_cache import KVCache, _zeros
 
 __all__ = ["KV_CACHE_DTYPES", "QuantizedKVCache", "kv_bytes_per_token", "make_kv_cache",
            "normalize_kv_cache_dtype"]

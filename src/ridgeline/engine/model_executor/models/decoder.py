@@ -15,12 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgeline.engine import decode_ops, decode_stack
-from ridgeline.engine.attention import AttentionMetadata, paged_attention
-from ridgeline.engine.kv_cache import KVCache
-from ridgeline.engine.models.config import ModelConfig, rope_inv_freq
-from ridgeline.engine.models.layers import (Linear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                            int8_linear, linear, quantize_int8)
+from ridgeline.engine.kernels import decode_ops, decode_stack
+from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_attention
+from ridgeline.engine.model_executor.kv_cache import KVCache
+from ridgeline.engine.model_executor.models.config import ModelConfig, rope_inv_freq
+from ridgeline.engine.model_executor.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    int8_linear,
+    kernel_max_rows,
+    linear,
+    quantize_int8,
+)
 from ridgeline.errors import ConfigError, ModelLoadError
 
 
@@ -118,7 +126,8 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden], for a flat batch of tokens."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.lookup(positions)
-        if decode_stack.applies(self, x.shape[0], cache, meta):  # the loop below, in C
+        if decode_stack.applies(self, x.shape[0], cache, meta,  # the loop below, in C
+                                kernel_max_rows(self.dtype, int8=self.quantized)):
             return self.norm(decode_stack.run_layers(self, x, cos, sin, cache, meta))
         for layer in self.layers:
             x = layer(x, cos, sin, cache, meta)

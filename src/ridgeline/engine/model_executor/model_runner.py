@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ridgeline.engine import linear_kernel
-from ridgeline.engine.attention import build_attention_metadata
-from ridgeline.engine.kv_cache import KVCache
-from ridgeline.engine.kv_quant import kv_bytes_per_token, make_kv_cache
-from ridgeline.engine.models import DecoderForCausalLM, build_model
+from ridgeline.engine.kernels import linear_kernel
+from ridgeline.engine.model_executor.attention import build_attention_metadata
+from ridgeline.engine.model_executor.kv_cache import KVCache
+from ridgeline.engine.model_executor.kv_quant import kv_bytes_per_token, make_kv_cache
+from ridgeline.engine.model_executor.models import DecoderForCausalLM, build_model
 from ridgeline.engine.sequence import Sequence
 from ridgeline.errors import ConfigError, ModelLoadError
 
 if TYPE_CHECKING:
     from ridgeline.engine.config import EngineConfig
-    from ridgeline.engine.loader import ModelSource
+    from ridgeline.engine.model_executor.loader import ModelSource
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +225,8 @@ def tune_malloc() -> None:
 
 def choose_kernel(config: EngineConfig, model_config: Any, cache: KVCache) -> bool:
     """Whether decode attention goes through the C kernel (`attention_backend`)."""
-    from ridgeline.engine import cpu_kernels
-    from ridgeline.engine.attention import MAX_BATCHED_QUERY
+    from ridgeline.engine.kernels import cpu_kernels
+    from ridgeline.engine.model_executor.attention import MAX_BATCHED_QUERY
 
     if config.attention_backend == "torch":
         return False

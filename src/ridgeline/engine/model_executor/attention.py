@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ridgeline.engine import cpu_kernels
-from ridgeline.engine.kv_cache import KVCache
+from ridgeline.engine.kernels import cpu_kernels
+from ridgeline.engine.model_executor.kv_cache import KVCache
 
 #: Sequences with at most this many new tokens (and some cached context) are batched.
 MAX_BATCHED_QUERY = 8

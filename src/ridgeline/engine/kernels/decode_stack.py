@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ridgeline.engine import cpu_kernels, decode_ops, kernel_build, linear_kernel
+from ridgeline.engine.kernels import cpu_kernels, decode_ops, kernel_build, linear_kernel
 
 _FLAGS = [["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC"],
           ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]]
@@ -105,13 +105,11 @@ _kernel_table: dict[torch.dtype, _Kernels | None] = {}
 FLOAT32_MAX_ROWS = 64
 
 
-def max_rows(dtype: torch.dtype, quantized: bool) -> int:
+def max_rows(dtype: torch.dtype, quantized: bool, linear_rows: int) -> int:
     """The most rows of a pass the stack takes for a model of `dtype` (int8 weights:
-    `quantized`): as many as the linear kernel takes, and float32 up to FLOAT32_MAX_ROWS
-    on the 16-lane kernel."""
-    from ridgeline.engine.models.layers import kernel_max_rows
-
-    rows = kernel_max_rows(dtype, int8=quantized)
+    `quantized`): as many as the model's linear layers give the kernel (`linear_rows`),
+    and float32 up to FLOAT32_MAX_ROWS on the 16-lane kernel."""
+    rows = linear_rows
     if dtype == torch.float32 and not quantized and _sixteen_lanes():
         return max(rows, FLOAT32_MAX_ROWS)
     return rows
@@ -122,16 +120,17 @@ def _sixteen_lanes() -> bool:
     return linear_kernel.vector_width() == 16
 
 
-def applies(model: Any, rows: int, cache: Any, meta: Any) -> bool:
+def applies(model: Any, rows: int, cache: Any, meta: Any, linear_rows: int) -> bool:
     """Whether a pass of `rows` tokens with this attention metadata can run as one
-    `decoder_stack` call (see the module doc)."""
+    `decoder_stack` call (see the module doc); `linear_rows`: the most rows the model's
+    linear layers give the linear kernel (`layers.kernel_max_rows`)."""
     dtype = model.dtype
     kb = meta.kernel
     if (dtype not in (torch.float32, torch.bfloat16) or kb is None or meta.prefill is not None
             or meta.fresh or meta.chunks or meta.groups
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
-            or rows > max_rows(dtype, model.quantized)
+            or rows > max_rows(dtype, model.quantized, linear_rows)
             or load() is None):
         return False
     raw = cache.raw_blocks(0)

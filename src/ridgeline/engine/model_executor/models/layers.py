@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ridgeline.engine import cpu_kernels, decode_ops, linear_kernel
+from ridgeline.engine.kernels import cpu_kernels, decode_ops, linear_kernel
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ridgeline.engine.models.config import ModelConfig, supported_architectures
-from ridgeline.engine.models.decoder import DecoderForCausalLM
-from ridgeline.engine.models.llama import LlamaForCausalLM
-from ridgeline.engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from ridgeline.engine.model_executor.models.config import ModelConfig, supported_architectures
+from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.llama import LlamaForCausalLM
+from ridgeline.engine.model_executor.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from ridgeline.errors import UnsupportedError
 
 MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ridgeline.engine.llm_engine import LLMEngine
+from ridgeline.engine.core.llm_engine import LLMEngine
 from ridgeline.engine.outputs import EngineStats, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
 from ridgeline.errors import EngineError, RidgelineError

@@ -18,9 +18,13 @@ from typing import Any
 
 import torch
 
-from ridgeline.engine.models.config import ModelConfig, supported_architectures
-from ridgeline.engine.models.config import ARCHITECTURES, MODEL_TYPES
-from ridgeline.engine.registry import ModelEntry
+from ridgeline.engine.model_executor.models.config import (
+    ARCHITECTURES,
+    MODEL_TYPES,
+    ModelConfig,
+    supported_architectures,
+)
+from ridgeline.engine.model_executor.registry import ModelEntry
 from ridgeline.errors import ModelLoadError, NotFoundError, UnsupportedError
 
 Weights = Iterator[tuple[str, torch.Tensor]]
@@ -279,7 +283,7 @@ class GGUFSource(ModelSource):
     def weights(self) -> Weights:
         from gguf import dequantize
 
-        from ridgeline.engine.models.llama import LlamaForCausalLM
+        from ridgeline.engine.model_executor.models.llama import LlamaForCausalLM
 
         cfg = self.config
         for t in self.reader.tensors:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ridgeline.engine.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -23,20 +23,25 @@ from typing import Any
 
 import torch
 
-from ridgeline.engine import cpu_kernels
-from ridgeline.engine.block_manager import BlockManager
 from ridgeline.engine.config import EngineConfig
-from ridgeline.engine.draft_heads import resolve_draft_heads
-from ridgeline.engine.loader import InMemorySource, ModelSource, open_source
-from ridgeline.engine.model_runner import KVPlan, ModelOutput, ModelRunner, tune_malloc
-from ridgeline.engine.output_processor import OutputProcessor
+from ridgeline.engine.core.block_manager import BlockManager
+from ridgeline.engine.core.output_processor import OutputProcessor
+from ridgeline.engine.core.scheduler import Scheduler
+from ridgeline.engine.kernels import cpu_kernels
+from ridgeline.engine.model_executor.loader import InMemorySource, ModelSource, open_source
+from ridgeline.engine.model_executor.model_runner import (
+    KVPlan,
+    ModelOutput,
+    ModelRunner,
+    tune_malloc,
+)
+from ridgeline.engine.model_executor.registry import resolve_model
+from ridgeline.engine.model_executor.sampler import Sampler
 from ridgeline.engine.outputs import EngineStats, RequestOutput
-from ridgeline.engine.registry import resolve_model
-from ridgeline.engine.sampler import Sampler
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.scheduler import Scheduler
 from ridgeline.engine.sequence import Request, Sequence
-from ridgeline.engine.speculative import build_speculator, open_draft_source
+from ridgeline.engine.spec_decode.draft_heads import resolve_draft_heads
+from ridgeline.engine.spec_decode.speculator import build_speculator, open_draft_source
 from ridgeline.errors import ConfigError, EngineError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -66,7 +71,7 @@ def _warn_slow_dtype(dtype: str) -> None:
                     if flags & {"avx512_bf16", "amx_bf16"} else
                     "dtype float16 has no fast matmul path on this CPU: use float32")
     if dtype == "bfloat16" and flags and not flags & {"avx512_bf16", "amx_bf16"}:
-        from ridgeline.engine import linear_kernel
+        from ridgeline.engine.kernels import linear_kernel
 
         if linear_kernel.available():  # decode-sized products run at half fp32's bytes
             log.warning("dtype bfloat16 without AVX512_BF16 or AMX on this CPU: decode "

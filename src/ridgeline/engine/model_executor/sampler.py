@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgeline.engine import decode_ops
+from ridgeline.engine.kernels import decode_ops
 from ridgeline.engine.sequence import Sequence
 
 

@@ -39,7 +39,7 @@ _RECIPE = "compile, then link without -ffast-math"
 
 def read_source(name: str) -> str:
     """The C source `csrc/<name>.c`, as packaged (read from a wheel too)."""
-    csrc = importlib.resources.files("ridgeline.engine") / "csrc"
+    csrc = importlib.resources.files("ridgeline.engine.kernels") / "csrc"
     return (csrc / f"{name}.c").read_text(encoding="utf-8")
 
 

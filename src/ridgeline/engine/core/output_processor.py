@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ridgeline.engine.detokenizer import detokenize_step
+from ridgeline.engine.core.detokenizer import detokenize_step
 from ridgeline.engine.outputs import CompletionOutput, RequestOutput
 from ridgeline.engine.sequence import Request, Sequence
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ridgeline.engine import decode_ops
+from ridgeline.engine.kernels import decode_ops
 
 log = logging.getLogger(__name__)
 

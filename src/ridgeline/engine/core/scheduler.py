@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ridgeline.engine.block_manager import BlockManager
+from ridgeline.engine.core.block_manager import BlockManager
 from ridgeline.engine.sequence import Sequence, SequenceStatus
 
 

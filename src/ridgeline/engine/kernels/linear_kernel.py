@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from ridgeline.engine import kernel_build
+from ridgeline.engine.kernels import kernel_build
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ridgeline.engine.sampler import Sampler, recorded_logprobs
+from ridgeline.engine.model_executor.sampler import Sampler, recorded_logprobs
 from ridgeline.engine.sequence import Sequence
 
 

@@ -1,0 +1,258 @@
+"""Speculative decoding inside continuous batching.
+
+Each step, after the scheduler has picked the batch, the `Speculator`:
+
+1. plans: every decoding sequence (one new token, no penalties) gets the k that
+   maximizes the batch's expected tokens per second, from the chance that its proposals
+   are accepted and the measured cost of a forward pass (`StepCost`: seconds = a + b *
+   tokens, fit over recent steps). On a small batch a verified token costs a fraction of
+   a step; on a large, compute-bound one as much as a decoded token, so there k falls to
+   0 and speculation switches itself off. Never more than `max_batch_size` sequences.
+   The chance is the sequence's recent acceptance (draft model, n-gram mode "lookup"),
+   or, n-gram mode "suffix", each proposed token's own from the evidence behind it: the
+   proposal is then cut after it is made (`cut_proposal`);
+2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
+   output (mode "suffix": in an index kept per sequence, and in earlier requests'
+   outputs; see suffix_index.py), the draft proposer runs a small model k times;
+3. has the scheduler reserve look-ahead KV slots for the proposals
+   (`Scheduler.reserve_lookahead`; when the pool is short the sequence just decodes);
+4. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
+   speculating sequence contributes its last token plus its proposals (a multi-token
+   decode over the paged KV) and every other sequence what the scheduler gave it;
+5. `accept` samples the step: rejection sampling (`rejection_sampler`) for speculating
+   sequences, the plain sampler for the rest; the scheduler then advances
+   `num_computed_tokens` by the kept tokens only and frees blocks that hold nothing but
+   rejected positions (`Scheduler.update_from_output`).
+
+Unverified tokens never enter `Sequence.token_ids` before acceptance, so the prefix cache
+(which hashes only full blocks of `token_ids`) never registers a block holding them.
+
+The draft model has its own paged cache with the same block ids as the target's: block
+tables, preemption and prefix sharing need no second bookkeeping. The draft computes
+lazily (only when its sequence speculates, catching up from where it stopped), and a
+map of blocks whose draft KV is complete lets a sequence that hit the prefix cache skip
+those blocks in the draft too.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from ridgeline.engine.config import SpeculativeConfig
+from ridgeline.engine.model_executor.model_runner import ModelOutput, ModelRunner
+from ridgeline.engine.model_executor.sampler import Sampler
+from ridgeline.engine.sequence import Sequence
+from ridgeline.engine.spec_decode.cost_model import StepCost, cut_proposal
+from ridgeline.engine.spec_decode.proposal import Emitted, Proposal, SpecState
+from ridgeline.engine.spec_decode.proposers import DraftProposer, HeadsProposer, NgramProposer
+from ridgeline.engine.spec_decode.rejection_sampler import rejection_sample
+from ridgeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ridgeline.engine.core.scheduler import Scheduler
+    from ridgeline.engine.model_executor.loader import ModelSource
+    from ridgeline.engine.spec_decode.draft_heads import DraftHeads
+
+class Speculator:
+    """Plans and proposes look-ahead tokens, and accepts or rejects them once the target
+    has scored them; the scheduler owns the slots, the runner runs the pass."""
+
+    def __init__(self, cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
+                 proposer: NgramProposer | DraftProposer | HeadsProposer) -> None:
+        self.cfg = cfg
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
+        self.proposer = proposer
+        self.states: weakref.WeakKeyDictionary[Sequence, SpecState] = weakref.WeakKeyDictionary()
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_spec_steps = 0  # steps that verified proposals
+        self.num_emitted = 0  # tokens those sequences emitted in those steps
+        self.cost = StepCost()
+        if isinstance(proposer, DraftProposer):
+            proposer.cost = self.cost
+        # the engine passes each step's hidden states (`keep_hidden`) to draft heads
+        self.reads_hidden = isinstance(proposer, HeadsProposer)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted / self.num_proposed if self.num_proposed else None
+
+    def state(self, seq: Sequence) -> SpecState:
+        st = self.states.get(seq)
+        if st is None:
+            st = self.states[seq] = SpecState(preemptions_seen=seq.num_preemptions)
+        return st
+
+    def keep_hidden(self, samplers: list[Sequence], hidden: torch.Tensor,
+                    emitted: list[Emitted]) -> None:
+        """Each sampler's emitting row (`hidden[i]`), for its next proposal: valid once
+        the step's tokens are appended (a sequence cut short by a stop has finished)."""
+        for i, (seq, tokens) in enumerate(zip(samplers, emitted)):
+            st = self.state(seq)
+            st.hidden = hidden[i]
+            st.hidden_at = seq.num_tokens + len(tokens)
+
+    # ---- 1-3: plan, propose, reserve slots ------------------------------------------
+
+    def propose(self, scheduled: list[tuple[Sequence, int]],
+                sampler: Sampler) -> dict[Sequence, Proposal]:
+        """Proposals for the sequences that speculate this step (empty: plain step), each
+        with its look-ahead slots reserved."""
+        items = self._plan(scheduled)
+        if not items:
+            return {}
+        sched = self.scheduler
+        if self.proposer.allocates_first:
+            items = [(seq, k) for seq, k in items if sched.reserve_lookahead(seq, k)]
+            if not items:
+                return {}
+        states = {seq: self.state(seq) for seq, _ in items}
+        proposals = self.proposer.propose(items, states, sampler)
+        batch = len(scheduled)
+        planned = sum(n for _, n in scheduled) - batch
+        out: dict[Sequence, Proposal] = {}
+        for (seq, _), prop in zip(items, proposals):
+            keep = cut_proposal(prop, self.cfg, self.cost, batch, planned)
+            if keep < len(prop.token_ids):
+                prop.token_ids = prop.token_ids[:keep]
+                if prop.probs is not None:
+                    prop.probs = prop.probs[:keep]
+            planned += keep
+            if not prop.token_ids:
+                continue
+            if self.proposer.allocates_first or sched.reserve_lookahead(seq,
+                                                                       len(prop.token_ids)):
+                out[seq] = prop
+        for seq, _ in items:  # reserved but nothing to verify: give the slots back
+            if seq not in out:
+                sched.release_lookahead(seq)
+        return out
+
+    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        cfg = self.cfg
+        batch = len(scheduled)
+        if batch > cfg.max_batch_size:
+            return []
+        num_tokens = sum(n for _, n in scheduled)
+        budget = self.max_num_batched_tokens - num_tokens
+        items: list[tuple[Sequence, int]] = []
+        planned = num_tokens - batch  # prefill tokens beyond one per sequence
+        for seq, n in scheduled:
+            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # a prefill chunk: nothing to guess yet
+            if seq.params.uses_penalties:
+                continue  # penalties change with every accepted token
+            k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
+                                       partial(self.cost.best_k, batch=batch, planned=planned))
+            if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
+                k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(k, self.max_model_len - seq.num_tokens, budget)
+            if k > 0:
+                items.append((seq, k))
+                budget -= k
+                planned += k
+        return items
+
+    def observe(self, scheduled: list[tuple[Sequence, int]], output: ModelOutput) -> None:
+        """The time of a step's forward pass; decode-only steps inform the cost model
+        (prefill chunks cost differently per token)."""
+        if all(n == 1 for _, n in scheduled):
+            self.cost.observe(output.num_tokens, output.seconds)
+
+    # ---- 5: accept ------------------------------------------------------------------
+
+    def accept(self, output: ModelOutput, proposals: dict[Sequence, Proposal],
+               sampler: Sampler) -> tuple[list[Emitted], dict[Sequence, int]]:
+        """What each sampling sequence emits this step, and how many proposals each
+        speculating sequence keeps (for `Scheduler.update_from_output`)."""
+        assert output.logits is not None
+        spec_rows: list[int] = []
+        plain_rows: list[int] = []
+        for seq, rows in zip(output.samplers, output.row_slices()):
+            (spec_rows if seq in proposals else plain_rows).extend(range(rows.start, rows.stop))
+        logits = output.logits
+        emitted: dict[Sequence, Emitted] = {}
+        plain = [s for s in output.samplers if s not in proposals]
+        if plain:
+            res = sampler(logits[torch.tensor(plain_rows, device=logits.device)], plain)
+            for i, seq in enumerate(plain):
+                emitted[seq] = [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
+        spec = [s for s in output.samplers if s in proposals]
+        results = rejection_sample(logits[torch.tensor(spec_rows, device=logits.device)],
+                                   spec, [proposals[s].token_ids for s in spec],
+                                   [proposals[s].probs for s in spec], sampler)
+        self.num_spec_steps += 1
+        accepted: dict[Sequence, int] = {}
+        for seq, res in zip(spec, results):
+            k, a = len(proposals[seq].token_ids), res.num_accepted
+            st = self.state(seq)
+            st.record(k, a)
+            self.proposer.on_verified(seq, st, seq.num_tokens, k, a)
+            self.num_proposed += k
+            self.num_accepted += a
+            self.num_emitted += len(res.token_ids)
+            accepted[seq] = a
+            emitted[seq] = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
+        return [emitted[s] for s in output.samplers], accepted
+
+
+def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
+                     vocab_size: int, draft: ModelRunner | None = None,
+                     heads: DraftHeads | None = None) -> Speculator | None:
+    """The engine's speculator (None when speculation is off): n-gram lookup (with draft
+    heads beside it, if given), or the draft model's runner (over the same block ids as
+    the target)."""
+    if not cfg.enabled:
+        return None
+    proposer: NgramProposer | DraftProposer | HeadsProposer
+    if draft is not None:
+        proposer = DraftProposer(draft, scheduler.block_manager, vocab_size)
+    elif heads is not None:
+        proposer = HeadsProposer(cfg, heads)
+    else:
+        proposer = NgramProposer(cfg)
+    return Speculator(cfg, scheduler=scheduler, max_model_len=max_model_len,
+                      proposer=proposer)
+
+
+# ---- construction -----------------------------------------------------------------------
+
+
+def open_draft_source(cfg: SpeculativeConfig, target: ModelSource,
+                      draft: ModelSource | None, *, cache_dir: str | None) -> ModelSource | None:
+    """The draft model's source (method "draft"), checked against the target's tokenizer."""
+    if cfg.method != "draft":
+        return None
+    if draft is None:
+        if cfg.draft_model is None:
+            raise ConfigError("speculative.method is 'draft' but no draft model is given",
+                              hint="set speculative.draft_model to a model name or path")
+        from ridgeline.engine.model_executor.loader import open_source
+        from ridgeline.engine.model_executor.registry import resolve_model
+
+        draft = open_source(resolve_model(cfg.draft_model), cache_dir=cache_dir)
+    check_same_tokenizer(target, draft)
+    return draft
+
+
+def check_same_tokenizer(target: ModelSource, draft: ModelSource) -> None:
+    """Proposals are token ids: the draft must spell every token as the target does."""
+    hint = "use a draft model from the target's family (same tokenizer)"
+    t_tok, d_tok = target.tokenizer(), draft.tokenizer()
+    if t_tok is not None and d_tok is not None:
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=str)[:3]
+            raise ConfigError(
+                f"draft model {draft.name!r} has another tokenizer than {target.name!r} "
+                f"({len(d_vocab)} vs {len(t_vocab)} tokens; e.g. {differ} differ)", hint=hint)
+    elif draft.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(
+            f"draft model {draft.name!r} has a vocabulary of {draft.config.vocab_size} tokens, "
+            f"the target {target.name!r} {target.config.vocab_size}", hint=hint)

@@ -282,7 +282,7 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; from ridgeline.engine import cpu_kernels as k; "
+    code = ("import sys; from ridgeline.engine.kernels import cpu_kernels as k; "
             "tiny = sys.float_info.min; before = tiny / 2 > 0; "
             "assert k.load() is not None; "
             "print(before, tiny / 2 > 0, (tiny / 2) * 1.0 != 0.0)")

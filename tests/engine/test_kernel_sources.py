@@ -27,7 +27,7 @@ from ridgeline.engine.kernels import (
 )
 
 SRC = Path(ridgeline.__file__).parent
-CSRC = SRC / "engine" / "csrc"
+CSRC = SRC / "engine" / "kernels" / "csrc"
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -110,7 +110,7 @@ def test_the_python_limits_are_the_kernels() -> None:
 
 
 def test_the_package_ships_the_c_sources() -> None:
-    csrc = importlib.resources.files("ridgeline.engine") / "csrc"
+    csrc = importlib.resources.files("ridgeline.engine.kernels") / "csrc"
     for name in VARIANTS:
         assert kernel_build.read_source(name) == (csrc / f"{name}.c").read_text()
     if not PYPROJECT.is_file():

@@ -382,7 +382,7 @@ def test_without_the_kernel_linear_falls_back_to_pytorch(tmp_path) -> None:
     # (K = 48: PyTorch's int8 GEMM crashes where K is not a multiple of 8, e.g. 33)
     code = (
         "import torch, torch.nn.functional as F\n"
-        "from ridgeline.engine import linear_kernel\n"
+        "from ridgeline.engine.kernels import linear_kernel\n"
         "from ridgeline.engine.model_executor.models import layers\n"
         "assert not linear_kernel.available()\n"
         "assert linear_kernel.portable_library() is None\n"

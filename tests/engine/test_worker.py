@@ -125,7 +125,7 @@ def _decoding_seq(bm: BlockManager, sched: Scheduler, n_prompt: int) -> Sequence
     seq = Sequence("s", 0, list(range(1, n_prompt + 1)), n_prompt, SamplingParams())
     sched.add(seq)
     out = sched.schedule()
-    sched.update_from_output(out.scheduled, {})
+    sched.update_from_output(out, {})
     seq.token_ids.append(99)  # the sampled token: now one token to decode
     return seq
 
@@ -135,27 +135,45 @@ def test_lookahead_slots_are_reserved_then_rejected_ones_given_back():
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     seq = _decoding_seq(bm, sched, 6)               # 6 tokens of KV: 2 blocks
     assert seq.num_computed_tokens == 6 and len(seq.block_table) == 2
+    seq.num_lookahead = 5                           # the speculator's plan
     out = sched.schedule()
-    assert out.scheduled == [(seq, 1)]
-    assert sched.reserve_lookahead(seq, 5)           # 6 computed + 1 + 5 -> 12: 3 blocks
-    assert len(seq.block_table) == 3
-    sched.update_from_output(out.scheduled, {seq: 1})  # one of five proposals kept
-    assert seq.num_computed_tokens == 8              # 6 + the scheduled one + 1 kept
-    assert len(seq.block_table) == 2                 # the block of rejected slots is back
+    assert out.scheduled == [(seq, 1)] and out.lookahead == {seq: 5}
+    assert len(seq.block_table) == 3                # 6 computed + 1 + 5 -> 12: 3 blocks
+    assert seq.num_lookahead == 0                   # the plan is used up
+    sched.update_from_output(out, {seq: 1})         # one of five proposals kept
+    assert seq.num_computed_tokens == 8             # 6 + the scheduled one + 1 kept
+    assert len(seq.block_table) == 2                # the block of rejected slots is back
+    seq.token_ids.extend([1, 2])
     free_before = bm.num_free_blocks
-    assert sched.reserve_lookahead(seq, 2) and bm.num_free_blocks == free_before - 1
-    sched.release_lookahead(seq)                     # nothing to verify after all
-    assert bm.num_free_blocks == free_before
+    seq.num_lookahead = 6                           # 8 computed + 1 + 6 -> 15: 4 blocks
+    out = sched.schedule()
+    assert out.lookahead == {seq: 6} and bm.num_free_blocks == free_before - 2
+    sched.update_from_output(out, {})               # nothing verified after all
+    assert seq.num_computed_tokens == 9             # the decoded token's block stays
+    assert bm.num_free_blocks == free_before - 1
 
 
 def test_lookahead_refused_when_the_pool_is_short():
     bm = BlockManager(num_blocks=3, block_size=4)    # block 0 is reserved: 2 usable
     sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
     seq = _decoding_seq(bm, sched, 6)
-    sched.schedule()
+    seq.num_lookahead = 8                            # would need 2 more blocks
     free = bm.num_free_blocks
-    assert not sched.reserve_lookahead(seq, 8)       # would need 2 more blocks
+    out = sched.schedule()
+    assert out.scheduled == [(seq, 1)] and not out.lookahead   # it just decodes
     assert bm.num_free_blocks == free and len(seq.block_table) == 2
+
+
+def test_lookahead_takes_only_the_budget_admissions_leave():
+    bm = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=10)
+    seq = _decoding_seq(bm, sched, 6)
+    seq.num_lookahead = 7
+    newcomer = Sequence("new", 0, list(range(20, 26)), 6, SamplingParams())
+    sched.add(newcomer)
+    out = sched.schedule()
+    assert out.scheduled == [(seq, 1), (newcomer, 6)]
+    assert out.lookahead == {seq: 3}                 # 10 - 1 - 6
 
 
 def test_tokens_carry_the_weights_version_they_were_sampled_under(model):

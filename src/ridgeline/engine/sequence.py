@@ -48,6 +48,9 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks of block_table already hashed
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    # proposed tokens the speculator plans for the next step; the scheduler reserves
+    # their KV slots when it schedules the sequence (and resets this)
+    num_lookahead: int = 0
     # outputs
     logprobs: list[float] = field(default_factory=list)
     # the policy (weights) version each output token was sampled under (RL staleness)

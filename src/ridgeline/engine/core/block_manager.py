@@ -59,6 +59,10 @@ class BlockManager:
         """Fraction of usable blocks held by live sequences."""
         return 1.0 - len(self.free) / (len(self.blocks) - 1)
 
+    def block_key(self, block_id: int) -> BlockKey | None:
+        """The prefix-cache key of a block's contents (None: not in the cache)."""
+        return self.blocks[block_id].key
+
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """The longest run of cached full blocks that prefixes `seq`. The last token is
         never served from the cache: its logits must be computed."""

@@ -131,9 +131,10 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill)
         heads = (resolve_draft_heads(config.speculative.draft_heads, self.runner.model,
                                      config.cache_dir) if config.speculative.enabled else None)
-        self.speculator = build_speculator(config.speculative, scheduler=self.scheduler,
+        self.speculator = build_speculator(config.speculative,
                                            max_model_len=self.max_model_len,
-                                           vocab_size=self.model_config.vocab_size, draft=draft,
+                                           vocab_size=self.model_config.vocab_size,
+                                           block_key=self.block_manager.block_key, draft=draft,
                                            heads=heads)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len,
@@ -261,7 +262,8 @@ class LLMEngine:
         self._note_scheduled(sched.scheduled)
         # execute: look-ahead proposals (slots reserved by the scheduler) ride along
         spec = self.speculator
-        proposals = spec.propose(sched.scheduled, self.sampler) if spec is not None else {}
+        proposals = (spec.propose(sched.scheduled, sched.lookahead, self.sampler)
+                     if spec is not None else {})
         out = self.runner.execute(sched.scheduled, {s: p.token_ids for s, p in
                                                     proposals.items()})
         if spec is not None:
@@ -279,9 +281,12 @@ class LLMEngine:
         if out.samplers and (self.hidden_listener is not None
                              or (spec is not None and spec.reads_hidden)):
             self._pass_hidden(out, accepted, emitted)
-        self.scheduler.update_from_output(sched.scheduled, accepted)
+        self.scheduler.update_from_output(sched, accepted)
         self.num_steps += 1
-        return outputs + self._postprocess(out.samplers, emitted)
+        outputs += self._postprocess(out.samplers, emitted)
+        if spec is not None:  # what the next step's decoding sequences may propose
+            spec.plan(self.scheduler.running, sched.num_batched_tokens - len(sched.scheduled))
+        return outputs
 
     def _pass_hidden(self, out: ModelOutput, accepted: dict[Sequence, int],
                      emitted: list) -> None:

@@ -4,10 +4,12 @@ waiting ones. When the pool runs out, the newest running sequence is preempted: 
 blocks are freed and it is recomputed later (its full blocks usually survive in the
 prefix cache, so recomputation is cheap).
 
-The scheduler owns each sequence's KV slots and `num_computed_tokens`: speculation asks it
-for look-ahead slots (`reserve_lookahead`), and after the step `update_from_output`
-advances every sequence by what was computed and kept, giving back the slots of
-rejected proposals."""
+The scheduler owns each sequence's KV slots and `num_computed_tokens`. After a step the
+speculator plans how many tokens a decoding sequence will propose (`seq.num_lookahead`);
+`schedule()` reserves their slots with the step's own from the budget left after
+admissions (when the pool is short the sequence just decodes), and `update_from_output`
+advances every sequence by what was computed and kept, giving back the slots of rejected
+or unused proposals."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class SchedulerOutput:
     # (sequence, number of its tokens to compute this step), in batch order
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # decoding sequences with KV slots reserved for this many proposed tokens
+    lookahead: dict[Sequence, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -97,30 +101,30 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
+
+        # 3. Look-ahead slots for planned proposals, from what budget is left (admissions
+        #    first: speculation must not slow prefills down).
+        for seq, n in out.scheduled:
+            k, seq.num_lookahead = min(seq.num_lookahead, budget), 0
+            if (k > 0 and n == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+                    and bm.allocate_slots(seq, 1 + k)):
+                out.lookahead[seq] = k
+                budget -= k
         return out
 
-    def reserve_lookahead(self, seq: Sequence, k: int) -> bool:
-        """KV slots for `k` proposed tokens after this step's one; False (nothing held)
-        when the pool is short."""
-        return self.block_manager.allocate_slots(seq, 1 + k)
-
-    def release_lookahead(self, seq: Sequence) -> None:
-        """Give back look-ahead slots that will not be verified."""
-        self.block_manager.free_tail(seq, seq.num_tokens)
-
-    def update_from_output(self, scheduled: list[tuple[Sequence, int]],
-                           accepted: dict[Sequence, int]) -> None:
+    def update_from_output(self, out: SchedulerOutput, accepted: dict[Sequence, int]) -> None:
         """After the forward pass: each sequence computed its scheduled tokens, plus the
-        proposals it kept (`accepted`); blocks holding only rejected positions go back."""
-        for seq, n in scheduled:
-            kept = accepted.get(seq)
-            seq.num_computed_tokens += n + (kept or 0)
-            if kept is not None:
+        proposals it kept (`accepted`); blocks holding only rejected or unused look-ahead
+        positions go back."""
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n + accepted.get(seq, 0)
+            if seq in out.lookahead:
                 self.block_manager.free_tail(seq, seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
         seq.num_computed_tokens = 0
+        seq.num_lookahead = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

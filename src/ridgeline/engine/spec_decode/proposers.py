@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,7 +24,6 @@ from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
 from ridgeline.engine.spec_decode.suffix_index import GlobalIndex, Match, SuffixIndex, walk
 
 if TYPE_CHECKING:
-    from ridgeline.engine.core.block_manager import BlockKey, BlockManager
     from ridgeline.engine.spec_decode.draft_heads import DraftHeads
 
 #: Occurrences of the matched suffix examined per lookup (the most recent ones).
@@ -56,7 +56,6 @@ class NgramProposer:
     proposed token comes with its chance of acceptance (`AcceptanceModel`). Mode "lookup":
     `ngram_lookup`, k planned from the sequence's recent acceptance."""
 
-    allocates_first = False
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         assert cfg.ngram_min is not None and cfg.ngram_max is not None
@@ -132,23 +131,22 @@ class DraftProposer:
     """A smaller model with the target's tokenizer, run autoregressively k times over its
     own paged cache (same block ids as the target's)."""
 
-    allocates_first = True  # the draft writes KV at the proposals' slots
     sizes_proposals = False  # k comes from the sequence's recent acceptance
 
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager,
+    def __init__(self, runner: ModelRunner, block_key: Callable[[int], Hashable | None],
                  target_vocab: int) -> None:
         self.cost: StepCost | None = None  # set by the Speculator: draft passes cost too
         self.runner = runner
         self.block_size = runner.kv_cache.block_size
-        self.block_manager = block_manager
+        # a block's prefix-cache key (None: not cached), read from the block manager
+        self.block_key = block_key
         self.target_vocab = target_vocab
         # block id -> the prefix-cache key it had when its draft KV was completed
-        self.complete: dict[int, BlockKey] = {}
+        self.complete: dict[int, Hashable] = {}
 
     def propose(self, items: list[tuple[Sequence, int]], states: dict[Sequence, SpecState],
                 sampler: Sampler) -> list[Proposal]:
         bs = self.block_size
-        blocks = self.block_manager.blocks
         first: list[ForwardItem] = []
         for seq, _ in items:
             st = states[seq]
@@ -161,7 +159,7 @@ class DraftProposer:
             # skip blocks whose draft KV another sequence (or this one) completed
             while c % bs == 0 and c + bs <= last:
                 b = seq.block_table[c // bs]
-                key = blocks[b].key
+                key = self.block_key(b)
                 if key is None or self.complete.get(b) != key:
                     break
                 c += bs
@@ -197,10 +195,9 @@ class DraftProposer:
         state.draft_computed = num_tokens + min(accepted, k - 1)
 
     def _mark_complete(self, seq: Sequence, st: SpecState) -> None:
-        blocks = self.block_manager.blocks
         for i in range(st.draft_marked, st.draft_computed // self.block_size):
             b = seq.block_table[i]
-            key = blocks[b].key
+            key = self.block_key(b)
             if key is None:  # not in the prefix cache (yet): nobody else can hit it
                 break
             self.complete[b] = key
@@ -235,7 +232,6 @@ class HeadsProposer:
     proposal expected to keep more tokens. Copying from the context (code edits, logs) is
     the n-grams' strength, free text the heads'."""
 
-    allocates_first = False
     sizes_proposals = True
 
     def __init__(self, cfg: SpeculativeConfig, heads: DraftHeads) -> None:

@@ -1,28 +1,29 @@
 """Speculative decoding inside continuous batching.
 
-Each step, after the scheduler has picked the batch, the `Speculator`:
+The `Speculator` works around the scheduler, which owns every KV slot:
 
-1. plans: every decoding sequence (one new token, no penalties) gets the k that
-   maximizes the batch's expected tokens per second, from the chance that its proposals
-   are accepted and the measured cost of a forward pass (`StepCost`: seconds = a + b *
-   tokens, fit over recent steps). On a small batch a verified token costs a fraction of
-   a step; on a large, compute-bound one as much as a decoded token, so there k falls to
-   0 and speculation switches itself off. Never more than `max_batch_size` sequences.
-   The chance is the sequence's recent acceptance (draft model, n-gram mode "lookup"),
-   or, n-gram mode "suffix", each proposed token's own from the evidence behind it: the
-   proposal is then cut after it is made (`cut_proposal`);
-2. proposes: the n-gram proposer looks the sequence's last tokens up in its prompt and
-   output (mode "suffix": in an index kept per sequence, and in earlier requests'
-   outputs; see suffix_index.py), the draft proposer runs a small model k times;
-3. has the scheduler reserve look-ahead KV slots for the proposals
-   (`Scheduler.reserve_lookahead`; when the pool is short the sequence just decodes);
-4. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
+1. plans, after a step: every decoding sequence (one new token, no penalties) gets the k
+   that maximizes the batch's expected tokens per second, from the chance that its
+   proposals are accepted and the measured cost of a forward pass (`StepCost`: seconds =
+   a + b * tokens, fit over recent steps), as `seq.num_lookahead`. On a small batch a
+   verified token costs a fraction of a step; on a large, compute-bound one as much as a
+   decoded token, so there k falls to 0 and speculation switches itself off. Never more
+   than `max_batch_size` sequences. The chance is the sequence's recent acceptance (draft
+   model, n-gram mode "lookup"), or, n-gram mode "suffix", each proposed token's own from
+   the evidence behind it: the proposal is then cut after it is made (`cut_proposal`);
+2. the next step's `Scheduler.schedule()` reserves those look-ahead slots with the
+   sequence's own from the budget its admissions leave (when the pool is short the
+   sequence just decodes), and the speculator proposes into them: the n-gram proposer
+   looks the sequence's last tokens up in its prompt and output (mode "suffix": in an
+   index kept per sequence, and in earlier requests' outputs; see suffix_index.py), the
+   draft proposer runs a small model k times;
+3. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
    speculating sequence contributes its last token plus its proposals (a multi-token
    decode over the paged KV) and every other sequence what the scheduler gave it;
-5. `accept` samples the step: rejection sampling (`rejection_sampler`) for speculating
+4. `accept` samples the step: rejection sampling (`rejection_sampler`) for speculating
    sequences, the plain sampler for the rest; the scheduler then advances
    `num_computed_tokens` by the kept tokens only and frees blocks that hold nothing but
-   rejected positions (`Scheduler.update_from_output`).
+   rejected or unused positions (`Scheduler.update_from_output`).
 
 Unverified tokens never enter `Sequence.token_ids` before acceptance, so the prefix cache
 (which hashes only full blocks of `token_ids`) never registers a block holding them.
@@ -37,6 +38,7 @@ those blocks in the draft too.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -53,7 +55,6 @@ from ridgeline.engine.spec_decode.rejection_sampler import rejection_sample
 from ridgeline.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ridgeline.engine.core.scheduler import Scheduler
     from ridgeline.engine.model_executor.loader import ModelSource
     from ridgeline.engine.spec_decode.draft_heads import DraftHeads
 
@@ -61,12 +62,10 @@ class Speculator:
     """Plans and proposes look-ahead tokens, and accepts or rejects them once the target
     has scored them; the scheduler owns the slots, the runner runs the pass."""
 
-    def __init__(self, cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
+    def __init__(self, cfg: SpeculativeConfig, *, max_model_len: int,
                  proposer: NgramProposer | DraftProposer | HeadsProposer) -> None:
         self.cfg = cfg
-        self.scheduler = scheduler
         self.max_model_len = max_model_len
-        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
         self.proposer = proposer
         self.states: weakref.WeakKeyDictionary[Sequence, SpecState] = weakref.WeakKeyDictionary()
         self.num_proposed = 0
@@ -98,20 +97,42 @@ class Speculator:
             st.hidden = hidden[i]
             st.hidden_at = seq.num_tokens + len(tokens)
 
-    # ---- 1-3: plan, propose, reserve slots ------------------------------------------
+    # ---- 1: plan, after a step, for the next ----------------------------------------
 
-    def propose(self, scheduled: list[tuple[Sequence, int]],
+    def plan(self, running: list[Sequence], prefill_tokens: int = 0) -> None:
+        """After a step (its tokens appended): how many tokens each decoding sequence may
+        propose in the next one, as `seq.num_lookahead`; the scheduler reserves their
+        slots from the budget its admissions leave. `prefill_tokens`: the step's prefill
+        tokens beyond one per sequence, the estimate of the next step's."""
+        cfg = self.cfg
+        batch = len(running)
+        if batch > cfg.max_batch_size:
+            return
+        planned = prefill_tokens
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                continue  # a prefill chunk: nothing to guess yet
+            if seq.params.uses_penalties:
+                continue  # penalties change with every accepted token
+            k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
+                                       partial(self.cost.best_k, batch=batch, planned=planned))
+            if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
+                k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+            k = min(k, self.max_model_len - seq.num_tokens)
+            if k > 0:
+                seq.num_lookahead = k
+                planned += k
+
+    # ---- 2: propose, into the slots the scheduler reserved -------------------------
+
+    def propose(self, scheduled: list[tuple[Sequence, int]], lookahead: dict[Sequence, int],
                 sampler: Sampler) -> dict[Sequence, Proposal]:
-        """Proposals for the sequences that speculate this step (empty: plain step), each
-        with its look-ahead slots reserved."""
-        items = self._plan(scheduled)
-        if not items:
+        """Proposals for the sequences that speculate this step (empty: plain step), at
+        most `lookahead[seq]` tokens each; proposals the cost model does not pay for are
+        cut, and their slots go back in `Scheduler.update_from_output`."""
+        if not lookahead:
             return {}
-        sched = self.scheduler
-        if self.proposer.allocates_first:
-            items = [(seq, k) for seq, k in items if sched.reserve_lookahead(seq, k)]
-            if not items:
-                return {}
+        items = list(lookahead.items())
         states = {seq: self.state(seq) for seq, _ in items}
         proposals = self.proposer.propose(items, states, sampler)
         batch = len(scheduled)
@@ -124,40 +145,9 @@ class Speculator:
                 if prop.probs is not None:
                     prop.probs = prop.probs[:keep]
             planned += keep
-            if not prop.token_ids:
-                continue
-            if self.proposer.allocates_first or sched.reserve_lookahead(seq,
-                                                                       len(prop.token_ids)):
+            if prop.token_ids:
                 out[seq] = prop
-        for seq, _ in items:  # reserved but nothing to verify: give the slots back
-            if seq not in out:
-                sched.release_lookahead(seq)
         return out
-
-    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
-        cfg = self.cfg
-        batch = len(scheduled)
-        if batch > cfg.max_batch_size:
-            return []
-        num_tokens = sum(n for _, n in scheduled)
-        budget = self.max_num_batched_tokens - num_tokens
-        items: list[tuple[Sequence, int]] = []
-        planned = num_tokens - batch  # prefill tokens beyond one per sequence
-        for seq, n in scheduled:
-            if n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
-                continue  # a prefill chunk: nothing to guess yet
-            if seq.params.uses_penalties:
-                continue  # penalties change with every accepted token
-            k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
-                                       partial(self.cost.best_k, batch=batch, planned=planned))
-            if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
-                k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
-            k = min(k, self.max_model_len - seq.num_tokens, budget)
-            if k > 0:
-                items.append((seq, k))
-                budget -= k
-                planned += k
-        return items
 
     def observe(self, scheduled: list[tuple[Sequence, int]], output: ModelOutput) -> None:
         """The time of a step's forward pass; decode-only steps inform the cost model
@@ -165,7 +155,7 @@ class Speculator:
         if all(n == 1 for _, n in scheduled):
             self.cost.observe(output.num_tokens, output.seconds)
 
-    # ---- 5: accept ------------------------------------------------------------------
+    # ---- 4: accept ------------------------------------------------------------------
 
     def accept(self, output: ModelOutput, proposals: dict[Sequence, Proposal],
                sampler: Sampler) -> tuple[list[Emitted], dict[Sequence, int]]:
@@ -202,8 +192,9 @@ class Speculator:
         return [emitted[s] for s in output.samplers], accepted
 
 
-def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_len: int,
-                     vocab_size: int, draft: ModelRunner | None = None,
+def build_speculator(cfg: SpeculativeConfig, *, max_model_len: int, vocab_size: int,
+                     block_key: Callable[[int], Hashable | None],
+                     draft: ModelRunner | None = None,
                      heads: DraftHeads | None = None) -> Speculator | None:
     """The engine's speculator (None when speculation is off): n-gram lookup (with draft
     heads beside it, if given), or the draft model's runner (over the same block ids as
@@ -212,13 +203,12 @@ def build_speculator(cfg: SpeculativeConfig, *, scheduler: Scheduler, max_model_
         return None
     proposer: NgramProposer | DraftProposer | HeadsProposer
     if draft is not None:
-        proposer = DraftProposer(draft, scheduler.block_manager, vocab_size)
+        proposer = DraftProposer(draft, block_key, vocab_size)
     elif heads is not None:
         proposer = HeadsProposer(cfg, heads)
     else:
         proposer = NgramProposer(cfg)
-    return Speculator(cfg, scheduler=scheduler, max_model_len=max_model_len,
-                      proposer=proposer)
+    return Speculator(cfg, max_model_len=max_model_len, proposer=proposer)
 
 
 # ---- construction -----------------------------------------------------------------------

@@ -209,3 +209,23 @@ def test_stop_token_ids_eos_and_max_tokens() -> None:
     ignored = llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=30,
                                                    ignore_eos=True))[0].outputs[0]
     assert ignored.token_ids == base.token_ids
+
+
+def test_a_stop_string_inside_a_run_of_accepted_tokens_ends_the_output_there() -> None:
+    """Speculation can hand one step several tokens; the scheduler appends them (no token
+    stops the sequence here), the output processor finds the stop string after the second
+    and drops the rest: tokens, logprobs and the generated-token count."""
+    from ridgeline.engine.core.output_processor import OutputProcessor
+
+    tok = char_tokenizer()
+    ids = lambda text: tok(text)["input_ids"]  # noqa: E731
+    seq = Sequence("r", 0, ids("Q:"), 2, SamplingParams(stop=["ab"], logprobs=0))
+    finished = []
+    proc = OutputProcessor(tok, finished.append)
+    for t in ids("xabyz"):  # one step's emitted run
+        seq.append_token(t, -0.5, {t: -0.5}, version=3)
+    proc.process(seq, 5)
+    assert seq.text == "x" and seq.output_token_ids == ids("xab")
+    assert len(seq.logprobs) == len(seq.token_versions) == len(seq.top_logprobs) == 3
+    assert (seq.finish_reason, seq.stop_reason) == ("stop", "ab") and finished == [seq]
+    assert proc.num_generated_tokens == 3

@@ -322,7 +322,7 @@ def break_handler(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict
 def break_engine_request(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
     """The engine fails one request in its postprocessing (its `error`), not itself."""
     engine = server.app.state.workers["tiny"].engine
-    monkeypatch.setattr(engine.processor, "append_token", fail)
+    monkeypatch.setattr(engine.processor, "process", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2}
 
 

@@ -25,6 +25,9 @@ class SequenceStatus(enum.Enum):
 _seq_ids = itertools.count()
 
 
+#: What a step samples for one sequence: (token, logprob, top logprobs) per new token.
+Emitted = list[tuple[int, float, "dict[int, float] | None"]]
+
 #: Prompt tokens kept as left context for decoding the first output tokens.
 DETOKENIZE_CONTEXT_TOKENS = 5
 
@@ -73,6 +76,22 @@ class Sequence:
         if self.read_offset < 0:
             self.read_offset = self.num_prompt_tokens
             self.prefix_offset = max(self.num_prompt_tokens - DETOKENIZE_CONTEXT_TOKENS, 0)
+
+    def append_token(self, token: int, logprob: float, top: dict[int, float] | None,
+                     version: int) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.token_versions.append(version)
+        if self.top_logprobs is not None and top is not None:
+            self.top_logprobs.append(top)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens after the first `num_tokens` (a stop string ended the output
+        inside a run of accepted tokens)."""
+        out = num_tokens - self.num_prompt_tokens
+        del self.token_ids[num_tokens:], self.logprobs[out:], self.token_versions[out:]
+        if self.top_logprobs is not None:
+            del self.top_logprobs[out:]
 
     @property
     def num_tokens(self) -> int:

@@ -5,11 +5,13 @@
     while engine.has_unfinished_requests():
         for out in engine.step(): print(out.outputs[0].delta_text, end="")
 
-A step is schedule -> execute -> postprocess: the `Scheduler` picks the batch (and owns
-KV slots and `num_computed_tokens`), the `Speculator` (when on) proposes look-ahead
-tokens for decoding sequences, the `ModelRunner` runs one forward pass, the sampler (or
-speculation's rejection sampler) picks tokens, and the `OutputProcessor` appends them,
-checks stops and builds the outputs. Build one from a transformers model in memory with
+A step is schedule -> execute -> sample -> update -> outputs: the `Scheduler` picks the
+batch (it owns KV slots, look-ahead slots included, and `num_computed_tokens`), the
+`Speculator` (when on) proposes into the look-ahead slots, the `ModelRunner` runs one
+forward pass, the sampler (or speculation's rejection sampler) picks tokens, the
+scheduler's `update_from_output` appends them and finishes the sequences they stop, and
+the `OutputProcessor` detokenizes, checks stop strings and builds the outputs; then the
+speculator plans the next step's proposals. Build one from a transformers model in memory with
 `LLMEngine.from_hf_model(model)`. Callers that share an engine between threads submit to
 its `EngineWorker` (worker.py), the one thing that steps it.
 """
@@ -39,8 +41,9 @@ from ridgeline.engine.model_executor.registry import resolve_model
 from ridgeline.engine.model_executor.sampler import Sampler
 from ridgeline.engine.outputs import EngineStats, RequestOutput
 from ridgeline.engine.sampling_params import SamplingParams
-from ridgeline.engine.sequence import Request, Sequence
+from ridgeline.engine.sequence import Emitted, Request, Sequence
 from ridgeline.engine.spec_decode.draft_heads import resolve_draft_heads
+from ridgeline.engine.spec_decode.proposal import Proposal
 from ridgeline.engine.spec_decode.speculator import build_speculator, open_draft_source
 from ridgeline.errors import ConfigError, EngineError, ModelLoadError
 
@@ -128,7 +131,8 @@ class LLMEngine:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=budget,
-                                   enable_chunked_prefill=config.enable_chunked_prefill)
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   eos_token_ids=eos, max_model_len=self.max_model_len)
         heads = (resolve_draft_heads(config.speculative.draft_heads, self.runner.model,
                                      config.cache_dir) if config.speculative.enabled else None)
         self.speculator = build_speculator(config.speculative,
@@ -137,8 +141,8 @@ class LLMEngine:
                                            block_key=self.block_manager.block_key, draft=draft,
                                            heads=heads)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.processor = OutputProcessor(self.tokenizer, eos, self.max_model_len,
-                                         self.scheduler.finish)
+        self.processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self._policy_version = 0  # the weights version new tokens are sampled under
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborted/failed requests
         self._num_salts = 0
@@ -268,25 +272,31 @@ class LLMEngine:
                                                     proposals.items()})
         if spec is not None:
             spec.observe(sched.scheduled, out)
-        accepted: dict[Sequence, int] = {}
-        if not out.samplers:
-            emitted = []
-        elif proposals:
-            assert spec is not None
-            emitted, accepted = spec.accept(out, proposals, self.sampler)
-        else:
-            res = self.sampler(out.logits, out.samplers)
-            emitted = [[(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
-                       for i in range(len(out.samplers))]
+        emitted, accepted = self._sample(out, proposals)
         if out.samplers and (self.hidden_listener is not None
                              or (spec is not None and spec.reads_hidden)):
             self._pass_hidden(out, accepted, emitted)
-        self.scheduler.update_from_output(sched, accepted)
+        before = [seq.num_tokens for seq in out.samplers]
+        self.scheduler.update_from_output(sched, accepted, out.samplers, emitted,
+                                          version=self._policy_version)
         self.num_steps += 1
-        outputs += self._postprocess(out.samplers, emitted)
+        outputs += self._outputs(out.samplers, before)
         if spec is not None:  # what the next step's decoding sequences may propose
             spec.plan(self.scheduler.running, sched.num_batched_tokens - len(sched.scheduled))
         return outputs
+
+    def _sample(self, out: ModelOutput, proposals: dict[Sequence, Proposal]
+                ) -> tuple[list[Emitted], dict[Sequence, int]]:
+        """The tokens each sampling sequence emits, and how many proposals each
+        speculating one keeps."""
+        if not out.samplers:
+            return [], {}
+        if proposals:
+            assert self.speculator is not None
+            return self.speculator.accept(out, proposals, self.sampler)
+        res = self.sampler(out.logits, out.samplers)
+        return [[(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
+                for i in range(len(out.samplers))], {}
 
     def _pass_hidden(self, out: ModelOutput, accepted: dict[Sequence, int],
                      emitted: list) -> None:
@@ -312,17 +322,16 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens -
                                                        seq.num_computed_tokens)
 
-    def _postprocess(self, samplers: list[Sequence], emitted: list) -> list[RequestOutput]:
+    def _outputs(self, samplers: list[Sequence], before: list[int]) -> list[RequestOutput]:
+        """Detokenize what each sampler got this step (it had `before` tokens), and an
+        output for every request that advanced or finished."""
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for seq, tokens in zip(samplers, emitted):
+        for seq, n in zip(samplers, before):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
             try:
-                for token, logprob, top in tokens:
-                    self.processor.append_token(seq, token, logprob, top)
-                    if seq.is_finished:  # the rest of an accepted run is dropped
-                        break
+                self.processor.process(seq, seq.num_tokens - n)
             except Exception as e:  # a bug in one request's postprocessing
                 log.exception("request %s failed", req.request_id)
                 self._end(req, f"{type(e).__name__}: {e}")
@@ -357,8 +366,8 @@ class LLMEngine:
         heads = getattr(self.speculator.proposer, "heads", None) if self.speculator else None
         if heads is not None:  # their LM head rows are a copy: take the new ones
             heads.bind(self.runner.model)
-        self.processor.policy_version = (self.processor.policy_version + 1 if version is None
-                                         else int(version))
+        self._policy_version = (self._policy_version + 1 if version is None
+                                else int(version))
         return len(loaded)
 
     def check_weights(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> None:
@@ -388,7 +397,7 @@ class LLMEngine:
     @property
     def policy_version(self) -> int:
         """The version of the weights new tokens are sampled under."""
-        return self.processor.policy_version
+        return self._policy_version
 
     def sleep(self) -> None:
         """Free the KV cache memory (weights stay). Only between requests."""

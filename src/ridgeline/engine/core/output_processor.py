@@ -1,7 +1,8 @@
-"""After sampling: append each new token to its sequence, detokenize incrementally, decide
-whether the sequence stops (EOS, stop token, stop string, max_tokens, context), and turn
-a request's state into the `RequestOutput` a step returns (cumulative, with the step's
-delta; text that could still become a stop string is held back)."""
+"""After the scheduler has appended a step's tokens (and finished the sequences that EOS,
+a stop token or a length limit stops): detokenize them incrementally, end an output at a
+stop string (dropping the tokens after it), and turn a request's state into the
+`RequestOutput` a step returns (cumulative, with the step's delta; text that could still
+become a stop string is held back)."""
 
 from __future__ import annotations
 
@@ -14,52 +15,41 @@ from ridgeline.engine.sequence import Request, Sequence
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, eos_token_ids: set[int], max_model_len: int,
-                 finish: Callable[[Sequence], None]) -> None:
+    def __init__(self, tokenizer: Any | None, finish: Callable[[Sequence], None]) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
-        self._finish = finish  # releases a finished sequence (the scheduler's)
+        self._finish = finish  # releases a sequence a stop string ends (the scheduler's)
         self.num_generated_tokens = 0
-        #: the weights version new tokens are sampled under (set by the engine)
-        self.policy_version = 0
 
-    def append_token(self, seq: Sequence, token: int, logprob: float,
-                     top: dict[int, float] | None) -> None:
-        seq.token_ids.append(token)
-        seq.logprobs.append(logprob)
-        seq.token_versions.append(self.policy_version)
-        if seq.top_logprobs is not None and top is not None:
-            seq.top_logprobs.append(top)
-        self.num_generated_tokens += 1
+    def process(self, seq: Sequence, num_new: int) -> None:
+        """The text of the sequence's `num_new` newest tokens, token by token, and the
+        first stop string among them, which ends the output there."""
+        self.num_generated_tokens += num_new
+        tok = self.tokenizer
+        if tok is None or num_new <= 0:
+            return
         params = seq.params
-        reason, stop_reason, drop_last = None, None, False
-        if not params.ignore_eos and token in self.eos_token_ids:
-            reason, drop_last = "stop", True
-        elif token in params.stop_token_ids:  # type: ignore[operator]
-            reason, stop_reason, drop_last = "stop", token, True
-        if self.tokenizer is not None:
-            finishing = reason is not None
-            seq.text += detokenize_step(self.tokenizer, seq, final=finishing,
-                                        upto=seq.num_tokens - 1 if drop_last else None)
-            if reason is None and params.stop_strings:
-                hit = find_stop(seq.text, params.stop_strings, seq.reported_text)
-                if hit is not None:
-                    pos, stop = hit
-                    seq.text = seq.text[:pos + (len(stop) if params.include_stop_str_in_output
-                                                else 0)]
-                    reason, stop_reason = "stop", stop
-        if reason is None:
-            if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-                reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason is not None and self.tokenizer is not None:
-                seq.text += detokenize_step(self.tokenizer, seq, final=True)
-        if reason is not None:
-            seq.finish_reason = reason
-            seq.stop_reason = stop_reason
-            self._finish(seq)
+        # EOS or a stop token ended it (the only stops the scheduler sets as "stop"):
+        # that last token is not shown, and is not searched for stop strings
+        token_stop = seq.is_finished and seq.finish_reason == "stop"
+        for end in range(seq.num_tokens - num_new + 1, seq.num_tokens + 1):
+            if end == seq.num_tokens and token_stop:
+                seq.text += detokenize_step(tok, seq, final=True, upto=end - 1)
+                return
+            seq.text += detokenize_step(tok, seq, upto=end)
+            hit = (find_stop(seq.text, params.stop_strings, seq.reported_text)
+                   if params.stop_strings else None)
+            if hit is not None:
+                pos, stop = hit
+                seq.text = seq.text[:pos + (len(stop) if params.include_stop_str_in_output
+                                            else 0)]
+                self.num_generated_tokens -= seq.num_tokens - end
+                seq.truncate(end)
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                if not seq.is_finished:
+                    self._finish(seq)
+                return
+        if seq.is_finished:  # a length limit: flush what was held for the next token
+            seq.text += detokenize_step(tok, seq, final=True)
 
     @staticmethod
     def make_output(req: Request) -> RequestOutput:

@@ -4,6 +4,10 @@ waiting ones. When the pool runs out, the newest running sequence is preempted: 
 blocks are freed and it is recomputed later (its full blocks usually survive in the
 prefix cache, so recomputation is cheap).
 
+After the forward pass `update_from_output` is where a step's results land: the scheduler
+advances `num_computed_tokens`, appends the sampled tokens and finishes the sequences they
+stop (`OutputProcessor` then detokenizes, checks stop strings and builds the outputs).
+
 The scheduler owns each sequence's KV slots and `num_computed_tokens`. After a step the
 speculator plans how many tokens a decoding sequence will propose (`seq.num_lookahead`);
 `schedule()` reserves their slots with the step's own from the budget left after
@@ -17,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ridgeline.engine.core.block_manager import BlockManager
-from ridgeline.engine.sequence import Sequence, SequenceStatus
+from ridgeline.engine.sequence import Emitted, Sequence, SequenceStatus
 
 
 @dataclass
@@ -38,8 +42,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 eos_token_ids: set[int] | frozenset[int] = frozenset(),
+                 max_model_len: int = 1 << 62) -> None:
         self.block_manager = block_manager
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = enable_chunked_prefill
@@ -112,14 +120,36 @@ class Scheduler:
                 budget -= k
         return out
 
-    def update_from_output(self, out: SchedulerOutput, accepted: dict[Sequence, int]) -> None:
+    def update_from_output(self, out: SchedulerOutput, accepted: dict[Sequence, int],
+                           samplers: list[Sequence] = (), emitted: list[Emitted] = (), *,
+                           version: int = 0) -> None:
         """After the forward pass: each sequence computed its scheduled tokens, plus the
         proposals it kept (`accepted`); blocks holding only rejected or unused look-ahead
-        positions go back."""
+        positions go back. Then each sampling sequence takes the tokens it emitted (with
+        their logprobs and the weights `version`) up to the first that stops it: EOS, a
+        stop token, max_tokens or the context length (stop strings need the text: the
+        output processor checks those). A sequence that stops is finished here."""
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n + accepted.get(seq, 0)
             if seq in out.lookahead:
                 self.block_manager.free_tail(seq, seq.num_computed_tokens)
+        for seq, tokens in zip(samplers, emitted):
+            for token, logprob, top in tokens:
+                seq.append_token(token, logprob, top, version)
+                if self._stops(seq, token):
+                    self.finish(seq)
+                    break  # the rest of an accepted run is dropped
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:  # type: ignore[operator]
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif ((params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+              or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

@@ -24,9 +24,6 @@ DECAY = 0.8
 PRIOR_ACCEPTED, PRIOR_REJECTED = 4.0, 1.0
 PROBE_ACCEPTED, PROBE_REJECTED = 1.0, 0.5
 
-#: What a step samples for one sequence: (token, logprob, top logprobs) per new token.
-Emitted = list[tuple[int, float, "dict[int, float] | None"]]
-
 
 @dataclass
 class Proposal:

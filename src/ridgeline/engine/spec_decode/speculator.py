@@ -47,9 +47,9 @@ import torch
 from ridgeline.engine.config import SpeculativeConfig
 from ridgeline.engine.model_executor.model_runner import ModelOutput, ModelRunner
 from ridgeline.engine.model_executor.sampler import Sampler
-from ridgeline.engine.sequence import Sequence
+from ridgeline.engine.sequence import Emitted, Sequence
 from ridgeline.engine.spec_decode.cost_model import StepCost, cut_proposal
-from ridgeline.engine.spec_decode.proposal import Emitted, Proposal, SpecState
+from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
 from ridgeline.engine.spec_decode.proposers import DraftProposer, HeadsProposer, NgramProposer
 from ridgeline.engine.spec_decode.rejection_sampler import rejection_sample
 from ridgeline.errors import ConfigError

@@ -182,10 +182,8 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 #: From this many rows the KV cache write goes through `scatter_rows`; below it
-#: index_copy_ is as fast (its fixed cost is lower). 2 cores, SmolLM2's K rows (3 x 64),
-#: float32, index_copy_ -> scatter_rows: 8 rows 3.7 -> 8.1 us, 32 rows 5.5 -> 5.6, 128
-#: 17.3 -> 10.2, 512 36 -> 21; with the other core busy, 1024 rows 5.9 ms -> 0.14 (a
-#: parallel index_copy_ waits for a thread that is not free).
+#: index_copy_ is as fast (its fixed cost is lower), above it a parallel index_copy_ waits
+#: for threads. Measurements: docs/benchmarks.md, "Engine constants".
 SCATTER_MIN_ROWS = 32
 
 

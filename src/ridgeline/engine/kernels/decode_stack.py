@@ -96,12 +96,9 @@ _kernel_table: dict[torch.dtype, _Kernels | None] = {}
 
 #: float32 passes of up to this many rows run as one stack call where the linear kernel
 #: is 16 lanes wide (AVX-512), although `linear` gives products of more than 16 rows to
-#: oneDNN: its float32 matmuls are faster there (all of a step's projections, 2 threads,
-#: oneDNN vs the kernel: 32 rows 26.6 vs 31.3 ms, 64 rows 45.2 vs 59.0), but the stack
-#: saves the layer loop's dozen Python calls a layer and splits the row-wise steps.
-#: engine_bench's float32 workload (124 of 264 passes at 41-64 rows), limits alternated
-#: on fresh prompts, 4 runs each, tok/s: 16 rows 293.7, 40 rows 304.4, 64 rows 318.6;
-#: another 4 runs 322.5 vs 333.9 (16 vs 64).
+#: oneDNN (faster there alone): the stack saves the layer loop's dozen Python calls a
+#: layer and splits the row-wise steps. Measurements: docs/benchmarks.md, "Engine
+#: constants".
 FLOAT32_MAX_ROWS = 64
 
 

@@ -614,15 +614,7 @@ class MountVolume:
         self.volume = Volume(templates, image, stage, size, inodes)
         self._bound = False
         try:
-            src = os.open(source, _DIR)
-            try:
-                dst = os.open(stage, _DIR)
-                try:
-                    copy_tree(src, dst)
-                finally:
-                    os.close(dst)
-            finally:
-                os.close(src)
+            _copy_dir(source, stage)
             # The directory itself keeps its owner and mode (only its content moved).
             st = os.stat(source)
             os.chown(stage, st.st_uid, st.st_gid)
@@ -646,20 +638,25 @@ class MountVolume:
                 _umount(self.source, MNT_DETACH)
                 from ridgeline.sandbox import hostfs  # the cleanup helpers (iterative)
                 hostfs.clear_dir(self.source)
-                src = os.open(self.stage, _DIR)
-                try:
-                    dst = os.open(self.source, _DIR)
-                    try:
-                        copy_tree(src, dst)
-                    finally:
-                        os.close(dst)
-                finally:
-                    os.close(src)
+                _copy_dir(self.stage, self.source)
         except Exception as e:  # noqa: BLE001 - cleanup: report, never crash the caller
             log.warning("could not copy the writable mount %s back from its volume: %s",
                         self.source, e)
         finally:
             self.volume.release()
+
+
+def _copy_dir(source: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """`copy_tree` between two directories opened here (by descriptor, no symlink walk)."""
+    src = os.open(source, _DIR)
+    try:
+        dst = os.open(dest, _DIR)
+        try:
+            copy_tree(src, dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 def copy_tree(src: int, dst: int) -> None:

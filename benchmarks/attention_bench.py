@@ -44,6 +44,7 @@ import argparse
 import json
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -69,17 +70,41 @@ CONTEXTS: dict[str, tuple[int, int]] = {  # name: (min, max) context length
 STORAGES = ("float32", "bfloat16", "int8")
 
 
+#: Where the kernel's wrapper and C source lived over the history (newest first).
+WRAPPER_PATHS = ("src/ridgeline/engine/kernels/cpu_kernels.py",
+                 "src/ridgeline/engine/cpu_kernels.py")
+SOURCE_PATHS = ("src/ridgeline/engine/kernels/csrc/paged_attention.c",
+                "src/ridgeline/engine/csrc/paged_attention.c")
+
+
+def _git_show(root: Path, commit: str, paths: tuple[str, ...]) -> str | None:
+    for path in paths:
+        done = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=root,
+                              capture_output=True, text=True)
+        if done.returncode == 0:
+            return done.stdout
+    return None
+
+
 def baseline_module(commit: str = BASELINE_COMMIT) -> types.ModuleType:
-    """cpu_kernels as of `commit`, as a separate module (its own compiled .so)."""
+    """cpu_kernels as of `commit`, as a separate module (its own compiled .so): the
+    commit's wrapper, and its C source where that was a file of its own (the wrapper
+    would otherwise read today's). Engine imports are mapped to today's modules."""
     root = Path(__file__).resolve().parent.parent
     try:
-        source = subprocess.run(
-            ["git", "show", f"{commit}:src/ridgeline/engine/kernels/cpu_kernels.py"],
-            cwd=root, check=True, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        sys.exit(f"attention_bench needs the git history for its baseline ({e}); run it "
-                 "from a clone of the repository")
+        source = _git_show(root, commit, WRAPPER_PATHS)
+    except OSError as e:
+        sys.exit(f"attention_bench needs git for its baseline ({e})")
+    if source is None:
+        sys.exit(f"no cpu_kernels.py at {commit[:12]} (is this a clone with its history?)")
+    c_source = _git_show(root, commit, SOURCE_PATHS)
+    source = re.sub(r"from ridgeline\.engine import (\w+)",
+                    r"from ridgeline.engine.kernels import \1", source)
     module = types.ModuleType("ridgeline_attention_baseline")
+    if c_source is not None:  # the commit's C, not what read_source finds today
+        source = source.replace('kernel_build.read_source("paged_attention")',
+                                "_BASELINE_C_SOURCE")
+        module.__dict__["_BASELINE_C_SOURCE"] = c_source
     exec(compile(source, f"{commit[:7]}:cpu_kernels.py", "exec"),  # noqa: S102
          module.__dict__)
     return module

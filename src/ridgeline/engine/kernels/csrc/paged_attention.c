@@ -73,6 +73,44 @@ static inline __attribute__((always_inline)) void prefetch_group_start(
   }
 }
 
+/* The block walk both decode paths share: list chunk `c` (rows c * RB_ on) of a sequence's
+   context, each row's K and V address for the group's first head (`kc`, `vc`) and, int8,
+   the group's heads' scales (`ks`, `vs`: [MAXQV][RB_] of the chunk's ring entry),
+   prefetching each row's span as it is listed; rows past the context repeat the last one
+   (scored, then masked). (*blk, *off) is where the next row lies (block index, offset).
+   SCALE_AHEAD > 0: the scales of the block that many blocks on are prefetched as a block
+   starts (AVX2 reads them from memory; AVX-512 takes them as listed). */
+static inline __attribute__((always_inline)) void list_chunk(
+    const int QUANT, const int RB_, const int64_t SCALE_AHEAD, int64_t c, int64_t ctx,
+    const int64_t* table, int bs, const char* kc, const char* vc, int64_t row_bytes, int span,
+    const float* k_scale, const float* v_scale, int kvh, int64_t j0, int ng, int64_t nblocks,
+    const char** kr, const char** vr, float* ks, float* vs, int64_t* blk, int* off) {
+  const int n = (int)(ctx - c * RB_ < RB_ ? ctx - c * RB_ : RB_);
+  for (int t = 0; t < n; ++t) {
+    const int64_t slot = table[*blk] * bs + *off;
+    kr[t] = kc + slot * row_bytes;
+    vr[t] = vc + slot * row_bytes;
+    if (QUANT) {
+      if (SCALE_AHEAD > 0 && *off == 0 && *blk + SCALE_AHEAD < nblocks) {
+        const int64_t at = table[*blk + SCALE_AHEAD] * bs * kvh + j0;
+        prefetch2((const char*)(k_scale + at), (const char*)(v_scale + at),
+                  (int64_t)((bs - 1) * kvh + ng) * 4);
+      }
+      for (int jj = 0; jj < ng; ++jj) {
+        ks[jj * RB_ + t] = k_scale[slot * kvh + j0 + jj];
+        vs[jj * RB_ + t] = v_scale[slot * kvh + j0 + jj];
+      }
+    }
+    prefetch2(kr[t], vr[t], span);
+    if (++*off == bs) { *off = 0; ++*blk; }
+  }
+  for (int t = n; t < RB_; ++t) {
+    kr[t] = kr[n - 1];
+    vr[t] = vr[n - 1];
+    for (int jj = 0; jj < ng; ++jj) ks[jj * RB_ + t] = vs[jj * RB_ + t] = 0.f;
+  }
+}
+
 /* call with NH = nh as a compile-time constant, so each tile size gets its own code */
 #define TILE_SWITCH(nh, call)                  \
   switch (nh) {                                \
@@ -428,24 +466,9 @@ static inline __attribute__((always_inline)) int attention_body(
     for (int64_t ch = 0; ch < nchunks; ++ch) {
       for (; listed < nchunks && listed <= ch + AHEAD; ++listed) {
         const int e = (int)(listed & (RING - 1));
-        const int n = (int)(ctx - listed * RB < RB ? ctx - listed * RB : RB);
-        for (int t = 0; t < n; ++t) {
-          const int64_t slot = table[blk] * bs + off;
-          kr[e][t] = kc + slot * row_bytes;
-          vr[e][t] = vc + slot * row_bytes;
-          if (QUANT)
-            for (int jj = 0; jj < ng; ++jj) {
-              ks[e][jj][t] = k_scale[slot * kvh + j0 + jj];
-              vs[e][jj][t] = v_scale[slot * kvh + j0 + jj];
-            }
-          prefetch2(kr[e][t], vr[e][t], span);
-          if (++off == bs) { off = 0; ++blk; }
-        }
-        for (int t = n; t < RB; ++t) {  /* padding rows repeat the last: scored, masked */
-          kr[e][t] = kr[e][n - 1];
-          vr[e][t] = vr[e][n - 1];
-          for (int jj = 0; jj < ng; ++jj) ks[e][jj][t] = vs[e][jj][t] = 0.f;
-        }
+        list_chunk(QUANT, RB, 0, listed, ctx, table, bs, kc, vc, row_bytes, span, k_scale,
+                   v_scale, kvh, j0, ng, 0, kr[e], vr[e], &ks[e][0][0], &vs[e][0][0], &blk,
+                   &off);
       }
       if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end)
         prefetch_group_start(k_cache, v_cache, block_table, table_stride, ctx_len, item, ng,
@@ -765,30 +788,9 @@ static inline __attribute__((always_inline)) int attention_body(
     for (int64_t ch = 0; ch < nchunks; ++ch) {
       for (; listed < nchunks && listed <= ch + AHEAD; ++listed) {
         const int e = (int)(listed & (RING - 1));
-        const int n = (int)(ctx - listed * RB < RB ? ctx - listed * RB : RB);
-        for (int t = 0; t < n; ++t) {
-          const int64_t slot = table[blk] * bs + off;
-          kr[e][t] = kc + slot * row_bytes;
-          vr[e][t] = vc + slot * row_bytes;
-          if (QUANT) {
-            if (off == 0 && blk + sahead < nblocks) {  /* scales are read as rows are listed */
-              const int64_t at = table[blk + sahead] * bs * kvh + j0;
-              prefetch2((const char*)(k_scale + at), (const char*)(v_scale + at),
-                        (int64_t)((bs - 1) * kvh + ng) * 4);
-            }
-            for (int jj = 0; jj < ng; ++jj) {
-              ks[e][jj][t] = k_scale[slot * kvh + j0 + jj];
-              vs[e][jj][t] = v_scale[slot * kvh + j0 + jj];
-            }
-          }
-          prefetch2(kr[e][t], vr[e][t], span);
-          if (++off == bs) { off = 0; ++blk; }
-        }
-        for (int t = n; t < RB; ++t) {  /* padding rows repeat the last: scored, masked */
-          kr[e][t] = kr[e][n - 1];
-          vr[e][t] = vr[e][n - 1];
-          for (int jj = 0; jj < ng; ++jj) ks[e][jj][t] = vs[e][jj][t] = 0.f;
-        }
+        list_chunk(QUANT, RB, sahead, listed, ctx, table, bs, kc, vc, row_bytes, span,
+                   k_scale, v_scale, kvh, j0, ng, nblocks, kr[e], vr[e], &ks[e][0][0],
+                   &vs[e][0][0], &blk, &off);
       }
       if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end)
         prefetch_group_start(k_cache, v_cache, block_table, table_stride, ctx_len, item, ng,

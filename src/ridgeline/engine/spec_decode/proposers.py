@@ -129,7 +129,10 @@ def _shares(seq: Sequence) -> bool:
 
 class DraftProposer:
     """A smaller model with the target's tokenizer, run autoregressively k times over its
-    own paged cache (same block ids as the target's)."""
+    own paged cache under the target's block ids (block tables, preemption and prefix
+    sharing need no second bookkeeping). It computes lazily, only when its sequence
+    speculates, catching up from where it stopped; blocks whose draft KV is complete are
+    remembered by prefix-cache key, so a sequence that hit the prefix cache skips them."""
 
     sizes_proposals = False  # k comes from the sequence's recent acceptance
 

@@ -1,39 +1,19 @@
-"""Speculative decoding inside continuous batching.
+"""Speculative decoding inside continuous batching, around the scheduler (which owns every
+KV slot) as in vLLM v1:
 
-The `Speculator` works around the scheduler, which owns every KV slot:
-
-1. plans, after a step: every decoding sequence (one new token, no penalties) gets the k
-   that maximizes the batch's expected tokens per second, from the chance that its
-   proposals are accepted and the measured cost of a forward pass (`StepCost`: seconds =
-   a + b * tokens, fit over recent steps), as `seq.num_lookahead`. On a small batch a
-   verified token costs a fraction of a step; on a large, compute-bound one as much as a
-   decoded token, so there k falls to 0 and speculation switches itself off. Never more
-   than `max_batch_size` sequences. The chance is the sequence's recent acceptance (draft
-   model, n-gram mode "lookup"), or, n-gram mode "suffix", each proposed token's own from
-   the evidence behind it: the proposal is then cut after it is made (`cut_proposal`);
-2. the next step's `Scheduler.schedule()` reserves those look-ahead slots with the
-   sequence's own from the budget its admissions leave (when the pool is short the
-   sequence just decodes), and the speculator proposes into them: the n-gram proposer
-   looks the sequence's last tokens up in its prompt and output (mode "suffix": in an
-   index kept per sequence, and in earlier requests' outputs; see suffix_index.py), the
-   draft proposer runs a small model k times;
-3. the engine's `ModelRunner` verifies them in the step's one forward pass, where a
-   speculating sequence contributes its last token plus its proposals (a multi-token
-   decode over the paged KV) and every other sequence what the scheduler gave it;
-4. `accept` samples the step: rejection sampling (`rejection_sampler`) for speculating
-   sequences, the plain sampler for the rest; the scheduler then advances
-   `num_computed_tokens` by the kept tokens only and frees blocks that hold nothing but
-   rejected or unused positions (`Scheduler.update_from_output`).
-
-Unverified tokens never enter `Sequence.token_ids` before acceptance, so the prefix cache
-(which hashes only full blocks of `token_ids`) never registers a block holding them.
-
-The draft model has its own paged cache with the same block ids as the target's: block
-tables, preemption and prefix sharing need no second bookkeeping. The draft computes
-lazily (only when its sequence speculates, catching up from where it stopped), and a
-map of blocks whose draft KV is complete lets a sequence that hit the prefix cache skip
-those blocks in the draft too.
-"""
+1. `plan`, after a step: each decoding sequence (one new token, no penalties) gets the k
+   that maximizes the batch's expected tokens per second (`seq.num_lookahead`), from its
+   proposals' chance of acceptance and the measured step cost (`StepCost`); on a large,
+   compute-bound batch k falls to 0 and speculation switches itself off;
+2. the next `Scheduler.schedule()` reserves those look-ahead slots from the budget its
+   admissions leave, and `propose` fills them (proposers.py: n-grams, a draft model over
+   its own paged cache under the same block ids, draft heads), cutting what does not pay;
+3. the `ModelRunner` verifies the proposals in the step's one forward pass;
+4. `accept` samples the step (rejection_sampler.py keeps the target distribution exactly;
+   greedy output is plain decoding's); `Scheduler.update_from_output` keeps the accepted
+   tokens and frees the slots of the rest.
+Unverified tokens never enter `Sequence.token_ids`, so the prefix cache never registers a
+block holding them. docs/architecture.md ("Speculative decoding") has the whole story."""
 
 from __future__ import annotations
 

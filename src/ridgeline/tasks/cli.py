@@ -1,15 +1,18 @@
-"""`ridgeline tasks list|check`: see what a task directory holds and quality-check it."""
+"""`ridgeline tasks list|check|families|generate`: see what a task directory holds, quality-check
+it, and generate tasks from the built-in families."""
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Literal
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ridgeline.errors import ConfigError
 from ridgeline.tasks.checks import TaskCheck, check_tasks
 from ridgeline.tasks.loader import load_tasks
 
@@ -94,3 +97,59 @@ def check(
                               soft_wrap=True)
     if n_ok < len(checks):
         raise typer.Exit(1)
+
+
+@app.command("families")
+def list_families(
+    split: str = typer.Option(None, "--split", help="train or heldout (default: both)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """List the built-in task families (generators of verifiable tasks)."""
+    from ridgeline.tasks.families import families
+
+    fams = families(_split(split))
+    if as_json:
+        print(json.dumps([{"name": f.name, "skill": f.skill, "split": f.split,
+                           "description": f.description} for f in fams], indent=1))
+        return
+    table = Table(title=f"{len(fams)} task families")
+    for col in ("name", "skill", "split", "what"):
+        table.add_column(col)
+    for f in fams:
+        table.add_row(f.name, f.skill, f.split, f.description)
+    console.print(table)
+
+
+@app.command("generate")
+def generate_tasks(
+    out: str = typer.Argument(..., help="directory to write the task directories into"),
+    family: list[str] = typer.Option(None, "--family", "-f",
+                                     help="a family name (repeatable; default: all of --split)"),
+    split: str = typer.Option(None, "--split", help="train or heldout (default: both)"),
+    count: int = typer.Option(4, "--count", "-n", min=1, help="instances per family"),
+    seed: int = typer.Option(0, "--seed", help="first seed; instances use seed..seed+count-1"),
+    check: bool = typer.Option(True, "--check/--no-check",
+                               help="quality-check each instance and leave out failures"),
+    backend: str = typer.Option("bwrap", "--backend", help="sandbox backend for the check"),
+) -> None:
+    """Generate task instances from families as Terminal-Bench v1 task directories (each
+    quality-checked: the oracle passes, the untouched workspace fails)."""
+    from ridgeline.tasks.families import families, generate, get_family
+
+    fams = [get_family(name) for name in family] if family else families(_split(split))
+    result = generate(fams, range(seed, seed + count), out, check=check, backend=backend)
+    console.print(f"{len(result.tasks)} tasks written to {out}"
+                  + (f", {len(result.excluded)} left out" if result.excluded else ""))
+    for task_id, reasons in result.excluded.items():
+        for reason in reasons:
+            console.print(f"[red]left out[/] {task_id}: {reason}", highlight=False,
+                          soft_wrap=True)
+    if result.excluded:
+        raise typer.Exit(1)
+
+
+def _split(split: str | None) -> Literal["train", "heldout"] | None:
+    if split in (None, "train", "heldout"):
+        return split  # type: ignore[return-value]
+    raise ConfigError(f"--split must be train or heldout, not {split!r}",
+                      hint="omit it for both")

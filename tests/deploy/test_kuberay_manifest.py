@@ -4,82 +4,38 @@ config it carries is a valid `TrainConfig` that runs on the Ray cluster."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
 
 from ridgeline.rl.run import TrainConfig
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kuberay" / "rayjob-train.yaml"
 
-QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string",
-                                             "pattern": r"^[0-9.]+(m|Ki|Mi|Gi|Ti|k|M|G|T)?$"}]}
-CONTAINER = {
-    "type": "object", "required": ["name", "image"],
-    "properties": {
-        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"},
-        "image": {"type": "string", "minLength": 1},
-        "resources": {"type": "object", "additionalProperties": False, "properties": {
-            "requests": {"type": "object", "additionalProperties": QUANTITY},
-            "limits": {"type": "object", "additionalProperties": QUANTITY}}},
-        "ports": {"type": "array", "items": {
-            "type": "object", "required": ["containerPort"],
-            "properties": {"containerPort": {"type": "integer", "minimum": 1,
-                                             "maximum": 65535},
-                           "name": {"type": "string", "maxLength": 15}}}},
-        "volumeMounts": {"type": "array", "items": {
-            "type": "object", "required": ["name", "mountPath"]}},
-        "securityContext": {"type": "object"},
-    },
-}
-POD_TEMPLATE = {
-    "type": "object", "required": ["spec"],
-    "properties": {"spec": {
-        "type": "object", "required": ["containers"],
-        "properties": {
-            "containers": {"type": "array", "minItems": 1, "items": CONTAINER},
-            "volumes": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-        }}},
-}
-START_PARAMS = {"type": "object", "additionalProperties": {"type": "string"}}
-RAY_CLUSTER_SPEC = {
-    "type": "object", "required": ["headGroupSpec"],
-    "properties": {
-        "rayVersion": {"type": "string"},
-        "headGroupSpec": {"type": "object", "required": ["template"],
-                          "properties": {"rayStartParams": START_PARAMS,
-                                         "template": POD_TEMPLATE}},
-        "workerGroupSpecs": {"type": "array", "items": {
-            "type": "object", "required": ["groupName", "template"],
-            "properties": {"groupName": {"type": "string"},
-                           "replicas": {"type": "integer", "minimum": 0},
-                           "minReplicas": {"type": "integer", "minimum": 0},
-                           "maxReplicas": {"type": "integer", "minimum": 0},
-                           "rayStartParams": START_PARAMS, "template": POD_TEMPLATE}}},
-    },
-}
-SCHEMAS = {
-    ("ray.io/v1", "RayJob"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"spec": {
-            "type": "object", "required": ["entrypoint", "rayClusterSpec"],
-            "properties": {
-                "entrypoint": {"type": "string", "minLength": 1},
-                "shutdownAfterJobFinishes": {"type": "boolean"},
-                "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
-                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode",
-                                            "SidecarMode"]},
-                "rayClusterSpec": RAY_CLUSTER_SPEC}}}},
-    ("v1", "ConfigMap"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "data"],
-        "properties": {"data": {"type": "object", "additionalProperties": {"type": "string"}}}},
-    ("v1", "PersistentVolumeClaim"): {
-        "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {"spec": {"type": "object", "required": ["accessModes", "resources"]}}},
-}
+SCHEMA_FILE = Path(__file__).resolve().parent / "schemas" / "kuberay.json"
+
+
+def _schemas(path: Path) -> dict[tuple[str, str], Draft202012Validator]:
+    """A validator for every `$defs` entry of the JSON Schema file that names its
+    (apiVersion, kind) in `x-kubernetes-group-version-kind`."""
+    doc = json.loads(path.read_text())
+    registry = Registry().with_resource(doc["$id"], Resource.from_contents(doc))
+    kinds = {}
+    for name, sub in doc["$defs"].items():
+        for gvk in sub.get("x-kubernetes-group-version-kind", []):
+            api = "/".join(p for p in (gvk["group"], gvk["version"]) if p)
+            kinds[(api, gvk["kind"])] = Draft202012Validator(
+                {"$ref": f"{doc['$id']}#/$defs/{name}"}, registry=registry)
+    return kinds
+
+
+SCHEMAS = _schemas(SCHEMA_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +46,7 @@ def docs() -> list[dict]:
 def test_every_document_validates_against_its_schema(docs):
     assert {(d["apiVersion"], d["kind"]) for d in docs} == set(SCHEMAS)
     for d in docs:
-        jsonschema.validate(d, SCHEMAS[(d["apiVersion"], d["kind"])])
+        SCHEMAS[(d["apiVersion"], d["kind"])].validate(d)
         assert d["metadata"]["name"]
 
 
@@ -99,11 +55,11 @@ def test_the_schema_catches_what_a_cluster_would_refuse(docs):
     broken = yaml.safe_load(yaml.safe_dump(job))
     del broken["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["groupName"]
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(broken, SCHEMAS[("ray.io/v1", "RayJob")])
+        SCHEMAS[("ray.io/v1", "RayJob")].validate(broken)
     broken = yaml.safe_load(yaml.safe_dump(job))
     broken["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 4
     with pytest.raises(jsonschema.ValidationError):      # start params are strings
-        jsonschema.validate(broken, SCHEMAS[("ray.io/v1", "RayJob")])
+        SCHEMAS[("ray.io/v1", "RayJob")].validate(broken)
 
 
 def test_the_job_runs_a_valid_train_config_on_the_cluster(docs):

@@ -17,7 +17,7 @@ import ridgeline
 SRC = Path(ridgeline.__file__).parent
 # Lower layers first (errors and config are the foundation every subsystem uses);
 # packages in one layer may not import each other.
-LAYERS = [{"errors", "cpu"}, {"config"}, {"wire"}, {"sandbox", "engine"}, {"llm"}, {"tasks", "serve"},
+LAYERS = [{"errors", "cpu"}, {"config"}, {"wire", "chat_format"}, {"sandbox", "engine"}, {"llm"}, {"tasks", "serve"},
           {"agent"}, {"rl", "eval"}, {"platform"}, {"cli"}]
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

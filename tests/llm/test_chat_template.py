@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.tiny_tokenizer import QWEN_LIKE_TEMPLATE, tiny_tokenizer
+from tests.helpers.tiny_tokenizer import QWEN_LIKE_TEMPLATE, SMOL_TEMPLATE, tiny_tokenizer
+from ridgeline import chat_format
 from ridgeline.errors import ConfigError
 from ridgeline.llm import Message, ToolCall, ToolSpec
-from ridgeline.llm.chat_template import render_prompt, template_supports_tools
+from ridgeline.llm.chat_template import encode_chat, render_prompt, template_supports_tools
 from ridgeline.llm.tool_parser import parse_tool_calls
 
 BASH = ToolSpec(name="bash", description="run a command",
@@ -54,3 +55,28 @@ def test_no_template_falls_back_to_chatml() -> None:
 def test_empty_conversation_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="at least one message"):
         render_prompt(tiny_tokenizer(), [])
+
+
+# CONVERSATION as a client sends it over the wire (what `LLM.chat` takes): a developer
+# message, content in parts, arguments as a JSON string, a tool without a description.
+WIRE_CONVERSATION = [
+    {"role": "developer", "content": "You are an agent."},
+    {"role": "user", "content": [{"type": "text", "text": "List "}, {"type": "text", "text": "files."}]},
+    {"role": "assistant", "content": "Plan: ls.", "tool_calls": [
+        {"id": "c0", "type": "function", "function": {"name": "bash", "arguments": '{"command": "ls"}'}}]},
+    {"role": "tool", "content": "a.txt", "tool_call_id": "c0", "name": "bash"},
+]
+
+
+@pytest.mark.parametrize("template", [SMOL_TEMPLATE, QWEN_LIKE_TEMPLATE], ids=["text-tools", "native-tools"])
+def test_wire_dicts_and_typed_messages_encode_to_the_same_ids(template: str) -> None:
+    """`LLM.chat` (wire dicts into `chat_format`) and `EngineClient` / the server (typed
+    messages through `chat_template`) feed a model the same ids."""
+    tok = tiny_tokenizer(template)
+    wire_tool = {"type": "function", "function": BASH.model_dump()}
+    typed = encode_chat(tok, CONVERSATION, [BASH], reply_prefix="<tool_call>")
+    assert chat_format.encode_chat(tok, WIRE_CONVERSATION, [wire_tool],
+                                   reply_prefix="<tool_call>") == typed
+    bare = ToolSpec(name="bash", description="")
+    assert chat_format.encode_chat(tok, WIRE_CONVERSATION, [{"type": "function", "function": {
+        "name": "bash"}}]) == encode_chat(tok, CONVERSATION, [bare])

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from ridgeline.engine import LLMEngine, SamplingParams
+from ridgeline.engine import LLM, LLMEngine, SamplingParams
 from ridgeline.serve.app import ServerThread, create_app
 from ridgeline.errors import ConfigError
 from ridgeline.llm import ContextLengthError, Message, OpenAIClient, Sampling, ToolSpec
@@ -337,6 +337,42 @@ def test_tools_are_rendered_into_the_prompt(client: openai.OpenAI, tok: Any) -> 
     assert '"city": "Oslo"' in text and "<tool_response>\nsunny\n</tool_response>" in text
 
 
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+TOOL_HISTORY = [SYSTEM, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+@pytest.fixture(scope="module")
+def offline_llm(random_model: Any, tok: Any) -> Any:
+    """`LLM` (offline generation) on the weights the server serves as "tiny"."""
+    llm = LLM.from_hf_model(random_model, tok, num_kv_blocks=400, max_model_len=MAX_LEN)
+    yield llm
+    llm.worker.stop()
+
+
+@pytest.mark.parametrize(("messages", "tools"), [
+    (HELLO, None), ([SYSTEM, *HELLO], None), (HELLO, [WEATHER_TOOL]),
+    ([SYSTEM, *HELLO], [WEATHER_TOOL]), (TOOL_HISTORY, [WEATHER_TOOL]),
+], ids=["user", "system", "tools", "system-and-tools", "tool-call-history"])
+def test_llm_chat_and_the_server_feed_the_same_prompt_ids(
+        server: ServerThread, offline_llm: Any, tok: Any, messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None) -> None:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 1,
+                            "return_token_ids": True}
+    if tools:
+        body["tools"] = tools
+    r = httpx.post(server.base_url + "/chat/completions", json=body, timeout=60)
+    served = r.json()["prompt_token_ids"]
+    offline = offline_llm.chat(messages, SamplingParams(max_tokens=1), tools=tools)[0]
+    assert offline.prompt_token_ids == served
+    text = tok.decode(served)
+    assert ("<tools>" in text) == bool(tools)
+    assert text.count(SYSTEM["content"]) == (SYSTEM in messages)
+
+
 def test_ridgeline_openai_client_runs_against_the_server(server: ServerThread, tok: Any) -> None:
     with OpenAIClient(server.base_url, model="tiny-tools", request_token_ids=True,
                       max_retries=0) as model:
@@ -472,6 +508,47 @@ def test_client_disconnect_aborts_the_request(server: ServerThread) -> None:
     metrics = httpx.get(server.url + "/metrics").text
     assert f'ridgeline_num_aborted_requests_total{{model="tiny"}} {worker.num_aborted}.0' in metrics
     assert 'ridgeline_request_finished_total{model="tiny",reason="abort"}' in metrics
+
+
+@pytest.mark.parametrize(("path", "prompt", "num_choices"), [
+    ("/chat/completions", {"messages": HELLO}, 2),
+    ("/completions", {"prompt": ["abc", "de"]}, 4),  # two prompts, n=2 each
+])
+def test_both_endpoints_stream_with_the_same_framing(server: ServerThread, path: str,
+                                                     prompt: dict[str, Any],
+                                                     num_choices: int) -> None:
+    url = server.base_url + path
+    body = {"model": "tiny", **prompt, "n": 2, "max_tokens": 5, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", url, json={**body, "stream_options": {"include_usage": True}},
+                      timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    *chunks, usage = [json.loads(e) for e in events[:-1]]
+    assert len({c["id"] for c in [*chunks, usage]}) == 1
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 * num_choices
+    by_choice: dict[int, list[Any]] = {}
+    for c in chunks:
+        by_choice.setdefault(c["choices"][0]["index"], []).append(c["choices"][0]["finish_reason"])
+    assert sorted(by_choice) == list(range(num_choices))
+    assert all(f[-1] == "length" and not any(f[:-1]) for f in by_choice.values())
+
+    plain = sse_events(httpx.post(url, json=body, timeout=60))  # no usage asked: none sent
+    assert plain[-1] == "[DONE]"
+    assert all("usage" not in json.loads(e) for e in plain[:-1])
+
+    worker = server.app.state.workers["tiny"]
+    engine = worker.engine
+    aborted, generated = worker.num_aborted, engine.num_generated_tokens
+    one = {**body, **{k: v[0] if path == "/completions" else v for k, v in prompt.items()},
+           "n": 1, "max_tokens": 1500}
+    with httpx.stream("POST", url, json=one) as resp:
+        assert next(resp.iter_lines()).startswith("data: ")  # it started; now hang up
+    assert wait_for(lambda: worker.num_aborted == aborted + 1)
+    assert wait_for(lambda: worker.stats.num_running == 0 and not engine.has_unfinished_requests())
+    assert engine.num_generated_tokens - generated < 1500
 
 
 def test_metrics(server: ServerThread, client: openai.OpenAI) -> None:

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ridgeline.chat_format import encode_chat
 from ridgeline.errors import EngineError
 
 models_app = typer.Typer(help="Models the engine can load.", no_args_is_help=True)
@@ -62,10 +63,8 @@ def generate(
     if chat:
         if tok is None or not getattr(tok, "chat_template", None):
             raise EngineError(f"model {model!r} has no chat template", hint="use --no-chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                      add_generation_prompt=True, tokenize=True,
-                                      return_dict=False)
-        engine.add_request("cli", prompt_token_ids=list(ids), params=params)
+        ids = encode_chat(tok, [{"role": "user", "content": prompt}])  # as the server does
+        engine.add_request("cli", prompt_token_ids=ids, params=params)
     else:
         engine.add_request("cli", prompt, params)
     start = time.monotonic()

@@ -10,6 +10,7 @@ import itertools
 import threading
 from typing import Any
 
+from ridgeline.chat_format import encode_chat
 from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.core.llm_engine import LLMEngine
 from ridgeline.engine.core.worker import EngineWorker, RequestHandle
@@ -79,17 +80,18 @@ class LLM:
                                           final_only=True)
         return self._collect(handles, use_tqdm)
 
-    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
-             sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate replies to chat conversations using the model's chat template."""
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = False, *,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Generate replies to chat conversations (OpenAI-shaped message dicts, one
+        conversation or a list of them), offering each the OpenAI-shaped `tools`. Prompts
+        are rendered by `chat_format.encode_chat`, as the server and `EngineClient` render
+        them, so the same conversation gets the same prompt ids here and there."""
         if self.tokenizer is None:
             raise EngineError("this model has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)
-                   for c in convs]  # type: ignore[arg-type]
-        return self.generate([list(p) for p in prompts], sampling_params, use_tqdm)
+        prompts = [encode_chat(self.tokenizer, c, tools) for c in convs]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
         progress = None

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ridgeline.chat_format import tool_call_text
 from ridgeline.llm.base import ToolCall
 
 _TAG_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -137,5 +138,6 @@ def loads_lenient(text: str) -> tuple[Any, str | None]:
 
 
 def format_tool_call(call: ToolCall) -> str:
-    """The Hermes text form of a call, used to show past calls to text-only templates."""
-    return "<tool_call>\n" + json.dumps({"name": call.name, "arguments": call.arguments}) + "\n</tool_call>"
+    """The Hermes text form of a call (written by `chat_format`, which renders past calls
+    for text-only templates)."""
+    return tool_call_text(call.name, call.arguments)

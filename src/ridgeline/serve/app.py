@@ -46,7 +46,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,45 +99,32 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"
 
 @dataclass
 class ServedModel:
-    """One name in `/v1/models`: an engine worker plus what the handlers need of it."""
+    """One name in `/v1/models` and the worker that steps its engine. The engine owns its
+    tokenizer and limits: handlers read them from `worker.engine`, nothing here forwards
+    them."""
 
     name: str
     worker: EngineWorker
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
-    @property
-    def engine(self) -> LLMEngine:
-        return self.worker.engine
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.model_config.vocab_size
-
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How a token is spelled in logprobs (`token_id:N` when asked, as vLLM does)."""
-        if as_id or self.tokenizer is None:
+        tokenizer = self.worker.engine.tokenizer
+        if as_id or tokenizer is None:
             return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = tokenizer.decode([token_id])
             self._token_text[token_id] = text
         return text
 
     def describe(self) -> dict[str, Any]:
-        base = base_model_name(self.name)
+        engine = self.worker.engine
         return {"id": self.name, "object": "model", "created": self.created,
-                "owned_by": "ridgeline", "root": self.engine.config.model,
-                "parent": base, "max_model_len": self.max_model_len,
-                "weights_version": self.engine.policy_version}
+                "owned_by": "ridgeline", "root": engine.config.model,
+                "parent": base_model_name(self.name), "max_model_len": engine.max_model_len,
+                "weights_version": engine.policy_version}
 
 
 def build_engines(config: EngineConfig, served_name: str | None = None,
@@ -257,7 +244,7 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
         t0 = time.perf_counter()
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, limits)
         model = lookup(req.model)
-        req.check_token_ids(model.vocab_size)
+        req.check_token_ids(model.worker.engine.model_config.vocab_size)
         return await _chat(request, req, model, metrics, t0)
 
     @app.post("/v1/completions")
@@ -265,7 +252,7 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
         t0 = time.perf_counter()
         req: CompletionRequest = await _parse(request, CompletionRequest, limits)
         model = lookup(req.model)
-        req.check_token_ids(model.vocab_size)
+        req.check_token_ids(model.worker.engine.model_config.vocab_size)
         return await _complete(request, req, model, metrics, t0)
 
     add_weight_routes(app, served, enabled=weight_updates)
@@ -546,18 +533,44 @@ def _sse(obj: Any) -> str:
 _DONE = "data: [DONE]\n\n"
 
 
-def _streaming(body: AsyncIterator[str], gen: _Generation, request: Request,
-               ) -> StreamingResponse:
-    async def guarded() -> AsyncIterator[str]:
+@dataclass
+class _Chunks:
+    """What one endpoint's stream has of its own: its chunks' `object`, how one step of
+    one choice (the prompt's index, its output) becomes a chunk's choice, and the chunks
+    sent before any output, as (choice, extra top-level fields) pairs."""
+
+    object: str
+    choice: Callable[[int, CompletionOutput], dict[str, Any]]
+    opening: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+
+
+def _stream(request: Request, gen: _Generation, created: int, include_usage: bool,
+            chunks: _Chunks) -> StreamingResponse:
+    """A generation as server-sent events, the same for both endpoints: every chunk
+    carries the request's id; one chunk per choice a step moved; the usage chunk when
+    `stream_options.include_usage`; `[DONE]` last, also after an error, which is sent as
+    the last event (a bug's detail only goes to the log); a client that leaves, or any
+    other end, aborts whatever is still generating."""
+    base = {"id": gen.request_id, "object": chunks.object, "created": created,
+            "model": gen.model.name}
+    usage_field = {"usage": None} if include_usage else {}
+
+    async def events() -> AsyncIterator[str]:
         try:
-            async for chunk in body:
-                yield chunk
-        except RidgelineError as e:
-            _, err = error_for(e)
-            yield _sse(err)
+            for choice, extra in chunks.opening:
+                yield _sse({**base, "choices": [choice], **usage_field, **extra})
+            async for tag, out in gen.outputs():
+                for c in out.outputs:
+                    if c.finish_reason is None and not c.delta_text and not c.delta_token_ids:
+                        continue  # the step left this choice as it was
+                    yield _sse({**base, "choices": [chunks.choice(tag, c)], **usage_field})
+                _check_generated(out)
+            if include_usage:
+                yield _sse({**base, "choices": [], "usage": gen.usage()})
             yield _DONE
-        except _ClientGone:
-            pass
+        except RidgelineError as e:
+            yield _sse(error_for(e)[1])
+            yield _DONE
         except Exception:  # a bug: tell the client (not what) instead of cutting the stream
             request_id = request.state.request_id
             log.exception("internal error in a stream (request id %s)", request_id)
@@ -566,17 +579,17 @@ def _streaming(body: AsyncIterator[str], gen: _Generation, request: Request,
         finally:
             gen.abort()  # the client went away (cancellation lands here) or an error
 
-    return StreamingResponse(guarded(), media_type="text/event-stream",
+    return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _max_tokens(requested: int | None, prompt_len: int, model: ServedModel, param: str) -> int:
+def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
     """Room left in the context: a prompt that leaves none is an error (the message says
     'maximum context length', which clients look for); a reply is clipped to the room."""
-    room = model.max_model_len - prompt_len
+    room = max_model_len - prompt_len
     if room < 1:
         raise RequestError(
-            f"This model's maximum context length is {model.max_model_len} tokens, and the "
+            f"This model's maximum context length is {max_model_len} tokens, and the "
             f"prompt has {prompt_len} tokens, leaving no room for a reply",
             hint="shorten the prompt", param=param, code="context_length_exceeded")
     return room if requested is None else min(requested, room)
@@ -641,7 +654,7 @@ def _chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, tools: Any,
 
 async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
                 metrics: ServerMetrics, t0: float) -> Response:
-    tokenizer = model.tokenizer
+    tokenizer = model.worker.engine.tokenizer
     if tokenizer is None:
         raise UnsupportedError(f"model {model.name!r} has no tokenizer, so no chat template",
                                hint="use /v1/completions with token ids")
@@ -652,7 +665,8 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
     prefix = forced_prefix(req.tool_choice) if use_tools else ""
     # A long conversation takes a while to render and tokenise: not on the event loop.
     prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req, tools, prefix)
-    max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids), model, "messages")
+    max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids),
+                             model.worker.engine.max_model_len, "messages")
     params = req.sampling_params(max_tokens, req.num_logprobs)
     gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
     await gen.start([(prompt_ids, params)])
@@ -690,60 +704,47 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
             body["prompt_token_ids"] = prompt_ids
         return JSONResponse(body)
 
-    async def events() -> AsyncIterator[str]:
-        base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": model.name}
-        usage_field = {"usage": None} if req.include_usage_in_stream else {}
-        extractors = []
-        for i in range(req.n):
-            first: dict[str, Any] = {"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}
-            chunk: dict[str, Any] = {**base, "choices": [first], **usage_field}
-            if req.return_token_ids and i == 0:
-                chunk["prompt_token_ids"] = prompt_ids
-            yield _sse(chunk)
-            if use_tools:
-                extractor = ToolCallExtractor(known, max_calls)
-                extractor.feed(prefix)  # the forced start of a call is never content
-                extractors.append(extractor)
-        num_calls = [0] * req.n
-        async for _, out in gen.outputs():
-            for c in out.outputs:
-                if c.finish_reason is None and not c.delta_text and not c.delta_token_ids:
-                    continue
-                delta: dict[str, Any] = {}
-                if use_tools:
-                    content, calls = extractors[c.index].feed(c.delta_text)
-                    if c.finished:
-                        tail, more = extractors[c.index].finish()
-                        content, calls = content + tail, calls + more
-                    if calls:
-                        delta["tool_calls"] = [wire_tool_call(call, num_calls[c.index] + k)
-                                               for k, call in enumerate(calls)]
-                        num_calls[c.index] += len(calls)
-                else:
-                    content = c.delta_text
-                if content:
-                    delta["content"] = content
-                choice = {"index": c.index, "delta": delta, "logprobs": None,
-                          "finish_reason": None}
-                if req.logprobs:
-                    lps, tops = _delta_logprobs(c)
-                    choice["logprobs"] = _chat_logprobs(model, c.delta_token_ids, lps, tops,
-                                                        req.top_logprobs or 0,
-                                                        req.return_tokens_as_token_ids)
-                if req.return_token_ids:
-                    choice.update(_token_fields(c, delta=True))
-                if c.finished:
-                    choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
-                    choice["stop_reason"] = c.stop_reason
-                yield _sse({**base, "choices": [choice], **usage_field})
-            _check_generated(out)
-        if req.include_usage_in_stream:
-            yield _sse({**base, "choices": [], "usage": gen.usage()})
-        yield _DONE
+    extractors = [ToolCallExtractor(known, max_calls) for _ in range(req.n)] if use_tools else []
+    for extractor in extractors:
+        extractor.feed(prefix)  # the forced start of a call is never content
+    num_calls = [0] * req.n
 
-    return _streaming(events(), gen, request)
+    def chunk_choice(_: int, c: CompletionOutput) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if use_tools:
+            content, calls = extractors[c.index].feed(c.delta_text)
+            if c.finished:
+                tail, more = extractors[c.index].finish()
+                content, calls = content + tail, calls + more
+            if calls:
+                delta["tool_calls"] = [wire_tool_call(call, num_calls[c.index] + k)
+                                       for k, call in enumerate(calls)]
+                num_calls[c.index] += len(calls)
+        else:
+            content = c.delta_text
+        if content:
+            delta["content"] = content
+        choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}
+        if req.logprobs:
+            lps, tops = _delta_logprobs(c)
+            choice["logprobs"] = _chat_logprobs(model, c.delta_token_ids, lps, tops,
+                                                req.top_logprobs or 0,
+                                                req.return_tokens_as_token_ids)
+        if req.return_token_ids:
+            choice.update(_token_fields(c, delta=True))
+        if c.finished:
+            choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
+            choice["stop_reason"] = c.stop_reason
+        return choice
+
+    # Each choice opens with its role; the prompt's ids ride on the first chunk.
+    opening = [({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None},
+                {"prompt_token_ids": prompt_ids} if req.return_token_ids and i == 0 else {})
+               for i in range(req.n)]
+    return _stream(request, gen, created, req.include_usage_in_stream,
+                   _Chunks("chat.completion.chunk", chunk_choice, opening))
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -769,7 +770,7 @@ def _completion_prompts(model: ServedModel, req: CompletionRequest,
                         ) -> list[tuple[list[int], str]]:
     """Each prompt's token ids and its text for `echo` (token ids were checked against
     the vocabulary before, so decoding them cannot fail)."""
-    tokenizer = model.tokenizer
+    tokenizer = model.worker.engine.tokenizer
     out = []
     for p in req.prompts():
         if isinstance(p, str):
@@ -789,8 +790,9 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
     encoded = await asyncio.to_thread(_completion_prompts, model, req)
     prompts: list[tuple[list[int], SamplingParams]] = []
     echoes: list[str] = []
+    max_model_len = model.worker.engine.max_model_len
     for ids, echo in encoded:
-        max_tokens = _max_tokens(req.max_tokens, len(ids), model, "prompt")
+        max_tokens = _max_tokens(req.max_tokens, len(ids), max_model_len, "prompt")
         prompts.append((ids, req.sampling_params(max_tokens, req.logprobs)))
         echoes.append(echo)
     gen = _Generation(model, metrics, f"cmpl-{uuid.uuid4().hex}", t0)
@@ -822,43 +824,34 @@ async def _complete(request: Request, req: CompletionRequest, model: ServedModel
             body["prompt_token_ids"] = prompts[0][0]
         return JSONResponse(body)
 
-    async def events() -> AsyncIterator[str]:
-        base = {"id": gen.request_id, "object": "text_completion", "created": created,
-                "model": model.name}
-        usage_field = {"usage": None} if req.include_usage_in_stream else {}
-        started: set[int] = set()
-        offsets: dict[int, int] = {}
-        async for tag, out in gen.outputs():
-            for c in out.outputs:
-                if c.finish_reason is None and not c.delta_text and not c.delta_token_ids:
-                    continue
-                index = tag * n + c.index
-                text = c.delta_text
-                choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
-                                          "finish_reason": None}
-                if index not in started:
-                    started.add(index)
-                    if req.echo:
-                        choice["text"] = echoes[tag] + text
-                    if req.return_token_ids:
-                        choice["prompt_token_ids"] = prompts[tag][0]
-                if req.logprobs is not None:
-                    lps, tops = _delta_logprobs(c)
-                    choice["logprobs"], offsets[index] = _completion_logprobs(
-                        model, c.delta_token_ids, lps, tops, req.return_tokens_as_token_ids,
-                        offsets.get(index, 0))
-                if req.return_token_ids:
-                    choice.update(_token_fields(c, delta=True))
-                if c.finished:
-                    choice["finish_reason"] = c.finish_reason
-                    choice["stop_reason"] = c.stop_reason
-                yield _sse({**base, "choices": [choice], **usage_field})
-            _check_generated(out)
-        if req.include_usage_in_stream:
-            yield _sse({**base, "choices": [], "usage": gen.usage()})
-        yield _DONE
+    started: set[int] = set()
+    offsets: dict[int, int] = {}
 
-    return _streaming(events(), gen, request)
+    def chunk_choice(tag: int, c: CompletionOutput) -> dict[str, Any]:
+        index = tag * n + c.index
+        text = c.delta_text
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
+                                  "finish_reason": None}
+        if index not in started:  # a choice's first chunk carries its prompt
+            started.add(index)
+            if req.echo:
+                choice["text"] = echoes[tag] + text
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = prompts[tag][0]
+        if req.logprobs is not None:
+            lps, tops = _delta_logprobs(c)
+            choice["logprobs"], offsets[index] = _completion_logprobs(
+                model, c.delta_token_ids, lps, tops, req.return_tokens_as_token_ids,
+                offsets.get(index, 0))
+        if req.return_token_ids:
+            choice.update(_token_fields(c, delta=True))
+        if c.finished:
+            choice["finish_reason"] = c.finish_reason
+            choice["stop_reason"] = c.stop_reason
+        return choice
+
+    return _stream(request, gen, created, req.include_usage_in_stream,
+                   _Chunks("text_completion", chunk_choice))
 
 
 # ---- a live server on a thread -------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Tools in a chat request: turning wire messages into prompts, and the model's tool calls
 back into OpenAI `tool_calls`, whole or while streaming.
 
-Prompts are rendered and encoded by `ridgeline.llm.chat_template.encode_chat` (tools
-natively when the template takes them, Hermes-style in the system message otherwise) and
-each call block is parsed by `ridgeline.llm.tool_parser`, so the server and the in-process
-`EngineClient` feed and read a model the same way. The convention is Hermes/Qwen: ``<tool_call>{"name": ..., "arguments": ...}
-</tool_call>``.
+Prompts are rendered and encoded by `ridgeline.llm.chat_template.encode_chat`, over
+`ridgeline.chat_format` as `LLM.chat` is (tools natively when the template takes them,
+Hermes-style in the system message otherwise), and each call block is parsed by
+`ridgeline.llm.tool_parser`, so the server and the in-process `EngineClient` feed and read
+a model the same way. The convention is Hermes/Qwen: ``<tool_call>{"name": ...,
+"arguments": ...}</tool_call>``.
 
 While streaming, text outside call blocks goes out as content as soon as it cannot be the
 start of ``<tool_call>``; a block is held until it closes (or generation ends) and then

@@ -104,7 +104,7 @@ def add_weight_routes(app: FastAPI, served: Mapping[str, Any], enabled: bool) ->
     @app.get(WEIGHTS_PATH)
     async def describe(request: Request) -> dict[str, Any]:
         name = _query_model(request)
-        engine = served[name if name in served else family(served, name)[0]].engine
+        engine = served[name if name in served else family(served, name)[0]].worker.engine
         quantized = engine.runner.model.quantized   # int8 weights take no float updates
         shapes = {} if quantized else await asyncio.to_thread(engine.weight_shapes)
         return {"object": "weights", "model": name, "version": engine.policy_version,
@@ -134,7 +134,7 @@ def add_weight_routes(app: FastAPI, served: Mapping[str, Any], enabled: bool) ->
         count = 0
         for w in workers:
             count = await asyncio.to_thread(w.update_weights, items, version)
-        now = served[names[0]].engine.policy_version
+        now = workers[0].engine.policy_version
         return {"object": "weights", "model": names[0], "updated": names, "version": now,
                 "tensors": count, "bytes": sum(t.numel() * t.element_size() for _, t in items),
                 "receive_seconds": round(t_received - t0, 4),

@@ -195,26 +195,33 @@ class Generated:
 
 
 def generate(fams: Iterable[TaskFamily], seeds: Iterable[int], root: str | Path, *,
-             check: bool = True, backend: str = "bwrap") -> Generated:
+             check: bool = True, backend: str = "bwrap", concurrency: int = 4) -> Generated:
     """Materialize every family's instance of every seed under `root`; with `check`, run
     each one's quality check (oracle passes, untouched workspace fails; cached by the
-    task's files) and leave out those that fail, with their reasons."""
-    from ridgeline.tasks.checks import cached_check, check_task
+    task's files, `concurrency` sandboxes at once) and leave out those that fail, with
+    their reasons."""
+    from ridgeline.tasks.checks import cached_check, check_tasks
     from ridgeline.tasks.loader import load_task
 
     root = Path(root).expanduser()
     root.mkdir(parents=True, exist_ok=True)
-    out = Generated()
     seeds = list(seeds)
-    for fam in fams:
-        for seed in seeds:
-            d = materialize(fam, seed, root)
-            if check:
-                task = load_task(d)
-                result = cached_check(task) or check_task(task, runs=1, backend=backend)
-                if not result.ok:
-                    out.excluded[d.name] = result.reasons
-                    shutil.rmtree(d)
-                    continue
+    dirs = [materialize(fam, seed, root) for fam in fams for seed in seeds]
+    out = Generated()
+    if not check:
+        out.tasks = dirs
+        return out
+    tasks = [load_task(d) for d in dirs]
+    checks = {t.path: cached_check(t) for t in tasks}
+    todo = [t for t in tasks if checks[t.path] is None]
+    for t, c in zip(todo, check_tasks(todo, runs=1, backend=backend, concurrency=concurrency)):
+        checks[t.path] = c
+    for d, t in zip(dirs, tasks):
+        result = checks[t.path]
+        assert result is not None
+        if result.ok:
             out.tasks.append(d)
+        else:
+            out.excluded[d.name] = result.reasons
+            shutil.rmtree(d)
     return out

@@ -1,3 +1,13 @@
 """The built-in families, one module per skill; importing this registers them all."""
 
-from ridgeline.tasks.families.catalog import text  # noqa: F401
+from ridgeline.tasks.families.catalog import (  # noqa: F401
+    archives,
+    data,
+    files,
+    git,
+    permissions,
+    python_code,
+    sorting,
+    text,
+    text_more,
+)

@@ -77,3 +77,62 @@ def test_demo_slice_covers_every_domain():
     demo = select_tasks(EvalConfig(tasks="demo"))
     assert sorted(t.id for t in demo) == sorted(DEMO_TASK_IDS)
     assert {t.domain for t in demo} == {t.domain for t in load_tasks("builtin")}
+
+
+def test_sampling_flags_reach_every_episode_with_a_seed_of_its_own(tmp_path):
+    """--temperature/--top-p/--seed: every model call of an episode samples with them; each
+    (task, sample) has its own seed, the same in a rerun; results.json and the report
+    say how the run sampled."""
+    from ridgeline.llm.base import Sampling
+    from tests.helpers.scripted_model import ScriptedModel
+
+    def run(out):
+        model = ScriptedModel(["```bash\nexit 0\n```"] * 40)
+        cfg = EvalConfig(agent="llm", task_ids=IDS[:2], samples=2, concurrency=1, out=out,
+                         agent_config=AgentConfig(step_limit=1, sampling=Sampling(
+                             temperature=0.7, top_p=0.9, seed=11, max_tokens=64)))
+        return run_eval(cfg, model=model), model.samplings
+
+    first, samplings = run(tmp_path / "a")
+    assert {(s.temperature, s.top_p) for s in samplings} == {(0.7, 0.9)}
+    seeds = {s.seed for s in samplings}
+    assert len(seeds) == 4 and 11 not in seeds  # one per (task, sample), derived
+    assert {s.seed for s in run(tmp_path / "b")[1]} == seeds
+    meta = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert json.dumps(meta).count('"temperature": 0.7') >= 1
+    assert "temperature 0.7, top_p 0.9, seed 11" in (tmp_path / "a" / "report.md").read_text()
+    assert first.summary.pass_at_1_ci95 is not None
+
+
+def test_pass_at_1_has_an_interval_over_tasks():
+    from ridgeline.eval.results import EpisodeResult, summarize
+    from ridgeline.tasks.verifier import VerdictStatus
+
+    def ep(task, ok, sample=0):
+        return EpisodeResult(task_id=task, sample=sample,
+                             status=VerdictStatus.PASSED if ok else VerdictStatus.FAILED)
+
+    mixed = summarize([ep(f"t{i}", i % 2 == 0) for i in range(40)])
+    lo, hi = mixed.pass_at_1_ci95
+    assert lo < mixed.pass_rate < hi and 0.25 < lo and hi < 0.75
+    sure = summarize([ep(f"t{i}", True, s) for i in range(5) for s in range(4)], samples=4)
+    assert sure.pass_at_1_ci95 == (1.0, 1.0)
+    infra = EpisodeResult(task_id="x", status=VerdictStatus.INFRA_ERROR)
+    assert summarize([infra]).pass_at_1_ci95 is None  # nothing scored, no interval
+
+
+def test_a_run_directory_evaluates_its_checkpoint(tmp_path):
+    from ridgeline.eval.runner import checkpoint_model
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    assert checkpoint_model(str(tmp_path)) == str(tmp_path / "checkpoint")
+    assert checkpoint_model(str(tmp_path / "checkpoint")) == str(tmp_path / "checkpoint")
+    assert checkpoint_model("default") == "default"
+
+
+def test_top_p_of_zero_is_refused_by_the_cli(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "ridgeline.cli", "eval", "--agent", "oracle",
+                        "--task", IDS[0], "--out", str(tmp_path), "--top-p", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "top-p" in r.stderr

@@ -21,7 +21,7 @@ console = Console()
 def eval_command(
     tasks: str = typer.Option("builtin", "--tasks", help="'builtin', 'demo' (a representative slice), 'toolbench', a task dir or a suite dir."),
     agent: str = typer.Option("llm", "--agent", help="llm | oracle | null."),
-    model: str = typer.Option("default", "--model", help="'default', a model path, or an OpenAI-compatible base URL."),
+    model: str = typer.Option("default", "--model", help="'default', a model path, a training run's directory (its checkpoint), or an OpenAI-compatible base URL."),
     model_name: Optional[str] = typer.Option(None, "--model-name", help="Model name sent to a URL endpoint."),
     concurrency: int = typer.Option(4, "--concurrency", "-c", min=1, help="Episodes at once."),
     samples: int = typer.Option(1, "--samples", "-k", min=1, help="Samples per task (pass@k)."),
@@ -31,6 +31,9 @@ def eval_command(
     backend: str = typer.Option("bwrap", "--backend", help="Sandbox backend: bwrap | local | docker."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Agent step limit."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", min=1, help="Max tokens per model reply."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sampling temperature (default: the agent's, greedy)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0 < p <= 1)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed; each (task, sample) derives its own from it."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Run an agent on a task suite and grade it with the tasks' tests."""
@@ -43,8 +46,11 @@ def eval_command(
     agent_config = AgentConfig()
     if max_steps is not None:
         agent_config.step_limit = max_steps
-    if max_tokens is not None:
-        agent_config.sampling = agent_config.sampling.model_copy(update={"max_tokens": max_tokens})
+    if top_p is not None and top_p <= 0:
+        raise ConfigError("--top-p must be above 0", hint="use a value in (0, 1]")
+    updates = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                                 ("top_p", top_p), ("seed", seed)) if v is not None}
+    agent_config.sampling = agent_config.sampling.model_copy(update=updates)
     config = EvalConfig(tasks=tasks, agent=agent, model=model, model_name=model_name,
                         concurrency=concurrency, samples=samples, limit=limit, task_ids=task_id,
                         out=out, backend=backend, agent_config=agent_config)
@@ -79,7 +85,9 @@ def eval_command(
     console.print(table)
     console.print(f"[bold]pass rate {100 * s.pass_rate:.1f}%[/] ({s.n_passed}/{s.n_scored} scored; "
                   f"{s.n_infra_error} infra errors, {s.n_unsupported} unsupported) "
-                  + " ".join(f"{k}={100 * v:.1f}%" for k, v in s.pass_at_k.items()))
+                  + " ".join(f"{k}={100 * v:.1f}%" for k, v in s.pass_at_k.items())
+                  + (f" (pass@1 95% interval {100 * s.pass_at_1_ci95[0]:.1f}-"
+                     f"{100 * s.pass_at_1_ci95[1]:.1f}%)" if s.pass_at_1_ci95 else ""))
     console.print(f"report: {run.files['report']}  results: {run.files['results']}")
 
 

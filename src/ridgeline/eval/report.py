@@ -73,9 +73,16 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     lines.append(f"Model: `{meta.get('model', '-')}` · samples per task: {meta.get('samples', 1)} · "
                  f"concurrency: {meta.get('concurrency', 1)} · wall time: {summary.wall_s:.1f} s · "
                  f"date: {meta.get('date', '')}")
+    if "temperature" in meta:
+        lines.append(f"Sampling: temperature {meta['temperature']}, top_p {meta['top_p']}, "
+                     f"seed {meta['seed']}, max_tokens {meta['max_tokens']}")
     lines += ["", "## Summary", "",
               f"- **pass rate: {100 * summary.pass_rate:.1f}%** ({summary.n_passed} of {summary.n_scored} "
               f"scored episodes over {summary.n_tasks} tasks)"]
+    if summary.pass_at_1_ci95 is not None:
+        lo, hi = summary.pass_at_1_ci95
+        lines.append(f"- pass@1 95% interval: {100 * lo:.1f}-{100 * hi:.1f}% (bootstrap over "
+                     "tasks)")
     for k, v in summary.pass_at_k.items():
         lines.append(f"- {k}: {100 * v:.1f}%")
     lines.append(f"- not scored: {summary.n_infra_error} infrastructure errors, "

@@ -8,6 +8,7 @@ so harness noise never reads as agent failure.
 from __future__ import annotations
 
 import math
+import random
 from collections import defaultdict
 from typing import Any
 
@@ -61,6 +62,9 @@ class Summary(BaseModel):
     n_unsupported: int
     pass_rate: float = Field(description="passed / scored episodes (0 when nothing was scored)")
     pass_at_k: dict[str, float] = Field(default_factory=dict)
+    pass_at_1_ci95: tuple[float, float] | None = Field(
+        None, description="95% interval of pass@1: a bootstrap over tasks (each task's "
+                          "scored samples stay together), 2000 resamples, fixed seed")
     by_domain: dict[str, dict[str, float]] = Field(default_factory=dict)
     failure_classes: dict[str, int] = Field(default_factory=dict)
     mean_steps: float = 0.0
@@ -85,6 +89,8 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
         if vals:
             pass_k[f"pass@{k}"] = sum(vals) / len(vals)
 
+    per_task_rate = [sum(r.status is VerdictStatus.PASSED for r in s) / len(s)
+                     for rs in per_task.values() if (s := [r for r in rs if r.scored])]
     by_domain: dict[str, dict[str, float]] = {}
     for dom in sorted({r.domain for r in results}):
         d_scored = [r for r in scored if r.domain == dom]
@@ -107,10 +113,22 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
         n_infra_error=sum(r.status is VerdictStatus.INFRA_ERROR for r in results),
         n_unsupported=sum(r.status is VerdictStatus.UNSUPPORTED for r in results),
         pass_rate=len(passed) / len(scored) if scored else 0.0,
-        pass_at_k=pass_k, by_domain=by_domain, failure_classes=dict(sorted(classes.items())),
+        pass_at_k=pass_k, pass_at_1_ci95=bootstrap_ci(per_task_rate), by_domain=by_domain, failure_classes=dict(sorted(classes.items())),
         mean_steps=sum(r.steps for r in results) / len(results) if results else 0.0,
         total_tokens=sum(r.tokens for r in results), wall_s=wall_s,
     )
+
+
+def bootstrap_ci(values: list[float], resamples: int = 2000, seed: int = 0
+                 ) -> tuple[float, float] | None:
+    """The 95% percentile bootstrap interval of the mean of `values` (per-task pass
+    rates: tasks are the unit that varies, samples of one task are not independent)."""
+    if not values:
+        return None
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(rng.choice(values) for _ in range(n)) / n for _ in range(resamples))
+    return (round(means[int(0.025 * resamples)], 4), round(means[int(0.975 * resamples) - 1], 4))
 
 
 def summary_json(summary: Summary, extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import datetime as _dt
 import logging
 import threading
 import time
+import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,17 @@ def make_model(config: EvalConfig) -> ChatModel:
     if config.model.startswith(("http://", "https://")):
         # model=None lets the client discover the served model's name and context window.
         return make_chat_model(config.model, model=config.model_name, api_key=config.api_key)
-    return make_chat_model(config.model)
+    return make_chat_model(checkpoint_model(config.model))
+
+
+def checkpoint_model(model: str) -> str:
+    """A training run's directory stands for its latest checkpoint (RUN_DIR/checkpoint, a
+    Hugging Face directory); anything else is a model name or path as given."""
+    run_dir = Path(model).expanduser()
+    if not (run_dir / "config.json").is_file() and (run_dir / "checkpoint" /
+                                                     "config.json").is_file():
+        return str(run_dir / "checkpoint")
+    return model
 
 
 def select_tasks(config: EvalConfig) -> list[Task]:
@@ -174,8 +185,8 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     """One episode: prepare the environment, let the agent act, verify. Never raises for
     task or sandbox problems; those become unsupported / infra_error results."""
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
-    ep = run_task_episode(task, agent_factory(), config.agent_config, backend=config.backend,
-                          trajectory_path=traj_path)
+    ep = run_task_episode(task, agent_factory(), episode_agent_config(config, task.id, sample),
+                          backend=config.backend, trajectory_path=traj_path)
     # raised outside the loop (e.g. probing the endpoint): the run stops starting episodes
     endpoint_error = ep.error if isinstance(ep.error, ModelEndpointError) else None
     record_verdict(ep.agent, ep.verdict)
@@ -184,9 +195,23 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     return res, ep.agent
 
 
+def episode_agent_config(config: EvalConfig, task_id: str, sample: int) -> AgentConfig:
+    """The agent's config for one episode: with a sampling seed, each (task, sample) gets
+    its own, derived from it, so samples differ and a rerun repeats them."""
+    sampling = config.agent_config.sampling
+    if sampling.seed is None:
+        return config.agent_config
+    seed = zlib.crc32(f"{sampling.seed}:{task_id}:{sample}".encode())
+    return config.agent_config.model_copy(
+        update={"sampling": sampling.model_copy(update={"seed": seed})})
+
+
 def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
     """The run's description that results.json and the report carry."""
+    sampling = config.agent_config.sampling
     return {"agent": config.agent, "tasks": config.tasks, "model": model_label,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "seed": sampling.seed, "max_tokens": sampling.max_tokens,
             "samples": config.samples, "concurrency": config.concurrency,
             "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
 

@@ -143,7 +143,7 @@ def main() -> None:
                     help="each task runs one bash command in a (local) sandbox first")
     args = ap.parse_args()
     results = []
-    results.append(run_backend("sqlite", args.tasks, args.workers, args.sandbox_step, None))
+    results.append(run_backend("sql", args.tasks, args.workers, args.sandbox_step, None))
     if redis_server_path() is not None:
         with RedisServer() as redis:
             results.append(run_backend("redis", args.tasks, args.workers, args.sandbox_step,

@@ -34,8 +34,8 @@ def bash(cmd: str) -> str:
 
 @pytest.fixture
 def platform(tmp_path: Path):
-    store = TaskStore(tmp_path / "tasks.db")
-    queue = open_queue(QueueConfig(path=str(tmp_path / "queue.db"), lease_s=2.0))
+    store = TaskStore(tmp_path / "platform.db")
+    queue = open_queue(QueueConfig(lease_s=2.0), db=store.db)   # one database, as the platform
     yield store, queue
     queue.close()
     store.close()
@@ -113,8 +113,8 @@ WORKER_SCRIPT = textwrap.dedent("""
     from ridgeline.platform.store import TaskStore
     from ridgeline.platform.worker import AgentWorker, WorkerConfig
     store = TaskStore(sys.argv[1])
-    queue = open_queue(QueueConfig(path=sys.argv[2], lease_s=1.0))
-    config = WorkerConfig(sandbox=sys.argv[3], allow_replay_model=True, concurrency=1,
+    queue = open_queue(QueueConfig(lease_s=1.0), db=store.db)
+    config = WorkerConfig(sandbox=sys.argv[2], allow_replay_model=True, concurrency=1,
                           lease_s=1.0, heartbeat_s=0.2, poll_s=0.1)
     AgentWorker(config, store, queue, name="doomed").run_forever()
 """)
@@ -134,8 +134,8 @@ def test_kill_9_mid_task_resumes_from_the_last_checkpoint(platform, tmp_path: Pa
                    "<finish>logged</finish>"]})
     script = tmp_path / "worker.py"
     script.write_text(WORKER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "tasks.db"),
-                             str(tmp_path / "queue.db"), backend],
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "platform.db"),
+                             backend],
                             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -242,8 +242,8 @@ def test_sigterm_hands_running_tasks_back_after_their_step(platform, tmp_path: P
                                 + [bash("echo b >> log.txt"), "<finish>ok</finish>"]})
     script = tmp_path / "worker.py"
     script.write_text(WORKER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "tasks.db"),
-                             str(tmp_path / "queue.db"), "local"],
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "platform.db"),
+                             "local"],
                             env={**os.environ, "PYTHONPATH": str(REPO / "src")},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: any(e.type == "task.step" for e in store.events(tid)), timeout=60)

@@ -36,8 +36,8 @@ def as_finish_json(obj) -> str:
 
 @pytest.fixture
 def env(tmp_path: Path):
-    store = TaskStore(tmp_path / "tasks.db")
-    queue = open_queue(QueueConfig(path=str(tmp_path / "queue.db")))
+    store = TaskStore(tmp_path / "platform.db")
+    queue = open_queue(QueueConfig(), db=store.db)   # the platform's way: one database
     finished: list[str] = []
 
     def on_finish(task):

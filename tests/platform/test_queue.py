@@ -1,6 +1,7 @@
-"""The job queue against real stores: a SQLite file in WAL mode and a redis-server started on
-loopback. Shared behaviour runs on both backends; workers are real threads and processes,
-one of them killed with SIGKILL while it holds a job."""
+"""The job queue against real stores: the SQL queue on a SQLite file in WAL mode and on a
+PostgreSQL server, and a redis-server, both started on loopback. Shared behaviour runs on
+all three; workers are real threads and processes, one of them killed with SIGKILL while
+it holds a job."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+from tests.helpers.postgres_server import postgres_server_fixture
 from tests.helpers.redis_server import free_port, redis_server_fixture
 
 from ridgeline.config import load_model
@@ -25,19 +27,23 @@ from ridgeline.errors import ConfigError
 from ridgeline.platform.queue import Job, JobQueue, QueueConfig, open_queue
 
 redis_server = redis_server_fixture()
+postgres_server = postgres_server_fixture()
 
 MakeQueue = Callable[..., JobQueue]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "postgresql", "redis"])
 def config(request: pytest.FixtureRequest, tmp_path: Path) -> QueueConfig:
-    """One empty queue store per test: a new SQLite file, or a fresh key prefix on the
-    session's redis-server."""
+    """One empty queue store per test: the SQL queue in a new SQLite file or a new
+    PostgreSQL database, or a fresh key prefix on the session's redis-server. Each handle
+    opens its own connections, like another worker process's."""
     if request.param == "redis":
         server = request.getfixturevalue("redis_server")
         return QueueConfig(backend="redis", url=server.url,
                            stream_prefix=f"test-{uuid.uuid4().hex[:8]}")
-    return QueueConfig(backend="sqlite", path=str(tmp_path / "queue.db"))
+    if request.param == "postgresql":
+        return QueueConfig(path=request.getfixturevalue("postgres_server").new_database())
+    return QueueConfig(path=str(tmp_path / "queue.db"))
 
 
 @pytest.fixture
@@ -508,3 +514,33 @@ def test_every_dead_job_is_reconciled_exactly_once_over_several_pages(queue: Job
     assert job is not None and job.id == ids[0] and queue.fail(job, "again") == "dead"
     assert [d["id"] for d in queue.dead_letters(limit=10, unreconciled=True)] == \
         [more[0], more[2], ids[0]]
+
+
+def test_a_group_emptied_while_its_next_job_arrives_keeps_that_job(
+        make_queue: MakeQueue) -> None:
+    """A lease drops the row of a group left without live jobs; a job enqueued into that
+    group at that moment must still be leased (SQL: the group's lock; PostgreSQL lets the
+    two transactions interleave)."""
+    producer, n = make_queue(), 240
+    got: list[str] = []
+    done = threading.Event()
+
+    def work(w: int) -> None:
+        q = make_queue()
+        while not (done.is_set() and len(got) >= n):
+            job = q.lease(f"w{w}", wait_s=0.05)
+            if job is not None and q.ack(job):
+                got.append(job.id)
+            if done.is_set() and q.depth()["queued"] == 0 and q.depth()["leased"] == 0:
+                return
+
+    workers = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+    for t in workers:
+        t.start()
+    for i in range(n):   # each job is leased at once, so its group empties again and again
+        producer.enqueue("t", {}, job_id=f"j{i}", group=f"g{i % 3}")
+    done.set()
+    for t in workers:
+        t.join(timeout=60)
+    assert sorted(got) == sorted(f"j{i}" for i in range(n))
+

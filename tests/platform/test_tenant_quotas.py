@@ -240,9 +240,9 @@ class Clock:
 
 @pytest.fixture
 def graphs(tmp_path: Path) -> Iterator[Any]:
-    store = TaskStore(tmp_path / "tasks.db")
-    queue = open_queue(QueueConfig(path=str(tmp_path / "queue.db")))
-    keys = KeyStore(tmp_path / "keys.db")
+    store = TaskStore(tmp_path / "platform.db")
+    queue = open_queue(QueueConfig(), db=store.db)   # the platform's way: one database
+    keys = KeyStore(store.db)
     clock = Clock()
     gateway = Gateway(GatewayConfig(upstreams=[]), keys, clock=clock)
 

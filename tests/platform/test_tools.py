@@ -432,14 +432,22 @@ def test_the_first_result_wins_and_expired_ones_give_way(
     assert SQLiteIdempotencyStore is SQLIdempotencyStore  # the old name still works
 
 
+@pytest.mark.parametrize("how", ["store.url", "deprecated"])
 def test_the_platform_keeps_keys_and_tool_results_where_configured(
-        location: str, tmp_path: Path) -> None:
-    """`keys.path` and `tools_url` as URLs (PostgreSQL, or sqlite:/// under data_dir):
-    a key and a side effect's result outlive the platform that made them."""
+        location: str, tmp_path: Path, how: str) -> None:
+    """The platform's one database (`store.url`), or the deprecated `keys.path` and
+    `tools_url`, as URLs (PostgreSQL, or sqlite:/// under data_dir): a key and a side
+    effect's result outlive the platform that made them."""
     url = location if "://" in location else "sqlite:///shared.db"
-    config = PlatformConfig.model_validate({
-        "data_dir": str(tmp_path / "data"), "keys": {"path": url}, "tools_url": url,
-        "rag": {"embedder": "hashing", "qdrant_path": ":memory:"}})
+    base = {"data_dir": str(tmp_path / "data"),
+            "rag": {"embedder": "hashing", "qdrant_path": ":memory:"}}
+    if how == "store.url":
+        config = PlatformConfig.model_validate({**base, "store": {"url": url}})
+    else:
+        with pytest.warns(FutureWarning, match="store.url") as said:
+            config = PlatformConfig.model_validate({**base, "keys": {"path": url},
+                                                    "tools_url": url})
+        assert {"keys.path", "tools_url"} <= {str(w.message).split("`")[1] for w in said}
     sent: list[str] = []
 
     def start() -> Platform:
@@ -468,6 +476,8 @@ def test_the_platform_keeps_keys_and_tool_results_where_configured(
         dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
         assert again.keys.db.dialect == dialect
         assert again.tools.idempotency_store.db.dialect == dialect
+        shared = again.keys.db is again.tools.idempotency_store.db is again.store.db
+        assert shared == (how == "store.url")
     finally:
         again.close()
     if url.startswith("sqlite"):

@@ -10,6 +10,7 @@ The heavy modules (FastAPI, Qdrant, the tools) load inside the commands, so `rid
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -32,9 +33,26 @@ def _load(config: Path | None):  # -> PlatformConfig
     return PlatformConfig.load(config)
 
 
-def _keys_config(cfg):  # -> KeyStoreConfig with the path (or postgresql:// URL) resolved
-    from ridgeline.platform.store import store_path
-    return cfg.keys.model_copy(update={"path": store_path(cfg.keys.path, cfg.data_dir)})
+@contextlib.contextmanager
+def _key_store(cfg):  # -> Iterator[KeyStore], in the platform's database (or keys.path's)
+    from ridgeline.platform.db import open_database
+    from ridgeline.platform.keys import KeyStore
+    from ridgeline.platform.legacy import adopt_legacy_files
+
+    cfg.prepare()
+    own = cfg.separate_database("keys")
+    db = None if own else open_database(cfg.database(), pool_size=2)
+    try:
+        if db is not None:   # the keys of an older version's keys.db, as the server would
+            adopt_legacy_files(db, cfg.data_dir, ["keys"])
+        store = KeyStore.from_config(cfg.keys.model_copy(update={"path": own}), db=db)
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        if db is not None:
+            db.close()
 
 
 @app.command("serve")
@@ -142,33 +160,21 @@ def keys_create(config: Path | None = ConfigOption,
                 max_concurrency: int | None = typer.Option(None, "--max-concurrency", min=1),
                 admin: bool = typer.Option(False, "--admin")) -> None:
     """Create an API key; it is printed once (only its hash is stored)."""
-    from ridgeline.platform.keys import KeyStore
     from ridgeline.platform.limits import KeyLimits
 
-    cfg = _load(config)
-    cfg.prepare()
-    store = KeyStore.from_config(_keys_config(cfg))
-    try:
+    with _key_store(_load(config)) as store:
         key, record = store.create(tenant, user=user, name=name, groups=group, scopes=scope,
                                    models=model or None, admin=admin,
                                    limits=KeyLimits(rpm=rpm, tpm=tpm,
                                                     max_concurrency=max_concurrency))
-    finally:
-        store.close()
     console.print(f"key {record.key_id} for tenant {tenant} (shown once):", highlight=False)
     print(key)
 
 
 @keys_app.command("revoke")
 def keys_revoke(key_id: str, config: Path | None = ConfigOption) -> None:
-    from ridgeline.platform.keys import KeyStore
-
-    cfg = _load(config)
-    store = KeyStore.from_config(_keys_config(cfg))
-    try:
+    with _key_store(_load(config)) as store:
         store.revoke(key_id)
-    finally:
-        store.close()
     console.print(f"revoked {key_id}", highlight=False)
 
 
@@ -177,18 +183,12 @@ def keys_list(config: Path | None = ConfigOption,
               tenant: str | None = typer.Option(None, "--tenant"),
               all_keys: bool = typer.Option(False, "--all", help="revoked keys too")) -> None:
     """List keys (never their secrets)."""
-    from ridgeline.platform.keys import KeyStore
-
-    cfg = _load(config)
-    store = KeyStore.from_config(_keys_config(cfg))
-    try:
+    with _key_store(_load(config)) as store:
         for k in store.list(tenant=tenant, include_revoked=all_keys):
             print(json.dumps({"key_id": k.key_id, "tenant": k.tenant, "user": k.user,
                               "admin": k.admin, "revoked": k.revoked,
                               "models": sorted(k.models) if k.models is not None else None,
                               "scopes": sorted(k.scopes)}))
-    finally:
-        store.close()
 
 
 def register(root: typer.Typer) -> None:

@@ -596,7 +596,7 @@ class PostgresDatabase(Database):
 
 
 def open_database(url: str | os.PathLike[str], *, data_dir: str | os.PathLike[str] = ".",
-                  pool_size: int = 10) -> Database:
+                  pool_size: int = 10, busy_timeout_s: float = 30.0) -> Database:
     """A database from a URL or path: `sqlite:///path` or a plain path (relative ones
     under `data_dir`), `:memory:` (private to this object), or `postgresql://...`
     (`pool_size` connections at most). A ConfigError says what to fix when the server is
@@ -604,7 +604,7 @@ def open_database(url: str | os.PathLike[str], *, data_dir: str | os.PathLike[st
     location = resolve_location(url, data_dir)
     if is_postgres_url(location):
         return PostgresDatabase(location, pool_size=pool_size)
-    return SQLiteDatabase(location)
+    return SQLiteDatabase(location, busy_timeout_s=busy_timeout_s)
 
 
 __all__ = ["Database", "Dialect", "PostgresDatabase", "SQLiteDatabase", "Transaction",

@@ -45,7 +45,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from ridgeline.errors import AuthenticationError, ConfigError, NotFoundError
-from ridgeline.platform.db import Transaction, database_location, open_database
+from ridgeline.platform.db import Database, Transaction, database_location, open_database
 from ridgeline.platform.limits import KeyLimits
 from ridgeline.platform.principal import Principal
 
@@ -129,10 +129,11 @@ class UsageRow:
 class KeyStoreConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field("ridgeline-platform.db", description="the key and usage database: a "
-                      "SQLite file (a path or sqlite:///path; ':memory:' for none) on one "
-                      "machine, or postgresql://user:password@host:5432/dbname shared by "
-                      "gateway replicas on many")
+    path: str | None = Field(None, description="a key and usage database of its own: a "
+                             "SQLite file (a path or sqlite:///path; ':memory:' for none) or "
+                             "postgresql://user:password@host:5432/dbname; unset: the "
+                             "platform's database (store.url). Deprecated in the platform "
+                             "config")
     admin_key: SecretStr | None = Field(None, description="the admin key (rk-<id>-<secret>); "
                                         f"else ${ADMIN_KEY_ENV}; else no admin key")
     admin_tenant: str = "admin"
@@ -142,8 +143,8 @@ class KeyStoreConfig(BaseModel):
 
     @field_validator("path")
     @classmethod
-    def _check_path(cls, value: str) -> str:
-        return database_location(value) or value
+    def _check_path(cls, value: str | None) -> str | None:
+        return database_location(value)
 
 
 _SCHEMA = """
@@ -196,13 +197,16 @@ class KeyStore:
     """Keys and usage in one database: a SQLite file (a path or `sqlite:///path`),
     `:memory:`, or `postgresql://...` (gateway replicas on many machines sharing it)."""
 
-    def __init__(self, path: str | Path = ":memory:", *, cache_ttl_s: float = 1.0,
+    def __init__(self, path: str | Path | Database = ":memory:", *, cache_ttl_s: float = 1.0,
                  usage_flush_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic, pool_size: int = 4) -> None:
-        self.path = str(path)
+        # an open Database is shared (the platform's one): its owner closes it
+        self._owns_db = not isinstance(path, Database)
+        self.db = path if isinstance(path, Database) else open_database(path,
+                                                                        pool_size=pool_size)
+        self.path = self.db.location if isinstance(path, Database) else str(path)
         self.cache_ttl_s = cache_ttl_s
         self._clock = clock
-        self.db = open_database(path, pool_size=pool_size)
         self.db.executescript(_SCHEMA)
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
         self._pending: dict[tuple[str, str, str, str], list[int]] = {}
@@ -213,8 +217,14 @@ class KeyStore:
         self._flusher.start()
 
     @classmethod
-    def from_config(cls, config: KeyStoreConfig) -> KeyStore:
-        store = cls(config.path, cache_ttl_s=config.cache_ttl_s,
+    def from_config(cls, config: KeyStoreConfig, db: Database | None = None) -> KeyStore:
+        """The store of `config`: in `config.path` when set, else in `db` (shared)."""
+        where: str | Database | None = config.path or db
+        if where is None:
+            raise ConfigError("the key store has no database: keys.path is not set",
+                              hint="on the platform keys live in store.url's database; "
+                                   "alone, set keys.path (a SQLite path or postgresql://...)")
+        store = cls(where, cache_ttl_s=config.cache_ttl_s,
                     usage_flush_s=config.usage_flush_s)
         admin = (config.admin_key.get_secret_value() if config.admin_key is not None
                  else os.environ.get(ADMIN_KEY_ENV))
@@ -397,7 +407,8 @@ class KeyStore:
         try:
             self.flush()
         finally:
-            self.db.close()
+            if self._owns_db:
+                self.db.close()
 
     def __enter__(self) -> KeyStore:
         return self

@@ -1,9 +1,10 @@
 """The durable job queue: at-least-once delivery with leases, heartbeats, attempts and a
 dead-letter state. Two backends behind one `JobQueue` protocol:
 
-- `SqliteJobQueue` (the embedded default): one table in a WAL-mode SQLite file. Leases are
-  taken inside `BEGIN IMMEDIATE`, so two threads or processes on the same file never lease
-  the same job.
+- `SQLJobQueue` (the default, `sql_queue.py`): two tables of a `db.Database`, on the
+  platform in its one database (`store.url`): SQLite on one machine (a lease is one
+  `BEGIN IMMEDIATE` transaction), PostgreSQL on many (`FOR UPDATE SKIP LOCKED`), so two
+  threads, processes or machines never lease the same job.
 - `RedisJobQueue` (scale-out): a stream per kind and fairness group read through one
   consumer group (XREADGROUP), expired leases taken over with XAUTOCLAIM, a hash per job
   holding its state, attempts and lease token, a sorted set of delayed jobs and a
@@ -31,19 +32,17 @@ import functools
 import importlib.resources
 import json
 import math
-import os
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ridgeline.errors import ConfigError
+from ridgeline.platform.db import Database, database_location
 
 STATES = ("queued", "leased", "done", "dead", "cancelled")
 
@@ -126,31 +125,51 @@ class JobQueue(Protocol):
 
 
 class QueueConfig(BaseModel):
-    """Where the queue lives. The default is a SQLite file next to the process; set
-    `backend: redis` and `url` to share one queue between machines."""
+    """Where the queue lives. The default, `sql`, is two tables of the platform's database
+    (`store.url`: SQLite or PostgreSQL); `backend: redis` and `url` put it on Redis."""
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["sqlite", "redis"] = "sqlite"
-    path: str = "platform-queue.db"        # sqlite file
+    backend: Literal["sql", "sqlite", "redis"] = Field("sql", description="sql: in the "
+                                                       "platform's database ('sqlite' is "
+                                                       "its old name); redis: on `url`")
+    path: str | None = Field(None, description="sql: a database of the queue's own (a SQLite "
+                             "path, sqlite:///path or postgresql://...) instead of the "
+                             "platform's; deprecated in the platform config")
     url: str = "redis://127.0.0.1:6379/0"  # redis
     stream_prefix: str = Field("ridgeline", min_length=1)
     lease_s: float = Field(60.0, gt=0, le=MAX_LEASE_S)
     max_attempts: int = Field(3, ge=1)
     poll_s: float = Field(0.05, gt=0, description="how often lease(wait_s=...) looks again")
-    busy_timeout_s: float = Field(30.0, gt=0, description="sqlite: wait this long for a "
-                                  "write lock held by another process before failing")
+    busy_timeout_s: float = Field(30.0, gt=0, description="sql on SQLite, with queue.path: "
+                                  "wait this long for another process's write lock")
 
 
-def open_queue(config: QueueConfig) -> JobQueue:
-    """The configured backend; `ConfigError` when it cannot be used (unknown backend,
-    missing directory, unreachable Redis)."""
-    if config.backend == "sqlite":
-        return SqliteJobQueue(config)
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        return database_location(value)
+
+
+def open_queue(config: QueueConfig, db: Database | None = None) -> JobQueue:
+    """The configured backend; for `sql`, in `db` (shared: its owner closes it) unless
+    `config.path` names a database of the queue's own. `ConfigError` when it cannot be
+    used (unknown backend, missing directory, unreachable Redis)."""
+    if config.backend in ("sql", "sqlite"):
+        from ridgeline.platform.sql_queue import SQLJobQueue   # it imports this module
+        return SQLJobQueue(config, None if config.path else db)
     if config.backend == "redis":
         return RedisJobQueue(config)
     raise ConfigError(f"unknown queue backend {config.backend!r}",
-                      hint="set queue.backend to 'sqlite' or 'redis'")
+                      hint="set queue.backend to 'sql' or 'redis'")
+
+
+def __getattr__(name: str) -> Any:
+    # the SQLite queue's old name: the SQL queue with a database of its own (queue.path)
+    if name in ("SqliteJobQueue", "SQLJobQueue"):
+        from ridgeline.platform.sql_queue import SQLJobQueue
+        return SQLJobQueue
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _group(group: str | None) -> str:
@@ -252,306 +271,6 @@ def _expired_error(worker: str | None, attempt: int, max_attempts: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# SQLite
-# ---------------------------------------------------------------------------------------
-
-# due_at is when the row next needs attention: for a queued job when it becomes ready
-# (now, or later when delayed), for a leased one when its lease expires. So "ready or
-# expired" is one range scan, oldest first, over a partial index of the live rows.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq          INTEGER PRIMARY KEY AUTOINCREMENT,
-    id           TEXT NOT NULL UNIQUE,
-    kind         TEXT NOT NULL,
-    payload      TEXT NOT NULL,
-    state        TEXT NOT NULL,
-    attempts     INTEGER NOT NULL DEFAULT 0,
-    max_attempts INTEGER NOT NULL,
-    due_at       REAL NOT NULL,
-    lease_token  TEXT,
-    worker       TEXT,
-    last_error   TEXT,
-    created_at   REAL NOT NULL,
-    updated_at   REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS jobs_live ON jobs (due_at, seq) WHERE state IN ('queued', 'leased');
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state);
-CREATE TABLE IF NOT EXISTS job_groups (
-    grp    TEXT PRIMARY KEY,
-    served INTEGER NOT NULL DEFAULT 0
-);
-"""
-
-# Added after the first release: a file made before them gains the columns on open.
-_COLUMNS = {"grp": "TEXT NOT NULL DEFAULT ''", "reconciled": "INTEGER NOT NULL DEFAULT 0"}
-
-# job_groups holds one row per group with live jobs; `served` orders them for the next
-# lease (the serial of the group's last lease; 0: never served, so a new group goes first).
-_SCHEMA_AFTER_COLUMNS = """
-CREATE INDEX IF NOT EXISTS jobs_fair ON jobs (grp, due_at, seq)
-    WHERE state IN ('queued', 'leased');
-CREATE INDEX IF NOT EXISTS jobs_dead_todo ON jobs (updated_at, seq)
-    WHERE state = 'dead' AND reconciled = 0;
-INSERT OR IGNORE INTO job_groups (grp)
-    SELECT DISTINCT grp FROM jobs WHERE state IN ('queued', 'leased');
-"""
-
-
-class SqliteJobQueue(_QueueBase):
-    """The queue in one SQLite file (WAL). Safe from many threads (a connection each) and
-    many processes on the same file; a lease is a `BEGIN IMMEDIATE` transaction."""
-
-    def __init__(self, config: QueueConfig) -> None:
-        super().__init__(config)
-        if config.path == ":memory:" or config.path.startswith("file:"):
-            raise ConfigError(f"queue.path must be a file path, got {config.path!r}",
-                              hint="the queue is shared between threads and processes "
-                              "through a file; use e.g. platform-queue.db")
-        path = Path(config.path).expanduser()
-        if not path.parent.is_dir():
-            raise ConfigError(f"queue.path {str(path)!r}: directory {str(path.parent)!r} "
-                              "does not exist", hint="create it or choose another path")
-        if path.is_dir():
-            raise ConfigError(f"queue.path {str(path)!r} is a directory",
-                              hint="name a file, e.g. platform-queue.db")
-        self.path = str(path)
-        self._local = threading.local()
-        self._conns: list[tuple[threading.Thread, sqlite3.Connection]] = []
-        self._conns_lock = threading.Lock()
-        try:
-            conn = self._conn()
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(_SCHEMA)
-            have = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
-            for name, decl in _COLUMNS.items():
-                if name not in have:
-                    conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
-            conn.executescript(_SCHEMA_AFTER_COLUMNS)
-        except sqlite3.DatabaseError as e:
-            self.close()
-            raise ConfigError(f"queue.path {self.path!r} is not a usable SQLite database: {e}",
-                              hint="point queue.path at a new file") from None
-
-    def _conn(self) -> sqlite3.Connection:
-        """This thread's connection (opened on first use; reopened after a fork)."""
-        self._check_open()
-        held = getattr(self._local, "conn", None)
-        if held is not None and held[0] == os.getpid():
-            return held[1]
-        conn = sqlite3.connect(self.path, timeout=self.config.busy_timeout_s,
-                               isolation_level=None, check_same_thread=False)
-        conn.row_factory = sqlite3.Row
-        # WAL + NORMAL: a commit survives a crash of the process (not of the OS); readers
-        # never block the writer.
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(f"PRAGMA busy_timeout={int(self.config.busy_timeout_s * 1000)}")
-        self._local.conn = (os.getpid(), conn)
-        with self._conns_lock:
-            # Connections of threads that have ended are closed here, not leaked.
-            alive = []
-            for thread, c in self._conns:
-                if thread.is_alive():
-                    alive.append((thread, c))
-                else:
-                    c.close()
-            alive.append((threading.current_thread(), conn))
-            self._conns = alive
-        return conn
-
-    def _write(self, fn: Any) -> Any:
-        """Run fn(conn) inside BEGIN IMMEDIATE: the write lock is taken up front, so what
-        fn reads cannot change before it writes."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(conn)
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-        return result
-
-    def enqueue(self, kind: str, payload: dict[str, Any], *, job_id: str | None = None,
-                max_attempts: int | None = None, delay_s: float = 0.0,
-                group: str | None = None) -> str:
-        self._check_kind(kind)
-        job_id = job_id or uuid.uuid4().hex
-        body = _dump_payload(payload)
-        attempts = self._max_attempts(max_attempts)
-        grp = _group(group)
-        now = time.time()
-
-        # one transaction: a lease never sees the job without its group's row (it would
-        # drop the row of a group with no live job)
-        def add(conn: sqlite3.Connection) -> None:
-            conn.execute(
-                "INSERT OR IGNORE INTO jobs (id, kind, payload, state, attempts, max_attempts,"
-                " due_at, created_at, updated_at, grp)"
-                " VALUES (?, ?, ?, 'queued', 0, ?, ?, ?, ?, ?)",
-                (job_id, kind, body, attempts, now + max(0.0, delay_s), now, now, grp))
-            conn.execute("INSERT OR IGNORE INTO job_groups (grp) VALUES (?)", (grp,))
-
-        self._write(add)
-        self._notify()
-        return job_id
-
-    def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
-        if kinds is not None and not kinds:
-            return None
-        where = "grp = ? AND state IN ('queued', 'leased') AND due_at <= ?"
-        if kinds is not None:
-            where += f" AND kind IN ({','.join('?' * len(kinds))})"
-        # INDEXED BY: walk the group's live rows in due order and stop at the first match
-        # (the planner would otherwise pick jobs_state and sort every queued row per lease).
-        select = (f"SELECT * FROM jobs INDEXED BY jobs_fair WHERE {where}"
-                  " ORDER BY due_at, seq LIMIT 1")
-        live = ("SELECT 1 FROM jobs INDEXED BY jobs_fair WHERE grp = ?"
-                " AND state IN ('queued', 'leased') LIMIT 1")
-
-        def ready(conn: sqlite3.Connection, now: float) -> sqlite3.Row | None:
-            """The next job of the least recently served group that has one ready."""
-            groups = [r[0] for r in conn.execute(
-                "SELECT grp FROM job_groups ORDER BY served, grp")]
-            for grp in groups:
-                row = conn.execute(select, (grp, now, *(kinds or ()))).fetchone()
-                if row is not None:
-                    conn.execute("UPDATE job_groups SET served = (SELECT MAX(served) + 1"
-                                 " FROM job_groups) WHERE grp = ?", (grp,))
-                    return row
-                if conn.execute(live, (grp,)).fetchone() is None:
-                    conn.execute("DELETE FROM job_groups WHERE grp = ?", (grp,))
-            return None
-
-        def take(conn: sqlite3.Connection) -> Job | None:
-            now = time.time()
-            while True:
-                row = ready(conn, now)
-                if row is None:
-                    return None
-                last_error = row["last_error"]
-                if row["state"] == "leased":  # its holder stopped heartbeating
-                    last_error = _expired_error(row["worker"], row["attempts"],
-                                                row["max_attempts"])
-                    if row["attempts"] >= row["max_attempts"]:
-                        conn.execute("UPDATE jobs SET state = 'dead', last_error = ?,"
-                                     " lease_token = NULL, updated_at = ? WHERE seq = ?",
-                                     (last_error, now, row["seq"]))
-                        continue
-                token = _new_token()
-                conn.execute(
-                    "UPDATE jobs SET state = 'leased', attempts = attempts + 1,"
-                    " lease_token = ?, worker = ?, due_at = ?, last_error = ?, updated_at = ?"
-                    " WHERE seq = ?",
-                    (token, worker, now + lease_s, last_error, now, row["seq"]))
-                return Job(id=row["id"], kind=row["kind"], payload=json.loads(row["payload"]),
-                           attempt=row["attempts"] + 1, max_attempts=row["max_attempts"],
-                           lease_token=token, last_error=last_error)
-
-        return self._write(take)
-
-    def heartbeat(self, job: Job, *, lease_s: float | None = None) -> bool:
-        seconds = self._lease_s(lease_s)
-        now = time.time()
-        cur = self._conn().execute(
-            "UPDATE jobs SET due_at = ?, updated_at = ?"
-            " WHERE id = ? AND lease_token = ? AND state = 'leased'",
-            (now + seconds, now, job.id, job.lease_token))
-        return cur.rowcount == 1
-
-    def ack(self, job: Job) -> bool:
-        cur = self._conn().execute(
-            "UPDATE jobs SET state = 'done', updated_at = ?"
-            " WHERE id = ? AND lease_token = ? AND state = 'leased'",
-            (time.time(), job.id, job.lease_token))
-        return cur.rowcount == 1
-
-    def fail(self, job: Job, error: str, *, retry_in_s: float = 0.0) -> str:
-        now = time.time()
-        rows = self._conn().execute(
-            "UPDATE jobs SET state = CASE WHEN attempts >= max_attempts THEN 'dead'"
-            " ELSE 'queued' END, due_at = ?, last_error = ?, lease_token = NULL,"
-            " updated_at = ? WHERE id = ? AND lease_token = ? AND state = 'leased'"
-            " RETURNING state",
-            (now + max(0.0, retry_in_s), str(error), now, job.id, job.lease_token)).fetchall()
-        if not rows:
-            return "lost"
-        state: str = rows[0][0]
-        if state == "queued":
-            self._notify()
-        return state
-
-    def cancel(self, job_id: str) -> bool:
-        cur = self._conn().execute(
-            "UPDATE jobs SET state = 'cancelled', updated_at = ?"
-            " WHERE id = ? AND state IN ('queued', 'leased')", (time.time(), job_id))
-        return cur.rowcount == 1
-
-    def depth(self) -> dict[str, int]:
-        counts = dict.fromkeys(STATES, 0)
-        for state, n in self._conn().execute(
-                "SELECT state, COUNT(*) FROM jobs GROUP BY state"):
-            counts[state] = n
-        return counts
-
-    def dead_letters(self, limit: int = 100, *,
-                     unreconciled: bool = False) -> list[dict[str, Any]]:
-        if unreconciled:
-            query = ("SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
-                     " INDEXED BY jobs_dead_todo WHERE state = 'dead' AND reconciled = 0"
-                     " ORDER BY updated_at, seq LIMIT ?")
-        else:
-            query = ("SELECT id, kind, payload, attempts, max_attempts, last_error FROM jobs"
-                     " WHERE state = 'dead' ORDER BY updated_at, seq LIMIT ?")
-        rows = self._conn().execute(query, (int(limit),))
-        return [{"id": r["id"], "kind": r["kind"], "payload": json.loads(r["payload"]),
-                 "attempts": r["attempts"], "max_attempts": r["max_attempts"],
-                 "last_error": r["last_error"]} for r in rows]
-
-    def mark_reconciled(self, job_ids: Sequence[str]) -> int:
-        ids = list(job_ids)
-        marked = 0
-        for i in range(0, len(ids), 500):  # under SQLite's bound-parameter limit
-            part = ids[i:i + 500]
-            cur = self._conn().execute(
-                f"UPDATE jobs SET reconciled = 1 WHERE state = 'dead' AND reconciled = 0"
-                f" AND id IN ({','.join('?' * len(part))})", part)
-            marked += cur.rowcount
-        return marked
-
-    def requeue_dead(self, job_id: str) -> bool:
-        now = time.time()
-
-        def requeue(conn: sqlite3.Connection) -> bool:
-            cur = conn.execute(
-                "UPDATE jobs SET state = 'queued', attempts = 0, due_at = ?, lease_token = NULL,"
-                " reconciled = 0, updated_at = ? WHERE id = ? AND state = 'dead'"
-                " RETURNING grp", (now, now, job_id)).fetchall()
-            if cur:
-                conn.execute("INSERT OR IGNORE INTO job_groups (grp) VALUES (?)", (cur[0][0],))
-            return bool(cur)
-
-        ok: bool = self._write(requeue)
-        if ok:
-            self._notify()
-        return ok
-
-    def info(self, job_id: str) -> dict[str, Any] | None:
-        row = self._conn().execute(
-            "SELECT id, kind, state, attempts, max_attempts, last_error, worker FROM jobs"
-            " WHERE id = ?", (job_id,)).fetchone()
-        return None if row is None else dict(row)
-
-    def close(self) -> None:
-        self._closed = True
-        self._notify()
-        with self._conns_lock:
-            for _, conn in self._conns:
-                conn.close()
-            self._conns = []
-        self._local = threading.local()
-
-
-# ---------------------------------------------------------------------------------------
 # Redis
 # ---------------------------------------------------------------------------------------
 
@@ -604,7 +323,7 @@ class RedisJobQueue(_QueueBase):
             self._redis.close()
             raise ConfigError(f"cannot reach Redis at {url}: {e}",
                               hint="start redis-server there, or set queue.url (or use "
-                              "queue.backend: sqlite on one machine)") from None
+                              "queue.backend: sql, in the platform database)") from None
         if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (6, 2):
             self._redis.close()
             raise ConfigError(f"Redis at {url} is version {version}; the queue needs 6.2 "

@@ -15,12 +15,10 @@ finished, a job the queue dead-lettered while its task still says in progress.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import threading
 import time
 from importlib import resources
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import Depends, FastAPI
@@ -42,8 +40,9 @@ from ridgeline.platform.rag import (
 )
 from ridgeline.platform.rag_api import rag_router
 from ridgeline.platform.replay import REPLAY_MODEL
-from ridgeline.platform.db import Transaction
-from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore, store_path
+from ridgeline.platform.db import Transaction, open_database
+from ridgeline.platform.legacy import LEGACY_FILES, adopt_legacy_files
+from ridgeline.platform.store import TaskRecord, TaskStatus, TaskStore
 from ridgeline.platform.task_service import AGENT_TASK, enqueue
 from ridgeline.platform.tasks_api import AgentTaskRequest, tasks_router
 from ridgeline.platform.openapi_tools import load_openapi_tools
@@ -63,7 +62,7 @@ ORPHAN_AFTER_S = 30.0
 #: How often `maintenance` looks for terminal tasks without their webhook delivery.
 WEBHOOK_REPAIR_EVERY_S = 3600.0
 #: The outbox's own SQLite file in data_dir before it moved into the store's database.
-LEGACY_OUTBOX = "webhooks.db"
+LEGACY_OUTBOX = LEGACY_FILES["webhooks"]
 #: Dead jobs reconciled per query in `maintenance` (all of them are, a page at a time).
 DEAD_LETTER_PAGE = 1000
 #: The dashboard shows text tenants and models wrote: it may run only its own same-origin
@@ -90,16 +89,26 @@ class Platform:
                  env_factory: EnvFactory | None = None) -> None:
         self.config = config
         config.prepare()
-        self.store = TaskStore(store_path(config.store.url, config.data_dir))
-        self.queue = open_queue(config.queue.model_copy(
-            update={"path": config.path(config.queue.path)}))
-        self.keys = KeyStore.from_config(config.keys.model_copy(
-            update={"path": store_path(config.keys.path, config.data_dir)}))
+        # one database for the store, the outbox and (unless a deprecated setting gives
+        # them one of their own) the queue, the keys and the tool results
+        self.db = open_database(config.database(), pool_size=config.store.pool_size)
+        self.store = TaskStore(self.db)
         # the outbox is a table of the store's database: a task's webhook is written in
         # the transaction that writes its final status, so neither exists without the other
-        self.outbox = WebhookOutbox(self.store.db, config.webhooks)
+        self.outbox = WebhookOutbox(self.db, config.webhooks)
         self.store.on_terminal(self._queue_webhook, self.outbox.notify)
-        self._adopt_legacy_outbox()
+        separate = {c: config.separate_database(c) for c in ("queue", "keys", "tools")}
+        adopt = ["webhooks"] + [c for c, own in separate.items() if own is None
+                                and not (c == "queue" and config.queue.backend == "redis")]
+        try:   # before the keys open: the config's admin key then replaces an adopted one
+            adopt_legacy_files(self.db, config.data_dir, adopt)
+            self.queue = open_queue(config.queue.model_copy(
+                update={"path": separate["queue"]}), db=self.db)
+        except BaseException:
+            self.db.close()
+            raise
+        self.keys = KeyStore.from_config(config.keys.model_copy(
+            update={"path": separate["keys"]}), db=self.db)
         # a graph's nodes are admitted under its key like requests (rpm, live nodes)
         self.graphs = GraphRunner(self.store, self.queue, enqueue, on_finish=self.task_finished,
                                   admit=lambda who, live: self.gateway.admit_task(who, live))
@@ -108,7 +117,7 @@ class Platform:
         self.model_factory = model_factory
         self.metrics = CollectorRegistry()
         self.tools = ToolRegistry(self.metrics, idempotency_store=SQLIdempotencyStore(
-            store_path(config.tools_url or config.tools_path, config.data_dir)))
+            separate["tools"] or self.db))
         self._register_tools()
         self.env_factory = env_factory or self.task_environment
         self._queue_depth = Gauge("ridgeline_queue_depth", "jobs by state",
@@ -230,24 +239,6 @@ class Platform:
             self.outbox.insert(tx, delivery)  # a database error rolls the status back too
         except ConflictError as e:            # another request under the task's key
             self.store.append_event_in(tx, task.id, "webhook.refused", {"error": str(e)[:500]})
-
-    def _adopt_legacy_outbox(self) -> None:
-        """Deliveries still pending in a `webhooks.db` of an older version (the outbox
-        had its own file then) move into the store's table once; the file is renamed."""
-        legacy = Path(self.config.data_dir) / LEGACY_OUTBOX
-        if not legacy.is_file():
-            return
-        # the API and its workers start together: one moves the rows, under a lock. The
-        # file is opened where it is (SQLite replays its WAL there) and renamed after.
-        with open(legacy.with_name(LEGACY_OUTBOX + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not legacy.is_file():
-                return
-            with WebhookOutbox(legacy, self.config.webhooks) as old:
-                rows = old.export_pending()
-            moved = self.outbox.adopt(rows)
-            legacy.rename(legacy.with_name(LEGACY_OUTBOX + ".moved"))
-        log.info("moved %d pending webhook deliveries from %s into the store", moved, legacy)
 
     def task_finished(self, task: TaskRecord) -> None:
         """A task reached a terminal state (its webhook was written with it): if it is a
@@ -383,7 +374,11 @@ class Platform:
             self._rag = None
         self.outbox.close()
         self.queue.close()
+        close_tools = getattr(self.tools.idempotency_store, "close", None)
+        if close_tools is not None:
+            close_tools()
         self.store.close()
+        self.db.close()
 
     # -- HTTP --------------------------------------------------------------------------
     def app(self, *, background: bool = True) -> FastAPI:

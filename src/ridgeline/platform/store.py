@@ -3,9 +3,9 @@
 One database (`platform.db`): a SQLite file in WAL mode by default (many threads and
 processes on one machine; readers never block the writer), or PostgreSQL when API servers
 and workers run on many machines (`store.url: postgresql://...`). The queue
-(`platform.queue`) only says *who works on what now*; this store says *what a task is,
-what happened to it and where to resume it*, so a queue redelivery or a new worker can
-always continue from the last checkpoint.
+(`platform.queue`, by default in this same database) only says *who works on what now*;
+this store says *what a task is, what happened to it and where to resume it*, so a queue
+redelivery or a new worker can always continue from the last checkpoint.
 
 Writes that must agree happen in one transaction: an event gets the next sequence number
 of its task (`Last-Event-ID` resumes a stream exactly), a status change is conditional on
@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ridgeline.errors import ConfigError, ConflictError, NotFoundError
-from ridgeline.platform.db import Transaction, mask_url, open_database, resolve_location
+from ridgeline.platform.db import (
+    Database, Transaction, mask_url, open_database, resolve_location,
+)
 from ridgeline.platform.principal import Principal, key_reader, user_reader
 
 #: what a task list shows of a request (the whole request is on the single-task route)
@@ -193,10 +195,13 @@ class TaskStore:
     file (a plain path or `sqlite:///path`), `:memory:`, or `postgresql://...`. Safe from
     many threads and, but for `:memory:`, many processes; on PostgreSQL, many machines."""
 
-    def __init__(self, path: str | Path, *, data_dir: str | os.PathLike[str] = ".",
-                 pool_size: int = 10) -> None:
-        self.path = str(path)
-        self.db = open_database(path, data_dir=data_dir, pool_size=pool_size)
+    def __init__(self, path: str | Path | Database, *,
+                 data_dir: str | os.PathLike[str] = ".", pool_size: int = 10) -> None:
+        # an open Database is shared (the platform's one): its owner closes it
+        self._owns_db = not isinstance(path, Database)
+        self.db = path if isinstance(path, Database) else open_database(
+            path, data_dir=data_dir, pool_size=pool_size)
+        self.path = self.db.location if isinstance(path, Database) else str(path)
         self._changed = threading.Condition()  # in-process wake-up for event streams
         self._terminal_hooks: list[Callable[[Transaction, TaskRecord], None]] = []
         self._after_terminal: list[Callable[[], None]] = []
@@ -218,7 +223,8 @@ class TaskStore:
             callback()
 
     def close(self) -> None:
-        self.db.close()
+        if self._owns_db:
+            self.db.close()
 
     # -- tasks ---------------------------------------------------------------------------
     def create_task(self, principal: Principal, request: dict[str, Any], *, kind: str = "agent",

@@ -70,7 +70,9 @@ from ridgeline.agent.observation import truncate_middle
 from ridgeline.errors import (
     ConfigError, ConflictError, NotFoundError, PermissionDeniedError, RidgelineError,
 )
-from ridgeline.platform.db import Transaction, is_postgres_url, open_database, resolve_location
+from ridgeline.platform.db import (
+    Database, Transaction, is_postgres_url, open_database, resolve_location,
+)
 from ridgeline.platform.principal import Principal
 
 log = logging.getLogger(__name__)
@@ -637,16 +639,21 @@ class SQLIdempotencyStore:
 
     _PURGE_EVERY = 256
 
-    def __init__(self, path: str | Path, *, ttl_s: float | None = 7 * 24 * 3600.0,
+    def __init__(self, path: str | Path | Database, *, ttl_s: float | None = 7 * 24 * 3600.0,
                  pool_size: int = 4) -> None:
-        self.path = str(path)
         self.ttl_s = ttl_s
-        location = resolve_location(path)
-        if not is_postgres_url(location) and location != ":memory:":
-            Path(location).parent.mkdir(parents=True, exist_ok=True)
         self._puts = itertools.count(1)   # next() is atomic under the GIL
-        self.db = open_database(location, pool_size=pool_size)
-        self.db.executescript(_IDEMPOTENCY_SCHEMA)
+        # an open Database is shared (the platform's one): its owner closes it
+        self._owns_db = not isinstance(path, Database)
+        if isinstance(path, Database):
+            self.db, self.path = path, path.location
+        else:
+            self.path = str(path)
+            location = resolve_location(path)
+            if not is_postgres_url(location) and location != ":memory:":
+                Path(location).parent.mkdir(parents=True, exist_ok=True)
+            self.db = open_database(location, pool_size=pool_size)
+        self.db.executescript(IDEMPOTENCY_SCHEMA)
 
     def get(self, key: str) -> IdempotencyRecord | None:
         row = self.db.fetchone("SELECT record, created_at FROM tool_idempotency "
@@ -677,13 +684,14 @@ class SQLIdempotencyStore:
         self.db.run(store)
 
     def close(self) -> None:
-        self.db.close()
+        if self._owns_db:
+            self.db.close()
 
 
 #: The name from when the store was SQLite only.
 SQLiteIdempotencyStore = SQLIdempotencyStore
 
-_IDEMPOTENCY_SCHEMA = """
+IDEMPOTENCY_SCHEMA = """
 CREATE TABLE IF NOT EXISTS tool_idempotency (
     key TEXT PRIMARY KEY,
     record TEXT NOT NULL,

@@ -22,6 +22,7 @@ import pytest
 from test_server import HELLO, engine_for, error_of, llama, make_tokenizer, sse_events
 
 from ridgeline.serve import app as serve_app
+from ridgeline.serve import completions as serve_completions
 from ridgeline.serve.app import ServerThread, create_app
 from ridgeline.serve.protocol import (
     ChatCompletionRequest, CompletionRequest, ServerLimits, parse_request,
@@ -315,7 +316,7 @@ def fail(*_: Any, **__: Any) -> Any:
 
 
 def break_handler(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
-    monkeypatch.setattr(serve_app, "_max_tokens", fail)
+    monkeypatch.setattr(serve_completions, "_max_tokens", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2}
 
 
@@ -327,7 +328,7 @@ def break_engine_request(monkeypatch: pytest.MonkeyPatch, server: ServerThread) 
 
 
 def break_stream(monkeypatch: pytest.MonkeyPatch, server: ServerThread) -> dict[str, Any]:
-    monkeypatch.setattr(serve_app, "_delta_logprobs", fail)
+    monkeypatch.setattr(serve_completions, "_delta_logprobs", fail)
     return {"model": "tiny", "messages": HELLO, "max_tokens": 2, "logprobs": True,
             "stream": True}
 

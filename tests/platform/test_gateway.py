@@ -606,7 +606,7 @@ def wait_for(condition: Any, timeout: float = 10.0) -> bool:
 def test_sse_relay_cuts_events_wherever_the_bytes_split() -> None:
     """Upstream chunks may split an event anywhere (and use CRLF): the relay passes every
     event through whole, once, keeps the usage and drops only the usage-only chunk."""
-    from ridgeline.platform.gateway import _SSERelay
+    from ridgeline.platform.gateway_streaming import _SSERelay
 
     content = {"choices": [{"index": 0, "delta": {"content": "hi \u00e9"}}], "usage": None}
     usage_only = {"choices": [], "usage": USAGE}

@@ -28,13 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ridgeline.config import load_config
 from ridgeline.errors import NotFoundError
 from ridgeline.platform.db import database_location, is_postgres_url, resolve_location
-from ridgeline.platform.gateway import GatewayConfig
+from ridgeline.platform.gateway_config import GatewayConfig
 from ridgeline.platform.keys import KeyStoreConfig
 from ridgeline.platform.legacy import LEGACY_FILES
 from ridgeline.platform.queue import QueueConfig
 from ridgeline.platform.rag import RagConfig
 from ridgeline.platform.store import store_path
-from ridgeline.platform.webhooks import WebhookConfig
+from ridgeline.platform.webhook_outbox import WebhookConfig
 from ridgeline.platform.worker import WorkerConfig
 
 #: The component each deprecated setting gave a database of its own, and what it holds.

@@ -109,7 +109,7 @@ def copy_queue(old: Database, new: Database) -> int:
 
 def copy_webhooks(old: Database, new: Database) -> int:
     """Deliveries not yet delivered (same ids: a receiver deduplicates one sent twice)."""
-    from ridgeline.platform.webhooks import WebhookOutbox
+    from ridgeline.platform.webhook_outbox import WebhookOutbox
     return WebhookOutbox(new).adopt(WebhookOutbox(old).export_pending())
 
 

@@ -30,7 +30,8 @@ from ridgeline.agent.environment import ToolEnvironment
 from ridgeline.errors import ConflictError, NotFoundError, PermissionDeniedError, RidgelineError
 from ridgeline.platform.config import PlatformConfig
 from ridgeline.platform.dag import GraphRunner
-from ridgeline.platform.gateway import Gateway, gateway_router
+from ridgeline.platform.gateway import gateway_router
+from ridgeline.platform.gateway_forwarding import Gateway
 from ridgeline.platform.http import install_docs, install_error_handlers, principal_dependency
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.principal import Principal
@@ -49,9 +50,10 @@ from ridgeline.platform.openapi_tools import load_openapi_tools
 from ridgeline.platform.tool_env import PlatformToolEnvironment
 from ridgeline.platform.tools import SQLIdempotencyStore, ToolCallContext, ToolRegistry
 from ridgeline.platform.urls import check_outbound_url
-from ridgeline.platform.webhooks import (
-    WebhookDispatcher, WebhookOutbox, new_secret, task_webhook_data,
-)
+from ridgeline.platform.webhook_dispatcher import WebhookDispatcher
+from ridgeline.platform.webhook_outbox import WebhookOutbox
+from ridgeline.platform.webhook_signing import new_secret
+from ridgeline.platform.webhooks import task_webhook_data
 from ridgeline.wire import RequestError
 from ridgeline.platform.worker import AgentWorker, EnvFactory, ModelFactory, sandbox_workbench
 

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import random
 import tarfile
 
 from ridgeline.tasks.families.base import Instance, family
+from ridgeline.tasks.families.catalog.checks import sha256, tree_unchanged_test
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
 
 
-def _sha(content: str | bytes) -> str:
-    return hashlib.sha256(content.encode() if isinstance(content, str) else content).hexdigest()
 
 
 def _line(rng: random.Random) -> str:
@@ -82,7 +80,7 @@ def pack_directory(rng: random.Random) -> Instance:
             files[f"{d}/{rng.choice(NOUNS)}{exclude}"] = "scratch\n"
     archive = rng.choice((f"{top}.tar.gz", f"{top}-backup.tar.gz", "backup.tar.gz",
                           f"{top}-{rng.randint(2020, 2025)}.tgz"))
-    wanted = {p: _sha(c) for p, c in files.items() if not (exclude and p.endswith(exclude))}
+    wanted = {p: sha256(c) for p, c in files.items() if not (exclude and p.endswith(exclude))}
     leave_out = (f" Leave out every file whose name ends in `{exclude}`; everything else "
                  f"must be in it." if exclude else "")
     instruction = rng.choice((
@@ -96,7 +94,7 @@ def pack_directory(rng: random.Random) -> Instance:
         f"compression), with member names relative to /app such as `{min(wanted)}`."
         f"{leave_out}",
     ))
-    originals = {p: _sha(c) for p, c in files.items()}
+    originals = {p: sha256(c) for p, c in files.items()}
     tests = f'''"""pack-directory: {top} into {archive}{f' without *{exclude}' if exclude else ''}."""
 import hashlib
 import os
@@ -120,14 +118,7 @@ def test_members_and_contents():
     assert found == WANTED
 
 
-def test_directory_untouched():
-    found = {{}}
-    for dirpath, _dirs, names in os.walk("/app/{top}"):
-        for n in names:
-            p = Path(dirpath) / n
-            found[str(p.relative_to("/app"))] = hashlib.sha256(p.read_bytes()).hexdigest()
-    assert found == ORIGINALS
-'''
+{tree_unchanged_test("test_directory_untouched", top)}'''
     flag = f"--exclude='*{exclude}' " if exclude else ""
     return Instance(instruction, files, f"tar {flag}-czf {archive} {top}\n", tests,
                     difficulty="medium" if exclude else "easy", tags=("archives", "tar"))
@@ -165,7 +156,7 @@ from pathlib import Path
 
 def test_member_extracted():
     data = Path("/app/{out}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == {_sha(files[member])!r}
+    assert hashlib.sha256(data).hexdigest() == {sha256(files[member])!r}
 
 
 def test_nothing_else_unpacked():
@@ -176,7 +167,7 @@ def test_nothing_else_unpacked():
 
 def test_archive_unchanged():
     data = Path("/app/{archive}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == {_sha(blob)!r}
+    assert hashlib.sha256(data).hexdigest() == {sha256(blob)!r}
 '''
     mkdir = f"mkdir -p {out.rsplit('/', 1)[0]}\n" if "/" in out else ""
     solution = mkdir + f"tar -xzOf {archive} {member} > {out}\n"
@@ -225,7 +216,7 @@ def test_not_unpacked():
 
 def test_archive_unchanged():
     data = Path("/app/{archive}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == {_sha(blob)!r}
+    assert hashlib.sha256(data).hexdigest() == {sha256(blob)!r}
 '''
     solution = f"tar -tzf {archive} | grep -v '/$' > {out}\n"
     return Instance(instruction, {archive: blob}, solution, tests,

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import shlex
 
 from ridgeline.tasks.families.base import Instance, family
+from ridgeline.tasks.families.catalog.checks import sha256, tree_unchanged_test
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
 
 
-def _sha(content: str) -> str:
-    return hashlib.sha256(content.encode()).hexdigest()
 
 
 def _text(rng: random.Random, lines: int, width: tuple[int, int] = (2, 8)) -> str:
@@ -54,7 +52,7 @@ def sort_files_by_extension(rng: random.Random) -> Instance:
         if name not in names:
             names[name] = _content_for(rng, ext)
     files = {f"{src}/{n}": c for n, c in names.items()}
-    expected = {f"{dest}/{n.rsplit('.', 1)[1]}/{n}": _sha(c) for n, c in names.items()}
+    expected = {f"{dest}/{n.rsplit('.', 1)[1]}/{n}": sha256(c) for n, c in names.items()}
     example = next(iter(sorted(names)))
     ex_dest = f"/app/{dest}/{example.rsplit('.', 1)[1]}/{example}"
     instruction = rng.choice((
@@ -206,7 +204,7 @@ def copy_largest_file(rng: random.Random) -> Instance:
         f"Copy the biggest file of the directory tree /app/{top} {where}. Size means the "
         f"number of bytes; leave /app/{top} as it is.",
     ))
-    expected = {p: _sha(c) for p, c in files.items()}
+    expected = {p: sha256(c) for p, c in files.items()}
     tests = f'''"""copy-largest-file: {big} copied to {out}."""
 import hashlib
 import os
@@ -217,17 +215,10 @@ ORIGINALS = {expected!r}
 
 def test_largest_copied():
     data = Path("/app/{out}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == {_sha(files[big])!r}
+    assert hashlib.sha256(data).hexdigest() == {sha256(files[big])!r}
 
 
-def test_tree_untouched():
-    found = {{}}
-    for dirpath, _dirs, names in os.walk("/app/{top}"):
-        for n in names:
-            p = Path(dirpath) / n
-            found[str(p.relative_to("/app"))] = hashlib.sha256(p.read_bytes()).hexdigest()
-    assert found == ORIGINALS
-'''
+{tree_unchanged_test("test_tree_untouched", top)}'''
     solution = (f"f=$(find {top} -type f -printf '%s %p\\n' | sort -n | tail -n 1 "
                 f"| cut -d' ' -f2-)\n" + solution_cp)
     return Instance(instruction, files, solution, tests, tags=("files", "find", "size"))
@@ -274,7 +265,7 @@ def remove_duplicate_files(rng: random.Random) -> Instance:
         f"the redundant copies so that each distinct content is left exactly once, in "
         f"the file with the alphabetically smallest name of its group.",
     ))
-    kept = {n: _sha(files[n]) for n in keep}
+    kept = {n: sha256(files[n]) for n in keep}
     tests = f'''"""remove-duplicate-files: {len(files) - len(keep)} duplicates removed from {top}."""
 import hashlib
 from pathlib import Path

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 from ridgeline.tasks.families.base import Instance, family
+from ridgeline.tasks.families.catalog.checks import sha256
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
 
 
-def _sha(content: str) -> str:
-    return hashlib.sha256(content.encode()).hexdigest()
 
 
 def _line(rng: random.Random) -> str:
@@ -72,7 +70,7 @@ import stat
 from pathlib import Path
 
 EXPECTED = {{k: int(v, 8) for k, v in {({p: oct(m) for p, m in expected.items()})!r}.items()}}
-CONTENTS = {({p: _sha(c) for p, c in files.items()})!r}
+CONTENTS = {({p: sha256(c) for p, c in files.items()})!r}
 SCRIPTS = {sorted(scripts)!r}
 ''' + _MODES_TEST + '''
 
@@ -128,7 +126,7 @@ import stat
 from pathlib import Path
 
 EXPECTED = {{k: int(v, 8) for k, v in {({p: oct(m) for p, m in expected.items()})!r}.items()}}
-CONTENTS = {({p: _sha(c) for p, c in files.items()})!r}
+CONTENTS = {({p: sha256(c) for p, c in files.items()})!r}
 ''' + _MODES_TEST + '''
 
 def test_modes():
@@ -176,7 +174,7 @@ import stat
 from pathlib import Path
 
 EXPECTED = {{k: int(v, 8) for k, v in {({p: oct(m) for p, m in expected.items()})!r}.items()}}
-CONTENTS = {({p: _sha(c) for p, c in files.items()})!r}
+CONTENTS = {({p: sha256(c) for p, c in files.items()})!r}
 LISTED = {sorted(f"/app/{p}" for p in bad)!r}
 ''' + _MODES_TEST + f'''
 

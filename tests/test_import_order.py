@@ -22,22 +22,31 @@ LAYERS = [{"errors", "cpu"}, {"config"}, {"wire", "chat_format"}, {"sandbox", "e
 LAYER = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 
-def imported_subsystems(path: Path) -> list[tuple[str, int]]:
-    """`(subsystem, line)` for every absolute `ridgeline.<subsystem>` import in a file."""
+def imported_modules(path: Path) -> list[tuple[str, int]]:
+    """`(dotted name, line)` for every absolute import in a file, lazy ones included;
+    `from pkg import name` counts as `pkg.name` for `ridgeline` and `ridgeline.engine`
+    (whose names may be modules)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
-            if node.module == "ridgeline":  # from ridgeline import engine
-                names = [f"ridgeline.{a.name}" for a in node.names]
+            if node.module in ("ridgeline", "ridgeline.engine"):  # from ridgeline import engine
+                names = [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
             continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "ridgeline" and len(parts) > 1 and parts[1] in LAYER:
-                found.append((parts[1], node.lineno))
+        found += [(name, node.lineno) for name in names]
+    return found
+
+
+def imported_subsystems(path: Path) -> list[tuple[str, int]]:
+    """`(subsystem, line)` for every absolute `ridgeline.<subsystem>` import in a file."""
+    found = []
+    for name, line in imported_modules(path):
+        parts = name.split(".")
+        if parts[0] == "ridgeline" and len(parts) > 1 and parts[1] in LAYER:
+            found.append((parts[1], line))
     return found
 
 
@@ -111,21 +120,12 @@ def test_engine_packages_import_only_those_below_them() -> None:
     wrong = []
     for path in engine.rglob("*.py"):
         owner = path.relative_to(engine).parts[0].removesuffix(".py")
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-                if node.module == "ridgeline.engine":
-                    names = [f"ridgeline.engine.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
+        for name, line in imported_modules(path):
+            target = engine_part(name)
+            if target is None or target == owner:
                 continue
-            for name in names:
-                target = engine_part(name)
-                if target is None or target == owner:
-                    continue
-                if target not in ENGINE_LAYER:  # `from ridgeline.engine import LLM`
-                    target = "__init__"
-                if ENGINE_LAYER[target] > ENGINE_LAYER[owner]:
-                    wrong.append(f"engine/{path.relative_to(engine)}:{node.lineno} imports {name}")
+            if target not in ENGINE_LAYER:  # `from ridgeline.engine import LLM`
+                target = "__init__"
+            if ENGINE_LAYER[target] > ENGINE_LAYER[owner]:
+                wrong.append(f"engine/{path.relative_to(engine)}:{line} imports {name}")
     assert not wrong, "\n".join(wrong)

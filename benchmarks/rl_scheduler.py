@@ -28,7 +28,8 @@ from typing import Any
 from bench_common import machine
 
 from ridgeline.rl.curriculum import CurriculumConfig
-from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.filters import EpisodeOutcome
+from ridgeline.rl.protocols import AdaptiveTaskSource
 from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
 
@@ -46,7 +47,7 @@ class SimTask:
 @dataclass
 class SimGroup:
     task: SimTask
-    records: list[EpisodeRecord] = field(default_factory=list)
+    outcomes: list[EpisodeOutcome] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -80,9 +81,10 @@ def drive(sampler: Any, slots: int, seconds: float, seed: int) -> dict[str, Any]
             stop.wait(t)
             took = time.perf_counter() - t0
             verdict = "infra_error" if failed else "passed"
-            g = SimGroup(task, [EpisodeRecord(verdict=verdict, reward=None if failed else 1.0,
+            g = SimGroup(task, [EpisodeOutcome(verdict=verdict, reward=None if failed else 1.0,
                                               detail="agent_timeout" if failed else "")], took)
-            sampler.finished(draw, g)
+            if isinstance(sampler, AdaptiveTaskSource):  # the FIFO sampler has no feedback
+                sampler.finished(draw, g)
             sampler.done(draw)
             if not failed and not stop.is_set():
                 with lock:

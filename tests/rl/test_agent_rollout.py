@@ -19,7 +19,7 @@ from ridgeline.llm.base import Completion, Message, Sampling
 from ridgeline.llm.chat_template import continuation_ids, encode_chat
 from ridgeline.llm.engine_client import EngineClient
 from ridgeline.rl.agent_rollout import AgentRollout
-from ridgeline.rl.filters import EpisodeRecord, FilterConfig, filter_episode
+from ridgeline.rl.filters import EpisodeOutcome, FilterConfig, filter_episode
 from ridgeline.rl.losses import policy_loss
 from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.token_chat import HISTORY_REWRITTEN, TokenChat
@@ -124,7 +124,6 @@ def test_graded_by_the_task_tests_and_kept_for_training(episodes):
     for record, ep in results:
         assert ep.verdict.status.value in ("passed", "failed"), ep.verdict.detail  # graded
         assert record.reward == ep.verdict.reward
-        assert record.sample.reward == record.reward
         assert record.exit_status == "step_limit"
         assert filter_episode(record).reason == "step_limit"  # a limit: masked by default,
         assert filter_episode(record, FilterConfig(limit_policy="score")).mask  # or scored
@@ -178,7 +177,7 @@ def test_a_rewritten_history_is_answered_but_not_trained_on(tiny, tok):
     assert again.token_ids                                   # still answered
     ep, why = chat.sample()
     assert why == HISTORY_REWRITTEN
-    rec = filter_episode(EpisodeRecord(verdict="passed", reward=1.0, sample=ep, unusable=why))
+    rec = filter_episode(EpisodeOutcome(verdict="passed", reward=1.0, sample=ep, unusable=why))
     assert not rec.mask and rec.reason == HISTORY_REWRITTEN and rec.reward is None
 
 
@@ -298,11 +297,12 @@ def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
                            filters=FilterConfig(limit_policy="score")))
     groups = [rollout(hello_task(), [10 + i for i in range(4)]) for _ in range(2)]
     metrics = loop.train_step(groups)
-    records = [r for g in groups for r in g.records]
+    records = [r for g in groups for r in g.outcomes]
     unhealthy = [r for r in records if not r.healthy]
     assert len(unhealthy) == len(broken) >= 2                # the fault really hit
     assert all(r.verdict == "infra_error" and r.reward is None for r in unhealthy)
     assert metrics["masked/unhealthy_sandbox"] == len(unhealthy)
-    assert trained and all(ep.reward is not None for ep in trained)
+    reward = {id(r.sample): r.reward for r in records}
+    assert trained and all(reward[id(ep)] is not None for ep in trained)
     bad = {id(r.sample) for r in unhealthy}
     assert not any(id(ep) in bad for ep in trained)         # none reached the gradient

@@ -10,7 +10,7 @@ import torch
 
 from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor, cosine
 from ridgeline.rl.digits import tiny_policy
-from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.filters import EpisodeOutcome
 from ridgeline.rl.loop import AsyncRLLoop, LoopConfig
 from ridgeline.rl.rollouts import EpisodeGroup
 from ridgeline.rl.scheduler import DomainScheduler, SchedulerConfig
@@ -32,7 +32,7 @@ class Weights:
 
 
 def episode(trainer: PolicyTrainer, prompt: list[int], completion: list[int]) -> TokenEpisode:
-    ep = TokenEpisode.start(prompt, group="g")
+    ep = TokenEpisode.start(prompt)
     ep.add_completion(completion, [0.0] * len(completion), [trainer.version] * len(completion))
     with torch.no_grad():   # behaviour = current policy: ratio 1, nothing clipped
         lp, _ = trainer.logprobs(TokenBatch.of([ep], [0.0]))
@@ -45,10 +45,9 @@ def group(trainer: PolicyTrainer, task: Task, prompt: list[int],
     records = []
     for completion, reward in outcomes:
         ep = episode(trainer, prompt, completion)
-        ep.reward = reward
-        records.append(EpisodeRecord(verdict="passed" if reward else "failed", reward=reward,
+        records.append(EpisodeOutcome(verdict="passed" if reward else "failed", reward=reward,
                                      sample=ep))
-    return EpisodeGroup(task, [r.sample for r in records], records)
+    return EpisodeGroup(task, records)
 
 
 def test_opposite_objectives_are_flagged_and_the_more_solved_domain_reweighted():

@@ -15,15 +15,15 @@ from pydantic import ValidationError
 from ridgeline.agent.trajectory import ExitStatus
 from ridgeline.rl.buffer import RolloutBuffer
 from ridgeline.rl.filters import (
-    EXIT_STATUSES, LIMIT_EXITS, VERDICTS, EpisodeRecord, FilterConfig, FilterStats,
+    EXIT_STATUSES, LIMIT_EXITS, VERDICTS, EpisodeOutcome, FilterConfig, FilterStats,
     filter_batch, filter_episode, filter_group,
 )
 from ridgeline.tasks.verifier import Verdict, VerdictStatus
 
 
 def ep(reward: float | None = 1.0, verdict: str = "passed", exit_status: str = "finished",
-       healthy: bool = True, sample: object = None) -> EpisodeRecord:
-    return EpisodeRecord(verdict=verdict, reward=reward, exit_status=exit_status,
+       healthy: bool = True, sample: object = None) -> EpisodeOutcome:
+    return EpisodeOutcome(verdict=verdict, reward=reward, exit_status=exit_status,
                          healthy=healthy, sample=sample)
 
 
@@ -37,16 +37,16 @@ def test_every_verdict_status_and_exit_status_is_known() -> None:
 
 
 def test_from_verdict_maps_statuses_rewards_and_the_health_probe() -> None:
-    r = EpisodeRecord.from_verdict(Verdict(VerdictStatus.PASSED, reward=1.0),
+    r = EpisodeOutcome.from_verdict(Verdict(VerdictStatus.PASSED, reward=1.0),
                                    ExitStatus.FINISHED, sample="s")
     assert (r.verdict, r.reward, r.exit_status, r.healthy, r.sample) == (
         "passed", 1.0, "finished", True, "s")
     probe = Verdict(VerdictStatus.INFRA_ERROR, reason="health_failed")
-    r = EpisodeRecord.from_verdict(probe.to_dict(), ExitStatus.STEP_LIMIT)
+    r = EpisodeOutcome.from_verdict(probe.to_dict(), ExitStatus.STEP_LIMIT)
     assert (r.verdict, r.reward, r.healthy, r.detail) == ("infra_error", None, False,
                                                           "health_failed")
     assert filter_episode(r).reason == "unhealthy_sandbox"
-    none = EpisodeRecord.from_verdict(None, "finished")
+    none = EpisodeOutcome.from_verdict(None, "finished")
     assert filter_episode(none).reason == "infra_error" and none.detail == "no_verdict"
 
 
@@ -61,9 +61,9 @@ def test_from_trajectory_reads_result_and_verdict() -> None:
         verdict: dict | None
 
     v = Verdict(VerdictStatus.FAILED, reward=0.0).to_dict()
-    r = EpisodeRecord.from_trajectory(Traj(Result(ExitStatus.TIME_LIMIT), v))
+    r = EpisodeOutcome.from_trajectory(Traj(Result(ExitStatus.TIME_LIMIT), v))
     assert (r.verdict, r.reward, r.exit_status) == ("failed", 0.0, "time_limit")
-    crashed = EpisodeRecord.from_trajectory(Traj(None, None))
+    crashed = EpisodeOutcome.from_trajectory(Traj(None, None))
     assert crashed.exit_status == "error" and filter_episode(crashed).mask is False
 
 
@@ -131,7 +131,8 @@ def test_batch_summary_counts_every_reason() -> None:
         [ep(1.0), ep(1.0), ep(1.0, healthy=False)],                         # flat
         [ep(0.0, "failed", "step_limit"), ep(1.0), ep(None, "unsupported")],  # kept, scored
     ], cfg)
-    assert [g.index for g in res.kept] == [0, 2] and [g.index for g in res.skipped] == [1]
+    assert [g.skipped for g in res.groups] == [False, True, False]   # in the order given
+    assert res.kept == [res.groups[0], res.groups[2]] and res.skipped == [res.groups[1]]
     assert res.summary == {
         "episodes": 9, "kept": 4, "masked": 5, "groups": 3, "groups_kept": 2,
         "groups_skipped": 1,
@@ -214,7 +215,7 @@ def test_fault_injection_no_broken_episode_reaches_a_gradient(share: float) -> N
     for _ in range(S):
         batch = buf.get_batch(B, timeout=10)
         assert batch is not None, errors
-        records = [[EpisodeRecord(s.verdict, s.reward, s.exit_status, s.healthy, sample=s)
+        records = [[EpisodeOutcome(s.verdict, s.reward, s.exit_status, s.healthy, sample=s)
                     for s in g] for g in batch]
         res = filter_batch(records, cfg)
         stats.merge(res.stats)

@@ -70,13 +70,20 @@ def test_a_failing_verifier_masks_its_groups_and_never_rewards_zero(monkeypatch)
         return real_of(episodes, advantages, **kw)
 
     monkeypatch.setattr(rl_loop.TokenBatch, "of", staticmethod(record))
-    loop = AsyncRLLoop(trainer, TaskSampler(shift_tasks(1)),
-                       TokenTaskRollout(llm, flaky, max_tokens=DIGITS), llm.worker,
+    rollout = TokenTaskRollout(llm, flaky, max_tokens=DIGITS)
+    played: dict[int, tuple[str, float | None]] = {}   # id(tokens) -> (task id, reward)
+
+    def play(task, seeds):
+        group = rollout(task, seeds)
+        played.update({id(o.sample): (task.id, o.reward) for o in group.outcomes})
+        return group
+
+    loop = AsyncRLLoop(trainer, TaskSampler(shift_tasks(1)), play, llm.worker,
                        LoopConfig(group_size=4, batch_groups=6, eta=1))
     history = loop.run(steps=6)
     masked = sum(m["episodes_masked"] for m in history)
     assert masked >= 4                              # the fault really hit some groups
     assert trained                                  # and the others trained
-    assert all(ep.reward is not None for ep in trained)
-    assert not {ep.group for ep in trained} & broken  # no broken episode was trained on
+    assert all(played[id(ep)][1] is not None for ep in trained)
+    assert not {played[id(ep)][0] for ep in trained} & broken  # none broken was trained on
     assert all(m["staleness_max"] <= 1 for m in history)

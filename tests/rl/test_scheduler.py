@@ -20,7 +20,9 @@ import pytest
 
 from ridgeline.errors import ConfigError
 from ridgeline.rl.curriculum import CurriculumConfig
-from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.filters import EpisodeOutcome
+from ridgeline.rl.protocols import AdaptiveTaskSource
+from ridgeline.rl.rollouts import EpisodeGroup
 from ridgeline.rl.sampler import TaskSampler
 from ridgeline.rl.scheduler import DomainScheduler, DomainSpec, SchedulerConfig
 
@@ -31,11 +33,6 @@ class Task:
     domain: str
 
 
-@dataclass
-class Group:
-    task: Any
-    records: list[EpisodeRecord] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def tasks_of(domains: dict[str, int]) -> list[Task]:
@@ -43,13 +40,13 @@ def tasks_of(domains: dict[str, int]) -> list[Task]:
 
 
 def group(task: Task, seconds: float, failed: bool = False, passes: list[bool] | None = None,
-          ) -> Group:
+          ) -> EpisodeGroup:
     if failed:
-        recs = [EpisodeRecord(verdict="infra_error", reward=None, detail="test_timeout")] * 2
+        recs = [EpisodeOutcome(verdict="infra_error", reward=None, detail="test_timeout")] * 2
     else:
-        recs = [EpisodeRecord(verdict="passed" if p else "failed", reward=float(p))
+        recs = [EpisodeOutcome(verdict="passed" if p else "failed", reward=float(p))
                 for p in (passes if passes is not None else [True, False])]
-    return Group(task, recs, seconds)
+    return EpisodeGroup(task, recs, seconds)
 
 
 NO_CURRICULUM = CurriculumConfig(enabled=False)
@@ -105,7 +102,8 @@ def simulate(sampler: Any, slots: int, horizon: float,
         res.slot_seconds[task.domain] += seconds
         if not failed:
             res.useful[task.domain] += 1
-        sampler.finished(draw, group(task, seconds, failed))
+        if isinstance(sampler, AdaptiveTaskSource):  # the FIFO does not adapt
+            sampler.finished(draw, group(task, seconds, failed))
         sampler.done(draw)
     return res
 
@@ -196,7 +194,8 @@ def step_makespans(sampler: Any, steps: int, batch: int, durations: dict[str, fl
             heapq.heappush(free, start + durations[task.id])
         spans.append(max(free))
         for draw, task in drawn:
-            sampler.finished(draw, group(task, durations[task.id]))
+            if isinstance(sampler, AdaptiveTaskSource):
+                sampler.finished(draw, group(task, durations[task.id]))
             sampler.done(draw)
     return spans
 

@@ -214,3 +214,33 @@ def test_sampling_the_trainer_cannot_reproduce_is_refused(tmp_path, section, mes
     path.write_text(yaml.safe_dump({"trainer": {"temperature": 0.7},
                                     "rollout": {"temperature": 0.7}}))
     assert load_train_config(path).trainer.temperature == 0.7
+
+
+def test_a_checkpoint_written_with_the_old_episode_names_still_resumes(tmp_path, monkeypatch):
+    """Buffer groups pickled before `EpisodeRecord` became `EpisodeOutcome` (and a group's
+    `records` its `outcomes`) load as today's types."""
+    import ridgeline.rl.filters as filters
+    from ridgeline.rl.rollouts import EpisodeGroup
+    from ridgeline.rl.tokens import TokenEpisode
+
+    class EpisodeRecord:  # the old class, pickled under its old name
+        pass
+
+    EpisodeRecord.__module__ = "ridgeline.rl.filters"
+    EpisodeRecord.__qualname__ = "EpisodeRecord"
+    monkeypatch.setattr(filters, "EpisodeRecord", EpisodeRecord, raising=False)
+    tokens = TokenEpisode.start([1, 2])
+    old = EpisodeRecord()
+    old.__dict__.update(vars(filters.EpisodeOutcome(reward=1.0, sample=tokens)))
+    group = EpisodeGroup.__new__(EpisodeGroup)
+    group.__dict__.update(task="t", samples=[tokens], records=[old], seconds=1.0, index=7,
+                          tokens=0)
+    path = tmp_path / checkpoint.NAME
+    path.mkdir()
+    torch.save({"trainer": {}, "buffer": {"ready": [{"group": group}]}, "rng": {}},
+               path / "trainer.pt")
+    (path / "state.json").write_text(json.dumps({"format": checkpoint.FORMAT, "step": 3}))
+    monkeypatch.delattr(filters, "EpisodeRecord")
+    loaded = checkpoint.load(tmp_path).buffer["ready"][0]["group"]
+    assert isinstance(loaded.outcomes[0], filters.EpisodeOutcome) and loaded.index == 7
+    assert loaded.outcomes[0].reward == 1.0 and loaded.samples[0].token_ids == [1, 2]

@@ -24,7 +24,7 @@ def multi_turn_episodes(llm: LLM, turns: int = 2, seed: int = 0, temperature: fl
     far (token-in, token-out)."""
     episodes = []
     for i, prompt in enumerate(PROMPTS):
-        ep = TokenEpisode.start(prompt, group=f"g{i % 2}")
+        ep = TokenEpisode.start(prompt)
         for turn in range(turns):
             params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True,
                                     seed=seed + 31 * i + turn, logprobs_mode=logprobs_mode)

@@ -29,6 +29,14 @@ import torch
 from ridgeline.errors import ConfigError
 
 
+def zero_variance(valid_rewards: Sequence[float], tol: float = 0.0) -> bool:
+    """No learning signal in a group: its valid (unmasked) rewards span at most `tol`
+    (max - min), so every advantage is 0; fewer than two rewards are flat too. The one
+    test of it: `group_advantages`, the filters (dynamic sampling) and the curriculum's
+    saturated tasks all ask here."""
+    return len(valid_rewards) < 2 or max(valid_rewards) - min(valid_rewards) <= tol
+
+
 @dataclass(frozen=True)
 class GroupAdvantages:
     """The result of `group_advantages`; per-sample fields are [N], per-group ones [G]."""
@@ -88,7 +96,8 @@ def group_advantages(
     dev = torch.where(mask_t, r - mean[index], torch.zeros_like(r))
     var = _group_sum(dev * dev, index, num_groups) / (size - 1).clamp(min=1)
     std = torch.where(size >= 2, var.sqrt(), torch.zeros_like(var))
-    flat = _group_spread(r, mask_t, index, num_groups) <= zero_variance_tol
+    flat = torch.tensor([zero_variance(r[mask_t & (index == g)].tolist(), zero_variance_tol)
+                         for g in range(num_groups)], dtype=torch.bool, device=r.device)
     adv = dev / (std[index] + eps) if normalize_std else dev
     adv = torch.where(mask_t & ~flat[index], adv, torch.zeros_like(adv))
     return GroupAdvantages(
@@ -179,13 +188,3 @@ def _group_sum(values: torch.Tensor, index: torch.Tensor, num_groups: int) -> to
     """[G] sums of `values` [N] per group."""
     out = torch.zeros(num_groups, dtype=values.dtype, device=values.device)
     return out.index_add_(0, index, values)
-
-
-def _group_spread(r: torch.Tensor, mask: torch.Tensor, index: torch.Tensor,
-                  num_groups: int) -> torch.Tensor:
-    """[G] max - min of the valid rewards per group; 0 for groups with none."""
-    hi = torch.full((num_groups,), -math.inf, dtype=r.dtype, device=r.device)
-    lo = torch.full((num_groups,), math.inf, dtype=r.dtype, device=r.device)
-    hi = hi.scatter_reduce(0, index, torch.where(mask, r, -math.inf), "amax")
-    lo = lo.scatter_reduce(0, index, torch.where(mask, r, math.inf), "amin")
-    return torch.where(hi >= lo, hi - lo, torch.zeros_like(hi))

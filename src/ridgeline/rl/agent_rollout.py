@@ -8,7 +8,7 @@ Each episode is exactly what evaluation runs (`agent.run_task_episode`: the task
 environment is built in a fresh sandbox, the agent acts, the task's tests grade it); only
 the model differs: a `TokenChat` that generates token-in and records every sampled id,
 its behaviour logprob and weights version, with observations appended as ids. The
-verdict becomes the `EpisodeRecord` the filters read: an episode whose environment could
+verdict becomes the `EpisodeOutcome` the filters read: an episode whose environment could
 not be set up, whose verifier failed or whose sandbox failed its health probe is masked
 (reason kept), never scored 0. Episodes of a group run in parallel threads, so the
 engine decodes them in one batch.
@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ridgeline.agent import AgentConfig
 from ridgeline.agent.run import TaskEpisode, run_task_episode
 from ridgeline.llm.base import Sampling
-from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.filters import EpisodeOutcome
+from ridgeline.rl.protocols import TokenGenerator, Tokenizer
 from ridgeline.rl.rollouts import EpisodeGroup
-from ridgeline.rl.token_chat import TokenChat, TokenGenerator
+from ridgeline.rl.token_chat import TokenChat
+from ridgeline.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -40,21 +42,23 @@ def rl_agent_config(config: AgentConfig | None = None) -> AgentConfig:
 
 
 class AgentRollout:
-    def __init__(self, generator: TokenGenerator, tokenizer: Any,
+    """Groups of agent episodes on terminal tasks (an `EpisodeRollout`)."""
+
+    def __init__(self, generator: TokenGenerator, tokenizer: Tokenizer,
                  agent_config: AgentConfig | None = None, sampling: Sampling | None = None, *,
                  backend: str = "bwrap", trajectory_dir: Path | None = None,
-                 version: Any = None) -> None:
+                 version: Callable[[], int] | None = None) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
         self.agent_config = rl_agent_config(agent_config)
         self.sampling = sampling or Sampling(temperature=1.0, max_tokens=256)
         self.backend = backend
         self.trajectory_dir = trajectory_dir
-        self.version = version  # callable -> the current weights version, for servers
-        #                        that do not report one per token
+        # the current weights version, for servers that do not report one per token
+        self.version = version
 
-    def episode(self, task: Any, seed: int, sample: int) -> tuple[EpisodeRecord, TaskEpisode]:
-        chat = TokenChat(self.generator, self.tokenizer, group=task.id,
+    def episode(self, task: Task, seed: int, sample: int) -> tuple[EpisodeOutcome, TaskEpisode]:
+        chat = TokenChat(self.generator, self.tokenizer,
                          sampling=self.sampling.model_copy(update={"seed": seed}),
                          version=self.version() if callable(self.version) else 0)
         path = None
@@ -67,18 +71,15 @@ class AgentRollout:
             log.warning("episode of %s masked: %s (%s): %s", task.id, ep.verdict.status.value,
                         ep.verdict.reason, (ep.verdict.detail or "")[:500])
         sample_ep, unusable = chat.sample()
-        record = EpisodeRecord.from_verdict(ep.verdict, status, sample=sample_ep)
-        record.unusable = unusable
-        if sample_ep is not None:
-            sample_ep.reward = record.reward
-        return record, ep
+        outcome = EpisodeOutcome.from_verdict(ep.verdict, status, sample=sample_ep)
+        outcome.unusable = unusable
+        return outcome, ep
 
-    def __call__(self, task: Any, seeds: list[int]) -> EpisodeGroup:
+    def __call__(self, task: Task, seeds: list[int]) -> EpisodeGroup:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(seeds), thread_name_prefix="ridgeline-episode") as ex:
             results = list(ex.map(lambda js: self.episode(task, js[1], js[0]),
                                   enumerate(seeds)))
-        records = [r for r, _ in results]
-        samples = [r.sample for r in records]
-        return EpisodeGroup(task, samples, records, time.perf_counter() - t0,
-                            tokens=sum(s.num_policy_tokens for s in samples if s is not None))
+        group = EpisodeGroup(task, [o for o, _ in results], time.perf_counter() - t0)
+        group.tokens = sum(s.num_policy_tokens for s in group.samples if s is not None)
+        return group

@@ -53,13 +53,16 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypedDict, TypeVar
 
 from ridgeline.errors import ConfigError, RidgelineError
 
 STATE_FORMAT = 1
+
+#: The caller's group type (`EpisodeGroup` in a run; anything with samples in tests).
+G = TypeVar("G")
 
 
 class BufferClosed(RidgelineError):
@@ -80,12 +83,39 @@ class Ticket:
 
 
 @dataclass
-class _Entry:
+class _Entry(Generic[G]):
     ticket: Ticket
-    group: Any
+    group: G
 
 
-def sample_versions(sample: Any) -> list[int]:
+class ReadyGroup(TypedDict, Generic[G]):
+    """A finished group in `BufferState`, with its ticket's id and version."""
+
+    id: int
+    version: int
+    group: G
+
+
+class BufferState(TypedDict, Generic[G]):
+    """`RolloutBuffer.state_dict()`: the queue and its counters (groups as they are)."""
+
+    format: int
+    eta: int
+    batch_groups: int
+    version: int
+    taken_now: int
+    next_id: int
+    ready: list[ReadyGroup[G]]
+    in_flight: list[dict[str, int]]             # {"id", "version"}: aborted on load
+    counters: dict[str, dict[str, int]]         # per version (keys are strings)
+    waits: dict[str, float]
+
+
+#: `RolloutBuffer.metrics()`: counters, histograms by version or lag, wait times.
+BufferMetrics = dict[str, int | float | dict[str, int]]
+
+
+def sample_versions(sample: object) -> list[int]:
     """The policy versions a sample's tokens (or the whole episode) were sampled under;
     entries that are None or negative (prompt and observation tokens) are left out."""
     for name in ("versions", "version"):
@@ -97,13 +127,13 @@ def sample_versions(sample: Any) -> list[int]:
             value = getattr(sample, name)
         else:
             continue
-        values = value if name == "versions" else [value]
+        values: Iterable[int | None] = value if name == "versions" else [value]
         return [int(v) for v in values if v is not None and int(v) >= 0]
     raise TypeError(f"a {type(sample).__name__} sample has neither `versions` nor `version`: "
                     "record the policy version each sample was generated under")
 
 
-def group_samples(group: Any) -> list[Any]:
+def group_samples(group: object) -> list[object]:
     """The samples of a group: its `.samples`, or the group itself if it is a sequence."""
     if isinstance(group, Mapping):
         if "samples" in group:
@@ -117,11 +147,11 @@ def group_samples(group: Any) -> list[Any]:
                     f"not {type(group).__name__}")
 
 
-def group_versions(group: Any) -> list[int]:
+def group_versions(group: object) -> list[int]:
     return [v for s in group_samples(group) for v in sample_versions(s)]
 
 
-class RolloutBuffer:
+class RolloutBuffer(Generic[G]):
     """A staleness-bounded queue of finished rollout groups between rollout workers and
     the trainer. Thread-safe: every method may be called from any thread."""
 
@@ -140,7 +170,7 @@ class RolloutBuffer:
         self._taken_now = 0  # groups handed out at the current version
         self._next_id = 0
         self._in_flight: dict[int, Ticket] = {}
-        self._ready: list[_Entry] = []  # kept in (version, id) order: oldest first
+        self._ready: list[_Entry[G]] = []  # kept in (version, id) order: oldest first
         # per start version
         self._started: Counter[int] = Counter()
         self._finished: Counter[int] = Counter()
@@ -200,12 +230,12 @@ class RolloutBuffer:
         d[self._version + self.eta] += 1
         return self._feasible(d, self._version, self._taken_now)
 
-    def _select(self, n: int) -> list[_Entry] | None:
+    def _select(self, n: int) -> list[_Entry[G]] | None:
         """The `n` oldest finished groups that can be taken now without leaving an older
         in-flight group without a slot before its deadline; None if there are not `n`."""
         d = self._deadlines()
         taken = self._taken_now
-        chosen: list[_Entry] = []
+        chosen: list[_Entry[G]] = []
         for e in self._ready:  # oldest first; eligibility only shrinks with the deadline
             if len(chosen) == n:
                 break
@@ -223,7 +253,7 @@ class RolloutBuffer:
             raise BufferClosed(f"the rollout buffer is closed ({where}): the run is ending",
                                hint="stop this rollout worker or trainer loop")
 
-    def _wait(self, kind: str, ready: Any, timeout: float | None) -> bool:
+    def _wait(self, kind: str, ready: Callable[[], bool], timeout: float | None) -> bool:
         """Wait on the condition until `ready()`; False on timeout. Raises BufferClosed."""
         self._check_open(kind)
         if ready():
@@ -275,7 +305,7 @@ class RolloutBuffer:
                                "every admitted group in flight: admit() before sampling")
         return max(fits, key=lambda t: (t.version, t.id))
 
-    def put(self, group: Any, ticket: Ticket | None = None) -> Ticket:
+    def put(self, group: G, ticket: Ticket | None = None) -> Ticket:
         """Hand in a finished group (all its samples, masked ones included: filtering is
         the trainer's, after `get_batch`). `ticket` is the one `admit()` gave for it; if
         omitted, one in flight that fits is used. Returns the ticket the group took."""
@@ -314,7 +344,7 @@ class RolloutBuffer:
     # -- the trainer ----------------------------------------------------------------------
 
     def get_batch(self, num_groups: int | None = None,
-                  timeout: float | None = None) -> list[Any] | None:
+                  timeout: float | None = None) -> list[G] | None:
         """Take `num_groups` (default B) finished groups for the train step at the current
         version, oldest first, waiting for in-flight groups that are due. All or nothing:
         None (and nothing taken) if `timeout` seconds pass first. At most B groups may be
@@ -326,7 +356,7 @@ class RolloutBuffer:
                 raise ValueError(f"get_batch({n!r}) at version {self._version}: this version "
                                  f"has {left} of its {self.batch_groups} groups left; "
                                  "ask for 1..that many, or publish_version() first")
-            chosen: list[_Entry] = []
+            chosen: list[_Entry[G]] = []
 
             def ready() -> bool:
                 chosen[:] = self._select(n) or []
@@ -373,7 +403,7 @@ class RolloutBuffer:
 
     # -- metrics and checkpoints ----------------------------------------------------------
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> BufferMetrics:
         """JSON-able counters: per start version (keys are strings), staleness histograms
         (current version minus behaviour version, per token/episode version entry and per
         group), groups in flight and ready, and time spent waiting."""
@@ -400,7 +430,7 @@ class RolloutBuffer:
                 **self._waits,
             }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> BufferState[G]:
         """The queue and its counters, for a checkpoint: plain data (JSON-able if the
         groups are, else pickleable). Groups in flight are recorded as tickets only; their
         rollouts do not survive a restart, so loading counts them as aborted."""
@@ -423,7 +453,7 @@ class RolloutBuffer:
                 "waits": dict(self._waits),
             }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: BufferState[G]) -> None:
         """Restore a `state_dict()` into this buffer (before any worker starts)."""
         if state.get("format") != STATE_FORMAT:
             raise ConfigError(f"rollout buffer state of format {state.get('format')!r}; this "

@@ -20,49 +20,86 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
 
 from ridgeline.errors import ConfigError
 
+if TYPE_CHECKING:
+    from ridgeline.rl.buffer import BufferState
+    from ridgeline.rl.conflicts import ConflictState
+    from ridgeline.rl.policy import PolicyIdentity
+    from ridgeline.rl.protocols import CheckpointPolicy, ResumableTrainer
+    from ridgeline.rl.rollouts import EpisodeGroup
+    from ridgeline.rl.sampler import SamplerState
+    from ridgeline.rl.trainer import TrainerState
+
 FORMAT = 1
 NAME = "checkpoint"
 
 
+class RunExtra(TypedDict, total=False):
+    """More run state in state.json: the conflict monitor's."""
+
+    conflicts: ConflictState
+
+
+class CheckpointState(TypedDict):
+    """state.json."""
+
+    format: int
+    step: int
+    version: int
+    identity: PolicyIdentity
+    sampler: SamplerState
+    extra: RunExtra
+    time: float
+
+
+class RngState(TypedDict):
+    torch: torch.Tensor
+    python: tuple[object, ...]      # random.getstate()
+    numpy: tuple[object, ...]       # np.random.get_state()
+
+
 @dataclass
 class Checkpoint:
+    """A checkpoint as loaded: what `--resume` restores."""
+
     step: int                   # the last train step it includes
     path: Path
-    state: dict[str, Any]       # state.json
-    trainer: dict[str, Any]     # PolicyTrainer.state_dict()
-    buffer: dict[str, Any]      # RolloutBuffer.state_dict()
-    rng: dict[str, Any]
+    state: CheckpointState
+    trainer: TrainerState
+    buffer: BufferState[EpisodeGroup]
+    rng: RngState
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state() -> RngState:
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": np.random.get_state()}
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
 
 
-def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: dict[str, Any],
-         sampler_state: dict[str, Any], identity: dict[str, Any],
-         extra: dict[str, Any] | None = None) -> Path:
+def save(run_dir: Path, step: int, *, policy: CheckpointPolicy | None,
+         trainer: ResumableTrainer, buffer_state: BufferState[EpisodeGroup],
+         sampler_state: SamplerState, identity: PolicyIdentity,
+         extra: RunExtra | None = None) -> Path:
     """Write the checkpoint of `step` (the trainer between two steps, rollouts may run);
     `extra`: more JSON-able run state (e.g. the conflict monitor's)."""
-    t0 = time.perf_counter()
     final, tmp, old = run_dir / NAME, run_dir / f"{NAME}.tmp", run_dir / f"{NAME}.old"
     shutil.rmtree(tmp, ignore_errors=True)
     if policy is not None:
@@ -70,9 +107,9 @@ def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: d
     tmp.mkdir(parents=True, exist_ok=True)
     torch.save({"trainer": trainer.state_dict(), "buffer": buffer_state,
                 "rng": rng_state()}, tmp / "trainer.pt")
-    state = {"format": FORMAT, "step": step, "version": trainer.version,
-             "identity": identity, "sampler": sampler_state, "extra": extra or {},
-             "time": time.time()}
+    state: CheckpointState = {"format": FORMAT, "step": step, "version": trainer.version,
+                              "identity": identity, "sampler": sampler_state,
+                              "extra": extra or {}, "time": time.time()}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
         f.flush()
@@ -82,7 +119,6 @@ def save(run_dir: Path, step: int, *, policy: Any, trainer: Any, buffer_state: d
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
-    state["seconds"] = time.perf_counter() - t0
     return final
 
 
@@ -98,7 +134,7 @@ def find(run_dir: Path) -> Path | None:
     return None
 
 
-def load(run_dir: Path, identity: dict[str, Any] | None = None) -> Checkpoint:
+def load(run_dir: Path, identity: PolicyIdentity | None = None) -> Checkpoint:
     path = find(run_dir)
     if path is None:
         raise ConfigError(f"{run_dir} has no complete checkpoint to resume from",
@@ -114,12 +150,12 @@ def load(run_dir: Path, identity: dict[str, Any] | None = None) -> Checkpoint:
             f"the checkpoint in {path} is of another model ({_describe(state.get('identity'))}) "
             f"than the config's ({_describe(identity)})",
             hint="resume with the config the run was started with, or start a new run dir")
-    blob = torch.load(path / "trainer.pt", weights_only=False)
+    blob = torch.load(path / "trainer.pt", weights_only=False, pickle_module=_PICKLE)
     return Checkpoint(int(state["step"]), path, state, blob["trainer"], blob["buffer"],
                       blob["rng"])
 
 
-def same_model(a: Any, b: dict[str, Any]) -> bool:
+def same_model(a: object, b: PolicyIdentity) -> bool:
     """Whether two policy identities are of one base model (the name it was given by may
     differ: "default" and the path of its conversion are the same weights)."""
     if not isinstance(a, dict):
@@ -128,8 +164,24 @@ def same_model(a: Any, b: dict[str, Any]) -> bool:
         {k: v for k, v in b.items() if k != "model"}
 
 
-def _describe(identity: Any) -> str:
+def _describe(identity: object) -> str:
     if not isinstance(identity, dict):
         return "unknown"
     keys = ("name", "architecture", "num_layers", "hidden_size", "fingerprint")
     return ", ".join(f"{k}={str(identity[k])[:16]}" for k in keys if k in identity)
+
+
+#: Classes renamed since checkpoints of this format were first written: (module, old
+#: name) -> new name, so an older run still resumes.
+_RENAMED = {("ridgeline.rl.filters", "EpisodeRecord"): "EpisodeOutcome"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        return super().find_class(module, _RENAMED.get((module, name), name))
+
+
+# torch.load takes the pickle module to unpickle with
+_PICKLE = types.ModuleType("ridgeline_checkpoint_pickle")
+_PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_PICKLE.load = pickle.load  # type: ignore[attr-defined]

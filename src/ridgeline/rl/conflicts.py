@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from ridgeline.rl.protocols import Trainer
+    from ridgeline.rl.tokens import TokenBatch
 
 
 class ConflictConfig(BaseModel):
@@ -35,6 +39,41 @@ class ConflictConfig(BaseModel):
     reweight_factor: float = Field(0.5, gt=0, le=1)
 
 
+class _FlaggedRequired(TypedDict):
+    step: int
+    cosine: float
+    domains: list[str]
+    reweighted: str | None      # the domain to sample less (with `reweight`)
+
+
+class FlaggedPair(_FlaggedRequired, total=False):
+    """A pair of domains in conflict: when and how it was flagged."""
+
+    applied: bool               # its reweighting was handed out
+
+
+class Measurement(TypedDict):
+    """One measurement: the step and every pair's cosine."""
+
+    step: int
+    cosines: dict[str, float]
+
+
+class ConflictReport(TypedDict):
+    """The run report's `conflicts`."""
+
+    flagged: dict[str, FlaggedPair]
+    measurements: int
+    last: Measurement | None
+
+
+class ConflictState(TypedDict, total=False):
+    """`ConflictMonitor.state_dict()` (both keys optional when loading)."""
+
+    streak: dict[str, int]
+    flagged: dict[str, FlaggedPair]
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     na, nb = float(a.norm()), float(b.norm())
     if na == 0.0 or nb == 0.0:
@@ -47,16 +86,18 @@ def pair_name(a: str, b: str) -> str:
 
 
 class ConflictMonitor:
+    """Measures the domains' gradient cosines when due and flags persistent conflicts."""
+
     def __init__(self, config: ConflictConfig | None = None) -> None:
         self.config = config or ConflictConfig()
         self.streak: dict[str, int] = {}
-        self.flagged: dict[str, dict[str, Any]] = {}   # pair -> {"step", "cosine", ...}
-        self.history: list[dict[str, Any]] = []
+        self.flagged: dict[str, FlaggedPair] = {}
+        self.history: list[Measurement] = []
 
     def due(self, step: int) -> bool:
         return self.config.every > 0 and step % self.config.every == 0
 
-    def measure(self, step: int, trainer: Any, batch: Any, domains: Sequence[str],
+    def measure(self, step: int, trainer: Trainer, batch: TokenBatch, domains: Sequence[str],
                 pass_rates: dict[str, float] | None = None) -> dict[str, float]:
         """Per-domain gradients of `batch` (row i belongs to `domains[i]`), their pairwise
         cosines, and the flags; returns step metrics."""
@@ -68,7 +109,7 @@ class ConflictMonitor:
                  if len(idx) >= cfg.min_episodes and float(batch.rows(idx).loss_mask.sum()) > 0
                  and bool((batch.advantages[idx] != 0).any())}
         out: dict[str, float] = {}
-        record: dict[str, Any] = {"step": step, "cosines": {}}
+        record: Measurement = {"step": step, "cosines": {}}
         for a, b in itertools.combinations(sorted(grads), 2):
             name = pair_name(a, b)
             c = cosine(grads[a], grads[b])
@@ -95,13 +136,13 @@ class ConflictMonitor:
                 out.append(d)
         return out
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> ConflictReport:
         return {"flagged": self.flagged, "measurements": len(self.history),
                 "last": self.history[-1] if self.history else None}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> ConflictState:
         return {"streak": dict(self.streak), "flagged": dict(self.flagged)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: ConflictState) -> None:
         self.streak = {k: int(v) for k, v in state.get("streak", {}).items()}
         self.flagged = dict(state.get("flagged", {}))

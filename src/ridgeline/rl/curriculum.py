@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ridgeline.rl.advantages import zero_variance
 
 
 class CurriculumConfig(BaseModel):
@@ -34,7 +36,17 @@ class CurriculumConfig(BaseModel):
                          "not resting (so every task is still seen now and then)")
 
 
+class CurriculumState(TypedDict, total=False):
+    """`Curriculum.state_dict()` (every key optional when loading)."""
+
+    recent: dict[str, list[bool]]
+    rest_until: dict[str, int]
+    draws: int
+
+
 class Curriculum:
+    """Recent pass flags per task, the rests they earn, and the draw count rests end at."""
+
     def __init__(self, config: CurriculumConfig | None = None) -> None:
         self.config = config or CurriculumConfig()
         self._recent: dict[str, deque[bool]] = {}
@@ -57,12 +69,11 @@ class Curriculum:
         return sum(q) / len(q) if q else None
 
     def saturated(self, task_id: str) -> bool:
-        """Seen enough, and recently always or never passed."""
+        """Seen enough, and recently always or never passed: its groups would be flat."""
         q = self._recent.get(task_id)
         if not self.config.enabled or q is None or len(q) < self.config.min_episodes:
             return False
-        rate = sum(q) / len(q)
-        return rate == 0.0 or rate == 1.0
+        return zero_variance([float(p) for p in q])
 
     def weight(self, task_id: str) -> float:
         """How strongly to favour the task: 4 p (1 - p) (1 at p = 0.5), floored; 1 for a
@@ -84,11 +95,11 @@ class Curriculum:
         is a candidate until drawn (its probe)."""
         return self.saturated(task_id) and self._draws < self._rest_until.get(task_id, 0)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> CurriculumState:
         return {"recent": {k: list(v) for k, v in self._recent.items()},
                 "rest_until": dict(self._rest_until), "draws": self._draws}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: CurriculumState) -> None:
         self._recent = {k: deque(v, maxlen=self.config.window)
                         for k, v in state.get("recent", {}).items()}
         self._rest_until = {k: int(v) for k, v in state.get("rest_until", {}).items()}

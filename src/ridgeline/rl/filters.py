@@ -18,7 +18,7 @@ Three rules, applied to every group the trainer takes from the buffer:
 
 Every episode that does not reach the gradient has a `reason`; `FilterStats` sums them.
 
-**The record.** `EpisodeRecord` holds only what the rules read. From the rest of Ridgeline:
+**The outcome.** `EpisodeOutcome` holds only what the rules read. From the rest of Ridgeline:
 
     verdict      = Verdict.status.value          "passed" | "failed" | "infra_error" |
                    (ridgeline.tasks.VerdictStatus)  "unsupported"; no verdict at all:
@@ -32,8 +32,8 @@ Every episode that does not reach the gradient has a `reason`; `FilterStats` sum
                    verdict's reason is "health_failed" (the verifier's own probe)
     sample       = whatever the trainer trains on (e.g. a TokenEpisode), carried untouched
 
-`EpisodeRecord.from_verdict()` and `.from_trajectory()` do this mapping from the objects
-(or their `to_dict()`/JSON forms) without importing the tasks and agent packages.
+`EpisodeOutcome.from_verdict()` and `.from_trajectory()` do this mapping from the objects
+(or their `to_dict()`/JSON forms).
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from enum import Enum
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 from pydantic import BaseModel, Field
 
 from ridgeline.agent.trajectory import ExitStatus
+from ridgeline.rl.advantages import zero_variance
+from ridgeline.rl.tokens import TokenEpisode
 from ridgeline.tasks.verifier import VerdictStatus
+
+if TYPE_CHECKING:
+    from ridgeline.tasks.verifier import Verdict
 
 VERDICTS = frozenset(VerdictStatus)
 LIMIT_EXITS = frozenset({ExitStatus.STEP_LIMIT, ExitStatus.TOKEN_LIMIT, ExitStatus.TIME_LIMIT,
@@ -79,63 +85,76 @@ class FilterConfig(BaseModel):
         2, ge=1, description="fewer valid (unmasked) episodes than this: the group is skipped")
 
 
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)  # an Enum member's value, or the string itself
+def _value(x: object) -> str:
+    return str(x.value if isinstance(x, Enum) else x)  # an Enum member's value, or the string
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
+def _get(obj: object, name: str, default: object = None) -> object:
     if isinstance(obj, Mapping):
         return obj.get(name, default)
     return getattr(obj, name, default)
 
 
+class _TrajectoryLike(Protocol):
+    """A `Trajectory` as `from_trajectory` reads it (its `result`, its `verdict` dict)."""
+
+    result: object
+    verdict: object
+
+
 @dataclass
-class EpisodeRecord:
-    """What the filters need to know about one episode (see the module docstring for the
-    mapping from Verdict and ExitStatus). `mask`/`reason` are set by `filter_episode`."""
+class EpisodeOutcome:
+    """What one played episode came to, and all the filters read: the verdict and reward,
+    how the agent exited, the sandbox's health, and the episode's tokens (`sample`, None
+    when it has none). The mapping from Verdict and ExitStatus is in the module docstring;
+    `mask`/`reason` are set by `filter_episode`."""
 
     verdict: str = VerdictStatus.PASSED.value   # a VerdictStatus value
     reward: float | None = None
     exit_status: str = ExitStatus.FINISHED.value  # an ExitStatus value
     healthy: bool = True
-    sample: Any = None
+    sample: TokenEpisode | None = None
     detail: str = ""            # the verdict's own reason (test_timeout, sandbox_error...)
     unusable: str | None = None  # why `sample` cannot be trained on (no token record...)
     mask: bool = True           # False: never reaches a gradient
     reason: str | None = None   # why it does not, when it does not
 
     @classmethod
-    def from_verdict(cls, verdict: Any, exit_status: Any = ExitStatus.FINISHED,
-                     healthy: bool = True, sample: Any = None) -> EpisodeRecord:
+    def from_verdict(cls, verdict: Verdict | Mapping[str, object] | None,
+                     exit_status: ExitStatus | str = ExitStatus.FINISHED,
+                     healthy: bool = True, sample: TokenEpisode | None = None
+                     ) -> EpisodeOutcome:
         """From a `Verdict` (or its dict form, or None if the episode was never graded) and
         the episode's `ExitStatus` (or its value)."""
         if verdict is None:
             return cls(verdict=VerdictStatus.INFRA_ERROR.value, reward=None,
-                       exit_status=str(_value(exit_status)),
+                       exit_status=_value(exit_status),
                        healthy=healthy, sample=sample, detail="no_verdict")
         reason = _get(verdict, "reason") or ""
         reward = _get(verdict, "reward")
-        return cls(verdict=str(_value(_get(verdict, "status"))),
-                   reward=None if reward is None else float(reward),
-                   exit_status=str(_value(exit_status)),
+        return cls(verdict=_value(_get(verdict, "status")),
+                   reward=None if reward is None else float(cast("float | str", reward)),
+                   exit_status=_value(exit_status),
                    healthy=bool(healthy) and reason != HEALTH_FAILED,
                    sample=sample, detail=str(reason))
 
     @classmethod
-    def from_trajectory(cls, trajectory: Any, healthy: bool = True,
-                        sample: Any = None) -> EpisodeRecord:
+    def from_trajectory(cls, trajectory: _TrajectoryLike | Mapping[str, object],
+                        healthy: bool = True, sample: TokenEpisode | None = None
+                        ) -> EpisodeOutcome:
         """From a `Trajectory` (its `result.status` and `verdict` dict)."""
         result = _get(trajectory, "result")
         status = (_get(result, "status", ExitStatus.ERROR) if result is not None
                   else ExitStatus.ERROR)
-        return cls.from_verdict(_get(trajectory, "verdict"), status, healthy, sample)
+        verdict = cast("Verdict | Mapping[str, object] | None", _get(trajectory, "verdict"))
+        return cls.from_verdict(verdict, _value(status), healthy, sample)
 
 
-def _masked(ep: EpisodeRecord, reason: str) -> EpisodeRecord:
+def _masked(ep: EpisodeOutcome, reason: str) -> EpisodeOutcome:
     return replace(ep, mask=False, reward=None, reason=reason)
 
 
-def filter_episode(ep: EpisodeRecord, config: FilterConfig | None = None) -> EpisodeRecord:
+def filter_episode(ep: EpisodeOutcome, config: FilterConfig | None = None) -> EpisodeOutcome:
     """A copy of `ep` with `mask`, `reward` and `reason` decided by rules 1 and 2."""
     cfg = config or FilterConfig()
     ep = replace(ep, mask=True, reason=None)
@@ -162,27 +181,26 @@ def filter_episode(ep: EpisodeRecord, config: FilterConfig | None = None) -> Epi
 class FilteredGroup:
     """One group after filtering. `skipped`: no episode of it reaches a gradient."""
 
-    episodes: list[EpisodeRecord]
+    episodes: list[EpisodeOutcome]
     skipped: bool = False
     reason: str | None = None   # why skipped
-    index: int = 0              # position in the batch given to filter_batch
 
     @property
-    def trainable(self) -> list[EpisodeRecord]:
+    def trainable(self) -> list[EpisodeOutcome]:
         return [] if self.skipped else [e for e in self.episodes if e.mask]
 
 
-def filter_group(episodes: Sequence[EpisodeRecord],
+def filter_group(episodes: Sequence[EpisodeOutcome],
                  config: FilterConfig | None = None) -> FilteredGroup:
     """Rules 1-3 for one group (the episodes sampled for one task)."""
     cfg = config or FilterConfig()
     eps = [filter_episode(e, cfg) for e in episodes]
-    valid = [e.reward for e in eps if e.mask]
+    valid = [e.reward for e in eps if e.mask and e.reward is not None]
     reason = None
     if cfg.skip_zero_variance:
         if len(valid) < cfg.min_valid_episodes:
             reason = TOO_FEW_VALID
-        elif max(valid) - min(valid) <= cfg.zero_variance_tol:  # type: ignore[operator]
+        elif zero_variance(valid, cfg.zero_variance_tol):
             reason = ZERO_VARIANCE
     elif not valid:
         reason = TOO_FEW_VALID
@@ -226,7 +244,7 @@ class FilterStats:
         self.skipped_groups.update(other.skipped_groups)
         self.scored_limits.update(other.scored_limits)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, int | dict[str, int]]:
         return {"episodes": self.episodes, "kept": self.kept, "masked": self.masked,
                 "groups": self.groups, "groups_kept": self.groups_kept,
                 "groups_skipped": self.groups - self.groups_kept,
@@ -237,6 +255,8 @@ class FilterStats:
 
 @dataclass
 class FilterResult:
+    """A batch's groups after filtering, with the counts."""
+
     groups: list[FilteredGroup]   # every group, in the order given
     stats: FilterStats
 
@@ -249,19 +269,18 @@ class FilterResult:
         return [g for g in self.groups if g.skipped]
 
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, int | dict[str, int]]:
         return self.stats.as_dict()
 
 
-def filter_batch(groups: Sequence[Sequence[EpisodeRecord]],
+def filter_batch(groups: Sequence[Sequence[EpisodeOutcome]],
                  config: FilterConfig | None = None) -> FilterResult:
     """Filter a batch of groups; the result keeps them all, with counts per reason."""
     cfg = config or FilterConfig()
     stats = FilterStats()
     out = []
-    for i, g in enumerate(groups):
+    for g in groups:
         fg = filter_group(g, cfg)
-        fg.index = i
         stats.add(fg)
         out.append(fg)
     return FilterResult(out, stats)

@@ -7,21 +7,23 @@ while the trainer learns from earlier ones, with staleness bounded by admission 
 
 A rollout thread asks the buffer for admission (blocked while starting another group
 would leave it more than `eta` versions stale when consumed), draws the next task from
-the `TaskSampler` and has the group rollout produce `group_size` episodes of it, each a
-`TokenEpisode` (token ids, behaviour logprobs and weights versions as sampled) with an
-`EpisodeRecord` (verdict, reward, exit status). Two rollouts exist: `TokenTaskRollout`
+the task source (`protocols.TaskSource`) and has the group rollout produce `group_size`
+episodes of it: an `EpisodeGroup` of `EpisodeOutcome`s (verdict, reward, exit status),
+each carrying its `TokenEpisode` (token ids, behaviour logprobs and weights versions as
+sampled). Two rollouts exist: `TokenTaskRollout`
 (single-turn prompt ids in, completion ids out, scored by a verifier that runs in a
 sandbox: model output is never evaluated on the host) and `agent_rollout.AgentRollout`
 (the agent in a task sandbox, multi-turn, graded by the task's tests). A verifier that
 fails masks the group's episodes (reward None, with a reason): an infrastructure failure
 never becomes a reward of 0. The trainer takes `batch_groups` groups per step, filters
 them (masked episodes, zero-variance groups), computes GRPO advantages, steps, syncs the
-weights into the engine as a new version and publishes it to the buffer.
+weights into the engine (a `protocols.WeightsSink`) as a new version and publishes it to
+the buffer.
 
-The sampler (`sampler.py`) hands out tasks in a seeded order and knows which draws are
-not yet trained on, and episode seeds derive from (run seed, draw, sample): a checkpoint
-of the sampler and the buffer resumes the same data order. The rollouts and their groups
-are in `rollouts.py`.
+The task source (`sampler.py`, `scheduler.py`) hands out tasks in a seeded order and
+knows which draws are not yet trained on, and episode seeds derive from (run seed, draw,
+sample): a checkpoint of the task source and the buffer resumes the same data order. The
+rollouts and their groups are in `rollouts.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Generic
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,12 +43,15 @@ from ridgeline.rl.advantages import group_advantages
 from ridgeline.rl.buffer import BufferClosed, RolloutBuffer
 from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor
 from ridgeline.rl.filters import (
-    TOO_FEW_VALID, ZERO_VARIANCE, FilterConfig, filter_batch,
+    TOO_FEW_VALID, ZERO_VARIANCE, FilterConfig, FilterResult, filter_batch,
 )
-from ridgeline.rl.rollouts import EpisodeGroup, GroupRollout, VerifierError, passed
-from ridgeline.rl.sampler import TaskSampler, episode_seed
+from ridgeline.rl.protocols import (
+    AdaptiveTaskSource, GroupRollout, StepMetrics, TaskSource, TaskT, Trainer, WeightsSink,
+)
+from ridgeline.rl.rollouts import EpisodeGroup, VerifierError, passed
+from ridgeline.rl.sampler import episode_seed
 from ridgeline.rl.scheduler import task_domain
-from ridgeline.rl.tokens import TokenBatch
+from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 from ridgeline.tasks.verifier import VerdictStatus
 
 log = logging.getLogger(__name__)
@@ -67,15 +72,20 @@ class LoopConfig(BaseModel):
     conflicts: ConflictConfig = Field(default_factory=ConflictConfig)
 
 
-class AsyncRLLoop:
-    def __init__(self, trainer: Any, tasks: TaskSampler, rollout: GroupRollout, worker: Any,
-                 config: LoopConfig | None = None) -> None:
+class AsyncRLLoop(Generic[TaskT]):
+    """Rollout threads filling the staleness-bounded buffer, and the train steps that
+    take from it (`run`)."""
+
+    def __init__(self, trainer: Trainer, tasks: TaskSource[TaskT], rollout: GroupRollout[TaskT],
+                 weights: WeightsSink, config: LoopConfig | None = None) -> None:
         self.trainer = trainer
         self.tasks = tasks
+        # the scheduler's hooks; a FIFO task source has none to call
+        self.adaptive = tasks if isinstance(tasks, AdaptiveTaskSource) else None
         self.rollout = rollout
-        self.worker = worker          # where weights are synced (an EngineWorker)
+        self.weights = weights        # where each step's weights are synced
         self.config = cfg = config or LoopConfig()
-        self.buffer = RolloutBuffer(cfg.batch_groups, cfg.eta)
+        self.buffer: RolloutBuffer[EpisodeGroup] = RolloutBuffer(cfg.batch_groups, cfg.eta)
         self.conflicts = ConflictMonitor(cfg.conflicts)
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -99,7 +109,8 @@ class AsyncRLLoop:
                 seeds = [episode_seed(self.tasks.seed, draw, j) for j in range(cfg.group_size)]
                 group = self.rollout(task, seeds)
                 group.index = draw
-                self.tasks.finished(draw, group)
+                if self.adaptive is not None:
+                    self.adaptive.finished(draw, group)
             except BufferClosed:
                 return
             except BaseException as e:  # noqa: BLE001 - reported by run(); slot given back
@@ -107,7 +118,8 @@ class AsyncRLLoop:
                 log.warning("rollout failed: %s: %s", type(e).__name__, e)
                 self.buffer.abort(ticket)
                 if draw >= 0:
-                    self.tasks.finished(draw, None)
+                    if self.adaptive is not None:
+                        self.adaptive.finished(draw, None)
                     self.tasks.done(draw)
                 if isinstance(e, (StopIteration, RidgelineError)) and not isinstance(
                         e, VerifierError):
@@ -120,54 +132,25 @@ class AsyncRLLoop:
 
     # ---- training ---------------------------------------------------------------------
 
-    def train_step(self, groups: list[EpisodeGroup], step: int | None = None) -> dict[str, Any]:
+    def train_step(self, groups: list[EpisodeGroup], step: int | None = None) -> StepMetrics:
         cfg = self.config
-        filtered = filter_batch([g.records for g in groups], cfg.filters)
-        episodes, rewards, ids, valid, domains = [], [], [], [], []
+        filtered = filter_batch([g.outcomes for g in groups], cfg.filters)
+        episodes: list[TokenEpisode] = []
+        rewards, ids, valid, domains = [], [], [], []
         for gi, fg in enumerate(filtered.groups):
-            for rec in fg.episodes:
-                if rec.sample is None:
+            for out in fg.episodes:
+                if out.sample is None:
                     continue
-                episodes.append(rec.sample)
-                rewards.append(float("nan") if rec.reward is None else rec.reward)
+                episodes.append(out.sample)
+                rewards.append(float("nan") if out.reward is None else out.reward)
                 ids.append(gi)
-                valid.append(rec.mask)
+                valid.append(out.mask)
                 domains.append(task_domain(groups[gi].task))
-        metrics: dict[str, Any] = {}
-        records = [r for g in groups for r in g.records]
-        graded = [r for r in records if r.reward is not None]
-        metrics["reward_mean"] = (sum(r.reward for r in graded) / len(graded)
-                                  if graded else float("nan"))
-        metrics["pass_rate"] = (sum(passed(r) for r in graded) / len(graded)
-                                if graded else float("nan"))
-        by_domain: dict[str, list[bool]] = {}
-        for g in groups:
-            by_domain.setdefault(task_domain(g.task), []).extend(
-                passed(r) for r in g.records if r.reward is not None)
-        for domain, flags in sorted(by_domain.items()):
-            if flags:
-                metrics[f"pass_rate/{domain}"] = sum(flags) / len(flags)
-        version = self.trainer.version
-        staleness = [version - v for e in episodes for v, m in zip(e.versions, e.loss_mask) if m]
-        metrics["staleness_max"] = float(max(staleness, default=0))
-        metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
-        metrics["staleness_hist"] = {str(k): v for k, v in sorted(Counter(staleness).items())}
-        # masked by rules 1-2 (broken or cut off), not the episodes of skipped groups
-        metrics["episodes_masked"] = float(sum(
-            n for reason, n in filtered.stats.reasons.items()
-            if reason not in (ZERO_VARIANCE, TOO_FEW_VALID)))
-        metrics["groups_skipped"] = float(len(filtered.skipped))
-        reasons = filtered.stats.reasons
-        for reason, count in sorted(reasons.items()):
-            metrics[f"masked/{reason}"] = float(count)
-        # what the verifier said about infrastructure failures (test_timeout, ...)
-        for detail, count in Counter(r.detail or "?" for r in records
-                                     if r.verdict in (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)).items():
-            metrics[f"infra/{detail[:40]}"] = float(count)
+        metrics, by_domain = _batch_metrics(groups, filtered, episodes, self.trainer.version)
         adv = group_advantages(torch.tensor(rewards), ids, mask=torch.tensor(valid, dtype=torch.bool),
                                normalize_std=cfg.normalize_std) if episodes else None
         keep = [i for i in range(len(episodes)) if adv is not None and bool(adv.trainable[i])]
-        if keep:
+        if adv is not None and keep:
             batch = TokenBatch.of([episodes[i] for i in keep],
                                   [float(adv.advantages[i]) for i in keep])
             if step is not None and self.conflicts.due(step):
@@ -176,20 +159,23 @@ class AsyncRLLoop:
                                                       [domains[i] for i in keep], rates))
                 for d in self.conflicts.to_reweight():
                     log.warning("domains in conflict: sampling %s less", d)
-                    self.tasks.scale_weight(d, cfg.conflicts.reweight_factor)
-            metrics.update(self.trainer.step(batch))
-            if metrics.get("train_seconds"):
+                    if self.adaptive is not None:
+                        self.adaptive.scale_weight(d, cfg.conflicts.reweight_factor)
+            trained = self.trainer.step(batch)
+            metrics.update(trained)
+            if trained.get("train_seconds"):
                 metrics["train_tokens_per_s"] = float(batch.attention_mask.sum()) / \
-                    metrics["train_seconds"]
-        metrics.update(self.trainer.sync(self.worker))
-        metrics.update(self.tasks.metrics())
+                    trained["train_seconds"]
+        metrics.update(self.trainer.sync(self.weights))
+        if self.adaptive is not None:
+            metrics.update(self.adaptive.metrics())
         self.buffer.publish_version()
         for g in groups:
             self.tasks.done(g.index)
         return metrics
 
-    def run(self, steps: int, on_step: Callable[[int, dict[str, Any]], None] | None = None,
-            start_step: int = 0) -> list[dict[str, Any]]:
+    def run(self, steps: int, on_step: Callable[[int, StepMetrics], None] | None = None,
+            start_step: int = 0) -> list[StepMetrics]:
         """Train steps `start_step .. steps-1`; metrics per step. Rollout threads stop
         when it returns."""
         threads = [threading.Thread(target=self._produce, daemon=True,
@@ -224,7 +210,45 @@ class AsyncRLLoop:
                     on_step(step, metrics)
         finally:
             self.buffer.close()
-            self.tasks.close()
+            if self.adaptive is not None:
+                self.adaptive.close()
             for t in threads:
                 t.join(timeout=60)
         return history
+
+
+def _batch_metrics(groups: list[EpisodeGroup], filtered: FilterResult,
+                   episodes: list[TokenEpisode], version: int
+                   ) -> tuple[StepMetrics, dict[str, list[bool]]]:
+    """What the batch was, before training on it: reward and pass rates (overall and per
+    domain, over graded episodes), staleness of the trained-on tokens, what was masked
+    and why; and the per-domain pass flags (the conflict monitor's rates)."""
+    metrics: StepMetrics = {}
+    outcomes = [o for g in groups for o in g.outcomes]
+    graded = [o.reward for o in outcomes if o.reward is not None]
+    metrics["reward_mean"] = sum(graded) / len(graded) if graded else float("nan")
+    metrics["pass_rate"] = (sum(passed(o) for o in outcomes if o.reward is not None)
+                            / len(graded) if graded else float("nan"))
+    by_domain: dict[str, list[bool]] = {}
+    for g in groups:
+        by_domain.setdefault(task_domain(g.task), []).extend(
+            passed(o) for o in g.outcomes if o.reward is not None)
+    for domain, flags in sorted(by_domain.items()):
+        if flags:
+            metrics[f"pass_rate/{domain}"] = sum(flags) / len(flags)
+    staleness = [version - v for e in episodes for v, m in zip(e.versions, e.loss_mask) if m]
+    metrics["staleness_max"] = float(max(staleness, default=0))
+    metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else 0.0
+    metrics["staleness_hist"] = {str(k): v for k, v in sorted(Counter(staleness).items())}
+    # masked by rules 1-2 (broken or cut off), not the episodes of skipped groups
+    reasons = filtered.stats.reasons
+    metrics["episodes_masked"] = float(sum(
+        n for reason, n in reasons.items() if reason not in (ZERO_VARIANCE, TOO_FEW_VALID)))
+    metrics["groups_skipped"] = float(len(filtered.skipped))
+    for reason, count in sorted(reasons.items()):
+        metrics[f"masked/{reason}"] = float(count)
+    # what the verifier said about infrastructure failures (test_timeout, ...)
+    for detail, count in Counter(o.detail or "?" for o in outcomes if o.verdict in (
+            VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)).items():
+        metrics[f"infra/{detail[:40]}"] = float(count)
+    return metrics, by_domain

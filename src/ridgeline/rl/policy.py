@@ -24,14 +24,18 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ridgeline.errors import ConfigError, ModelLoadError, UnsupportedError
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
+    from transformers import PretrainedConfig
 
 #: The attention and MLP projections of Llama, Qwen2 and Qwen3.
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -108,7 +112,7 @@ def hf_model_dir(model: str, *, cache_dir: str | None = None) -> Path:
 
 
 def _fingerprint(names_shapes: list[tuple[str, tuple[int, ...]]],
-                 get: Any) -> str:
+                 get: Callable[[str], torch.Tensor]) -> str:
     """sha256 over every tensor's name and shape, and the float32 bytes of the first and
     last tensor by name (the embedding and the final norm of a decoder)."""
     h = hashlib.sha256()
@@ -150,7 +154,18 @@ def _module_fingerprint(model: torch.nn.Module) -> str:
     return _fingerprint([(n, tuple(p.shape)) for n, p in params.items()], params.__getitem__)
 
 
-def _identity(name: str, hf_config: Any, fingerprint: str) -> dict[str, Any]:
+class PolicyIdentity(TypedDict):
+    """Which base model a policy is: what a checkpoint must match to be resumed."""
+
+    model: str              # the name it was loaded by (not compared: see same_model)
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    fingerprint: str        # of the weights' names, shapes and first and last tensor
+
+
+def _identity(name: str, hf_config: PretrainedConfig, fingerprint: str) -> PolicyIdentity:
     archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
     text = getattr(hf_config, "get_text_config", lambda: hf_config)()
     return {"model": name, "architecture": archs[0],
@@ -161,7 +176,7 @@ def _identity(name: str, hf_config: Any, fingerprint: str) -> dict[str, Any]:
 # ---- the policy -------------------------------------------------------------------------
 
 
-def _lora_layers(base: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+def _lora_layers(base: torch.nn.Module) -> Iterator[tuple[str, LoraLayer]]:
     from peft.tuners.lora import LoraLayer
 
     for name, module in base.named_modules():
@@ -174,7 +189,7 @@ class Policy:
     engine's weights. `identity` names the base model for checkpoint resume."""
 
     def __init__(self, model: torch.nn.Module, *, model_dir: Path | None,
-                 identity: dict[str, Any], lora: LoraConfig | None = None) -> None:
+                 identity: PolicyIdentity, lora: LoraConfig | None = None) -> None:
         self.model = model
         self.model_dir = model_dir
         self.identity = identity

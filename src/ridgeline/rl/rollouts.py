@@ -1,8 +1,8 @@
 """What a rollout produces and the single-turn one: a group of episodes of one task.
 
-`EpisodeGroup` is what a rollout returns and the buffer holds; `GroupRollout` is the
-protocol (`TokenTaskRollout` here, `agent_rollout.AgentRollout` for agents in task
-sandboxes). `TokenTaskRollout` samples completions of a `TokenTask` on the in-process
+`EpisodeGroup` is what a rollout returns and the buffer holds; `protocols.GroupRollout`
+is the interface (`TokenTaskRollout` here, `agent_rollout.AgentRollout` for agents in
+task sandboxes). `TokenTaskRollout` samples completions of a `TokenTask` on the in-process
 engine and scores them with a verifier that runs in a sandbox (`SandboxVerifier`: model
 output is never evaluated on the host). A verifier that fails masks the group's episodes
 (reward None, with a reason): an infrastructure failure never becomes a reward of 0.
@@ -16,13 +16,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 from ridgeline.engine import SamplingParams
 from ridgeline.errors import RidgelineError
-from ridgeline.rl.filters import EpisodeRecord
+from ridgeline.rl.filters import EpisodeOutcome
+from ridgeline.rl.protocols import JSONValue, RLTask
 from ridgeline.rl.tokens import TokenEpisode
 from ridgeline.tasks.verifier import VerdictStatus
+
+if TYPE_CHECKING:
+    from ridgeline.engine import LLM
+    from ridgeline.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -34,27 +39,33 @@ class TokenTask:
 
     id: str
     prompt_ids: list[int]
-    answer: Any
+    answer: JSONValue
 
 
 @dataclass
 class EpisodeGroup:
-    """One task's group of sampled episodes, as the buffer holds it. `index` is the
-    sampler's draw number (the checkpoint's data order); `samples[i]` is None for an
-    episode with no token record (its record says why it is masked)."""
+    """One task's episodes (a GRPO group), as a rollout returns them and the buffer holds
+    them. `index` is the task source's draw number (the checkpoint's data order)."""
 
-    task: Any
-    samples: list[TokenEpisode | None]
-    records: list[EpisodeRecord] = field(default_factory=list)
+    task: RLTask
+    outcomes: list[EpisodeOutcome] = field(default_factory=list)
     seconds: float = 0.0
     index: int = -1
     tokens: int = 0        # tokens sampled for this group (throughput)
 
+    @property
+    def samples(self) -> list[TokenEpisode | None]:
+        """Each episode's tokens (None for one without a token record: its outcome says
+        why it is masked); what the buffer reads the weights versions from."""
+        return [o.sample for o in self.outcomes]
 
-class GroupRollout(Protocol):
-    """Plays `len(seeds)` episodes of one task, one per seed."""
-
-    def __call__(self, task: Any, seeds: list[int]) -> EpisodeGroup: ...
+    def __setstate__(self, state: dict[str, object]) -> None:
+        # a group pickled in a checkpoint before `records` became `outcomes` (and
+        # `samples` was stored beside them)
+        if "records" in state:
+            state = {k: v for k, v in state.items() if k != "samples"}
+            state["outcomes"] = state.pop("records")
+        self.__dict__.update(state)
 
 
 class VerifierError(RidgelineError):
@@ -66,7 +77,8 @@ class SandboxVerifier:
     `[{"answer": ..., "completion": [ids...]}, ...]` as JSON on stdin and prints a JSON
     list of rewards (numbers, or null for "cannot score")."""
 
-    def __init__(self, script: str, sandbox: Any | None = None, timeout_s: float = 30.0) -> None:
+    def __init__(self, script: str, sandbox: Sandbox | None = None,
+                 timeout_s: float = 30.0) -> None:
         from ridgeline.sandbox import SandboxSpec, create_sandbox
 
         self.script = script
@@ -102,7 +114,7 @@ class TokenTaskRollout:
     """Single-turn groups of a `TokenTask` on the in-process engine, scored by `reward`
     (e.g. a `SandboxVerifier`)."""
 
-    def __init__(self, llm: Any, reward: Reward, *, max_tokens: int = 16,
+    def __init__(self, llm: LLM, reward: Reward, *, max_tokens: int = 16,
                  temperature: float = 1.0) -> None:
         self.llm = llm
         self.reward = reward
@@ -118,7 +130,7 @@ class TokenTaskRollout:
         samples = []
         for handle in self.llm.worker.submit_many(reqs):
             c = handle.result().outputs[0]
-            ep = TokenEpisode.start(task.prompt_ids, group=task.id)
+            ep = TokenEpisode.start(task.prompt_ids)
             ep.add_completion(c.token_ids, c.logprobs, c.token_versions)
             samples.append(ep)
         try:
@@ -129,15 +141,13 @@ class TokenTaskRollout:
             log.warning("verifier failed on task %s: %s", task.id, e)
             rewards, detail = [None] * len(samples), str(e)[:300]
             verdict = VerdictStatus.INFRA_ERROR.value
-        records = []
-        for ep, r in zip(samples, rewards):
-            ep.reward = r
-            records.append(EpisodeRecord(verdict=verdict, reward=r, sample=ep, detail=detail))
-        return EpisodeGroup(task, list(samples), records, time.perf_counter() - t0,
+        outcomes = [EpisodeOutcome(verdict=verdict, reward=r, sample=ep, detail=detail)
+                    for ep, r in zip(samples, rewards)]
+        return EpisodeGroup(task, outcomes, time.perf_counter() - t0,
                             tokens=sum(s.num_policy_tokens for s in samples))
 
 
-def passed(record: EpisodeRecord) -> bool:
+def passed(outcome: EpisodeOutcome) -> bool:
     """An episode counts as a pass when it is graded and earned the full reward."""
-    return (record.verdict == VerdictStatus.PASSED and record.reward is not None
-            and record.reward >= 1.0)
+    return (outcome.verdict == VerdictStatus.PASSED and outcome.reward is not None
+            and outcome.reward >= 1.0)

@@ -52,9 +52,10 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypeGuard
 
 from ridgeline.errors import ConfigError, NotFoundError
+from ridgeline.rl.protocols import JSONValue
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,13 @@ TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
 RESERVED = ("step", "time")
 
+#: One line of metrics.jsonl, as read back.
+MetricsRecord = dict[str, JSONValue]
+
 
 # ---- values -----------------------------------------------------------------------------
 
-def _jsonable(value: Any, key: str) -> Any:
+def _jsonable(value: object, key: str) -> JSONValue:
     """`value` as plain JSON data; non-finite floats become None."""
     if value is None or isinstance(value, (bool, str, int)):
         return value
@@ -90,12 +94,12 @@ def _jsonable(value: Any, key: str) -> Any:
                     f"(use a number, string, None, or a dict/list of them)")
 
 
-def is_number(v: Any) -> bool:
+def is_number(v: object) -> TypeGuard[int | float]:
     """An int or float, not a bool (JSON numbers as metrics hold them)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+def flatten_scalars(metrics: Mapping[str, object], prefix: str = "") -> dict[str, float]:
     """The TensorBoard view of one record: tag -> finite number. Dicts nest as
     `key/subkey`; bools, strings, lists, None and non-finite values are left out."""
     out: dict[str, float] = {}
@@ -110,7 +114,7 @@ def flatten_scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, f
 
 # ---- reading ----------------------------------------------------------------------------
 
-def _load(path: Path) -> tuple[list[tuple[dict[str, Any], str]], bool]:
+def _load(path: Path) -> tuple[list[tuple[MetricsRecord, str]], bool]:
     """(record, raw line) pairs of a metrics file, and whether a torn last line was
     dropped. A bad line anywhere but last is corruption and raises ConfigError."""
     try:
@@ -119,7 +123,7 @@ def _load(path: Path) -> tuple[list[tuple[dict[str, Any], str]], bool]:
         return [], False
     lines = data.split(b"\n")
     numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
-    out: list[tuple[dict[str, Any], str]] = []
+    out: list[tuple[MetricsRecord, str]] = []
     torn = False
     for idx, (lineno, raw) in enumerate(numbered):
         rec = None
@@ -141,7 +145,7 @@ def _load(path: Path) -> tuple[list[tuple[dict[str, Any], str]], bool]:
     return out, torn
 
 
-def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+def read_metrics(run_dir: Path | str) -> list[MetricsRecord]:
     """Every logged step of a run, in file order (a torn last line is left out; an
     absent metrics.jsonl is an empty run). Non-finite values read back as None."""
     run_dir = Path(run_dir)
@@ -253,14 +257,14 @@ class RunLog:
         os.replace(tmp, self.metrics_path)
         _fsync_dir(self.run_dir)
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, object]) -> None:
         """Append step's metrics (durable when this returns) and write its scalars to
         TensorBoard. A `step` entry in metrics (AsyncRLLoop puts one) must equal `step`
         and is not repeated; `time` is reserved."""
         if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
             raise ConfigError(f"step must be an integer >= 0, not {step!r}")
         step = int(step)
-        body: dict[str, Any] = {}
+        body: MetricsRecord = {}
         for k, v in metrics.items():
             if not isinstance(k, str):
                 raise TypeError(f"metric names must be strings, not {k!r}")
@@ -313,7 +317,7 @@ class RunLog:
 
 # ---- progress line ----------------------------------------------------------------------
 
-def _finite(metrics: Mapping[str, Any], key: str) -> float | None:
+def _finite(metrics: Mapping[str, object], key: str) -> float | None:
     v = metrics.get(key)
     return float(v) if is_number(v) and math.isfinite(v) else None
 
@@ -337,7 +341,7 @@ def _duration(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def format_progress(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+def format_progress(step: int, total: int, metrics: Mapping[str, object]) -> str:
     """One line for a progress bar's postfix, e.g.
     `reward 0.42 | pass 0.38 | stale 0.6 | 12.3 s/step | 850 tok/s | eta 39m48s`.
 

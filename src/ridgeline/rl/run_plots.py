@@ -12,14 +12,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from ridgeline.rl.run_log import PLOTS_DIR, RESERVED, is_number, read_metrics
+from ridgeline.rl.run_log import PLOTS_DIR, RESERVED, MetricsRecord, is_number, read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+#: Per logged step: its step and its numbers by tag (dicts flattened as for TensorBoard;
+#: None where a NaN was logged).
+Flat = list[tuple[int, dict[str, float | None]]]
 
 _BLUE, _GREEN, _ORANGE, _RED, _GREY = "#3b7dd8", "#2e9e5b", "#e08a1e", "#c9503c", "#8c8c8c"
 
 
-def _series(flat: list[tuple[int, dict[str, Any]]], *keys: str
+def _series(flat: Flat, *keys: str
             ) -> tuple[list[int], list[float]] | None:
     """(steps, values) of the first of `keys` each record has; None if no finite value.
     None (a logged NaN) becomes NaN, a gap in the line."""
@@ -36,10 +44,10 @@ def _series(flat: list[tuple[int, dict[str, Any]]], *keys: str
     return steps, values
 
 
-def _flat_all(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+def _flat_all(records: Iterable[MetricsRecord]) -> Flat:
     """Per record: its step and its tags (dicts flattened as for TensorBoard, None kept)."""
-    def flat(m: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def flat(m: Mapping[str, object], prefix: str = "") -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
         for k, v in m.items():
             if isinstance(v, Mapping):
                 out.update(flat(v, f"{prefix}{k}/"))
@@ -58,7 +66,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _figure(width: float = 8.0, height: float = 4.5) -> tuple[Any, Any]:
+def _figure(width: float = 8.0, height: float = 4.5) -> tuple[Figure, Axes]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -70,7 +78,7 @@ def _figure(width: float = 8.0, height: float = 4.5) -> tuple[Any, Any]:
     return fig, ax
 
 
-def _steps_axis(ax: Any) -> None:
+def _steps_axis(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("training step")
@@ -81,11 +89,11 @@ def _steps_axis(ax: Any) -> None:
         ax.set_xlim(mid - 1, mid + 1)
 
 
-def _marker(n: int) -> dict[str, Any]:
+def _marker(n: int) -> dict[str, str | int]:
     return {"marker": "o", "markersize": 4 if n <= 50 else 2}
 
 
-def _save(fig: Any, out_dir: Path, name: str, paths: dict[str, Path]) -> None:
+def _save(fig: Figure, out_dir: Path, name: str, paths: dict[str, Path]) -> None:
     fig.tight_layout()
     path = out_dir / f"{name}.png"
     fig.savefig(path, dpi=110)
@@ -97,7 +105,7 @@ def _bar_width(steps: list[int]) -> float:
     return 0.8 * min(gaps) if gaps else 0.8
 
 
-def _plot_reward(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_reward(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     reward, passed = _series(flat, "reward_mean"), _series(flat, "pass_rate")
     if reward is None and passed is None:
         return
@@ -121,7 +129,7 @@ def _plot_reward(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "reward", paths)
 
 
-def _plot_domains(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_domains(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     domains = sorted({k[len("pass_rate/"):] for _, rec in flat for k in rec
                       if k.startswith("pass_rate/")})
     lines = [(d, s) for d in domains if (s := _series(flat, f"pass_rate/{d}")) is not None]
@@ -140,7 +148,7 @@ def _plot_domains(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "pass_rate_by_domain", paths)
 
 
-def _plot_staleness(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_staleness(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     counts: dict[int, float] = {}
     for _, rec in flat:
         for k, v in rec.items():
@@ -170,7 +178,7 @@ def _plot_staleness(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "staleness", paths)
 
 
-def _plot_time_split(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_time_split(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     parts = [(("rollout_wait_seconds", "wait_seconds"), "waiting for rollouts", _GREY),
              (("train_seconds",), "training (optimizer step)", _BLUE),
              (("sync_seconds",), "weight sync to the engine", _ORANGE)]
@@ -211,7 +219,7 @@ def _plot_time_split(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "time_split", paths)
 
 
-def _plot_throughput(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_throughput(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     lines = [(label, color, s) for key, label, color in
              (("rollout_tokens_per_s", "rollouts (generated tokens)", _GREEN),
               ("train_tokens_per_s", "training (trained tokens)", _BLUE))
@@ -233,7 +241,7 @@ def _plot_throughput(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "throughput", paths)
 
 
-def _plot_eval(flat: list, out_dir: Path, paths: dict[str, Path]) -> None:
+def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     overall = _series(flat, "eval/pass_rate")
     domains = sorted({k[len("eval/pass_rate/"):] for _, rec in flat for k in rec
                       if k.startswith("eval/pass_rate/")})

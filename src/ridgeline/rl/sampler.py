@@ -1,16 +1,34 @@
 """The order of a run's tasks: a seeded shuffle over a list (or a family `tasks(i)`),
 resumable from a checkpoint, and each episode's sampling seed as a function of where it
 is in that order (so a resumed run samples what the uninterrupted one would have).
-`scheduler.DomainScheduler` is the adaptive alternative with the same methods."""
+`TaskSampler` is the FIFO `protocols.TaskSource`; `scheduler.DomainScheduler` is the
+adaptive one (`protocols.AdaptiveTaskSource`)."""
 
 from __future__ import annotations
 
 import random
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Generic, Literal, TypeAlias, TypedDict
 
 from ridgeline.errors import RidgelineError
+from ridgeline.rl.protocols import TaskT
+
+if TYPE_CHECKING:
+    from ridgeline.rl.scheduler import DomainOrderState
+
+
+class ShuffledOrderState(TypedDict):
+    """`TaskSampler.state_dict()`: where the order is, and the draws to hand out again."""
+
+    kind: Literal["shuffled"]
+    seed: int
+    next: int
+    redo: list[int]
+
+
+#: A task source's checkpoint state (state.json's "sampler").
+SamplerState: TypeAlias = "ShuffledOrderState | DomainOrderState"
 
 
 def episode_seed(run_seed: int, draw: int, sample: int) -> int:
@@ -19,12 +37,13 @@ def episode_seed(run_seed: int, draw: int, sample: int) -> int:
     return (run_seed * 1_000_003 + draw * 1009 + sample) % (2**31 - 1)
 
 
-class TaskSampler:
+class TaskSampler(Generic[TaskT]):
     """Tasks in a seeded order: shuffled epochs over a list, or `tasks(i)` for a family
     that generates task `i`. Tracks which draws are not yet consumed by a train step, so
-    a checkpoint resumes with them first and then where the order left off."""
+    a checkpoint resumes with them first and then where the order left off. It does not
+    adapt to how groups went and never blocks, so it has none of the scheduler's hooks."""
 
-    def __init__(self, tasks: Sequence[Any] | Callable[[int], Any], seed: int = 0) -> None:
+    def __init__(self, tasks: Sequence[TaskT] | Callable[[int], TaskT], seed: int = 0) -> None:
         if not callable(tasks) and not tasks:
             raise RidgelineError("no tasks to train on",
                                  hint="check the task selection of the config")
@@ -35,7 +54,7 @@ class TaskSampler:
         self._redo: list[int] = []          # draws to hand out again (after a resume)
         self._pending: set[int] = set()     # handed out, not yet consumed
 
-    def task(self, draw: int) -> Any:
+    def task(self, draw: int) -> TaskT:
         if callable(self.tasks):
             return self.tasks(draw)
         n = len(self.tasks)
@@ -44,7 +63,7 @@ class TaskSampler:
         random.Random(self.seed * 7919 + epoch).shuffle(order)
         return self.tasks[order[pos]]
 
-    def draw(self) -> tuple[int, Any]:
+    def draw(self) -> tuple[int, TaskT]:
         with self._lock:
             if self._redo:
                 i = self._redo.pop(0)
@@ -58,30 +77,13 @@ class TaskSampler:
         with self._lock:
             self._pending.discard(draw)
 
-    def finished(self, draw: int, group: Any | None) -> None:
-        """The rollout of `draw` ended (`group` None: it raised); a shuffled order does
-        not adapt, the `DomainScheduler` does."""
-
-    def close(self) -> None:
-        """The run is ending (nothing blocks in `draw` here)."""
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def domain_report(self) -> dict[str, dict[str, float]]:
-        """A shuffled order keeps no per-domain state."""
-        return {}
-
-    def scale_weight(self, domain: str, factor: float) -> None:
-        """A shuffled order has no domain weights to scale."""
-
-    def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
+    def state_dict(self, exclude: Sequence[int] = ()) -> ShuffledOrderState:
         """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
         with self._lock:
             pending = sorted((self._pending | set(self._redo)) - set(exclude))
             return {"kind": "shuffled", "seed": self.seed, "next": self._next, "redo": pending}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: SamplerState) -> None:
         if state.get("kind", "shuffled") != "shuffled":
             raise RidgelineError(f"the checkpoint's task order is a {state['kind']} "
                                  "scheduler's, not a shuffled order",

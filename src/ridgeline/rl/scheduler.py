@@ -6,8 +6,8 @@ slow, hangs or fails cannot starve the others.
                             slots=8, group_size=4)
     loop = AsyncRLLoop(trainer, sched, rollout, worker, LoopConfig(rollout_threads=8))
 
-It is a drop-in for `TaskSampler` (`draw / finished / done / state_dict`); the loop tells
-it when a group finishes. What it decides:
+It is a `protocols.AdaptiveTaskSource`: a `TaskSource` like `TaskSampler` (`draw / done /
+state_dict`) that the loop also tells when a group finishes. What it decides:
 
 - **Shares.** Each domain (`task.domain`, e.g. the suite's categories) has a weight;
   starts are handed out by stride scheduling (each start advances the domain's virtual
@@ -39,15 +39,19 @@ import random
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Generic, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.rl.buffer import BufferClosed
-from ridgeline.rl.curriculum import Curriculum, CurriculumConfig
-from ridgeline.rl.rollouts import passed
+from ridgeline.rl.curriculum import Curriculum, CurriculumConfig, CurriculumState
+from ridgeline.rl.protocols import RLTask, TaskT
+from ridgeline.rl.rollouts import EpisodeGroup, passed
 from ridgeline.tasks.verifier import VerdictStatus
+
+if TYPE_CHECKING:
+    from ridgeline.rl.sampler import SamplerState
 
 _SCORED = (VerdictStatus.PASSED, VerdictStatus.FAILED)
 _NOT_SCORED = (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)
@@ -55,7 +59,8 @@ _NOT_SCORED = (VerdictStatus.INFRA_ERROR, VerdictStatus.UNSUPPORTED)
 DEFAULT_DOMAIN = "tasks"
 
 
-def task_domain(task: Any) -> str:
+def task_domain(task: RLTask) -> str:
+    """The task's `domain` attribute (a token task has none: the default domain)."""
     return str(getattr(task, "domain", "") or DEFAULT_DOMAIN)
 
 
@@ -88,26 +93,42 @@ class SchedulerConfig(BaseModel):
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
 
-def group_failed(group: Any) -> bool:
-    """No episode of the group could be used: every record masked by an infrastructure
+class DomainOrderState(TypedDict):
+    """`DomainScheduler.state_dict()`: the draws, the plan, the virtual times, the counts,
+    the durations, the curriculum and the random state."""
+
+    kind: Literal["domain"]
+    seed: int
+    next: int
+    redo: list[list[int | str]]     # [draw, task id]
+    plan: list[str]
+    vtime: dict[str, float]
+    counts: dict[str, list[int]]
+    duration: dict[str, float]
+    scale: dict[str, float]
+    vclock: float
+    curriculum: CurriculumState
+    rng: list[object]               # random.getstate(), as JSON
+
+
+def group_failed(group: EpisodeGroup | None) -> bool:
+    """No episode of the group could be used: every outcome masked by an infrastructure
     failure (infra_error, unsupported, unhealthy sandbox), or no group at all."""
     if group is None:
         return True
-    records = list(getattr(group, "records", []) or [])
-    if not records:
+    if not group.outcomes:
         return False
-    return all(getattr(r, "verdict", VerdictStatus.PASSED) in _NOT_SCORED
-               or not getattr(r, "healthy", True) for r in records)
+    return all(o.verdict in _NOT_SCORED or not o.healthy for o in group.outcomes)
 
 
-def _passes(group: Any) -> list[bool]:
+def _passes(group: EpisodeGroup) -> list[bool]:
     """Pass or not, for each graded episode of the group (`rollouts.passed`)."""
-    return [passed(r) for r in getattr(group, "records", []) or []
-            if getattr(r, "verdict", "") in _SCORED and getattr(r, "reward", None) is not None]
+    return [passed(o) for o in group.outcomes
+            if o.verdict in _SCORED and o.reward is not None]
 
 
-class _Domain:
-    def __init__(self, name: str, spec: DomainSpec, tasks: list[Any], window: int) -> None:
+class _Domain(Generic[TaskT]):
+    def __init__(self, name: str, spec: DomainSpec, tasks: list[TaskT], window: int) -> None:
         self.name = name
         self.spec = spec
         self.tasks = tasks
@@ -121,20 +142,21 @@ class _Domain:
         self.degraded = False
 
 
-class DomainScheduler:
-    def __init__(self, tasks: Sequence[Any], config: SchedulerConfig | None = None, *,
+class DomainScheduler(Generic[TaskT]):
+    """The adaptive task source: shares, isolation, curriculum and long episodes first
+    across task domains (the module docstring)."""
+
+    def __init__(self, tasks: Sequence[TaskT], config: SchedulerConfig | None = None, *,
                  slots: int, group_size: int = 1, seed: int = 0) -> None:
         if not tasks:
             raise RidgelineError("no tasks to train on",
                                  hint="check the task selection of the config")
         self.config = cfg = config or SchedulerConfig()
         self.seed = seed
-        self.group_size = group_size
-        self.slots = slots
         self._tasks = {str(t.id): t for t in tasks}
         if len(self._tasks) != len(tasks):
             raise ConfigError("two tasks share an id", hint="task ids must be unique")
-        by_domain: dict[str, list[Any]] = {}
+        by_domain: dict[str, list[TaskT]] = {}
         for t in tasks:
             by_domain.setdefault(task_domain(t), []).append(t)
         unknown = sorted(set(cfg.domains) - set(by_domain))
@@ -166,7 +188,7 @@ class DomainScheduler:
 
     # ---- the sampler interface (AsyncRLLoop) --------------------------------------------
 
-    def draw(self, timeout: float | None = None) -> tuple[int, Any]:
+    def draw(self, timeout: float | None = None) -> tuple[int, TaskT]:
         """The next (draw number, task): blocks while every domain that has work is at
         its cap. Raises BufferClosed once `close()` was called."""
         with self._cond:
@@ -180,7 +202,7 @@ class DomainScheduler:
                 if not self._cond.wait(timeout) and timeout is not None:
                     raise TimeoutError("no domain can start a group")
 
-    def finished(self, draw: int, group: Any | None) -> None:
+    def finished(self, draw: int, group: EpisodeGroup | None) -> None:
         """The rollout of `draw` ended (`group` None: it raised): its slot is free, and
         its outcome and time feed the domain's health, the curriculum and the durations."""
         with self._cond:
@@ -198,7 +220,7 @@ class DomainScheduler:
                           and n_failed / len(d.outcomes) >= self.config.failure_threshold)
             if group is not None and not failed:
                 self.curriculum.record(tid, _passes(group))
-                seconds = float(getattr(group, "seconds", 0.0) or 0.0)
+                seconds = group.seconds
                 if seconds > 0:
                     old = self._duration.get(tid)
                     a = self.config.duration_ema
@@ -225,13 +247,13 @@ class DomainScheduler:
 
     # ---- choosing -----------------------------------------------------------------------
 
-    def _cap(self, d: _Domain) -> int:
+    def _cap(self, d: _Domain[TaskT]) -> int:
         return 1 if d.degraded else d.cap
 
-    def _can_start(self, d: _Domain) -> bool:
+    def _can_start(self, d: _Domain[TaskT]) -> bool:
         return d.in_flight < self._cap(d)
 
-    def _pick(self) -> tuple[int, Any] | None:
+    def _pick(self) -> tuple[int, TaskT] | None:
         """Under the lock: hand out a redo, else the longest eligible planned task, else
         plan more; None when no domain with work has a free slot."""
         for k, (draw, tid) in enumerate(self._redo):
@@ -266,7 +288,7 @@ class DomainScheduler:
             or list(self._duration.values())
         return sum(known) / len(known) if known else 0.0
 
-    def _hand_out(self, draw: int, tid: str) -> tuple[int, Any]:
+    def _hand_out(self, draw: int, tid: str) -> tuple[int, TaskT]:
         d = self._domain_of[tid]
         d.in_flight += 1
         d.started += 1
@@ -274,13 +296,13 @@ class DomainScheduler:
         self._running[draw] = tid
         return draw, self._tasks[tid]
 
-    def _candidates(self, d: _Domain) -> list[tuple[Any, float]]:
+    def _candidates(self, d: _Domain[TaskT]) -> list[tuple[TaskT, float]]:
         """Tasks of `d` not resting, with their curriculum weights."""
         cur = self.curriculum
         return [(t, cur.weight(t.id)) for t in d.tasks if not cur.resting(t.id)]
 
-    def effective_weight(self, d: _Domain, candidates: list[tuple[Any, float]] | None = None
-                         ) -> float:
+    def effective_weight(self, d: _Domain[TaskT],
+                         candidates: list[tuple[TaskT, float]] | None = None) -> float:
         cands = self._candidates(d) if candidates is None else candidates
         if not cands:
             return 0.0
@@ -341,7 +363,7 @@ class DomainScheduler:
             out["sched/in_flight"] = float(sum(d.in_flight for d in self.domains.values()))
         return out
 
-    def state_dict(self, exclude: Sequence[int] = ()) -> dict[str, Any]:
+    def state_dict(self, exclude: Sequence[int] = ()) -> DomainOrderState:
         """`exclude`: draws whose groups are saved elsewhere (finished, in the buffer)."""
         with self._cond:
             skip = set(exclude)
@@ -357,7 +379,7 @@ class DomainScheduler:
                     "curriculum": self.curriculum.state_dict(),
                     "rng": [state[0], list(state[1]), state[2]]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: SamplerState) -> None:
         if state.get("kind") != "domain":
             raise ConfigError("the checkpoint's task order is not a domain scheduler's",
                               hint="resume with the scheduler setting the run started with")

@@ -20,38 +20,26 @@ used (the filter masks it).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 from ridgeline.errors import ModelEndpointError
 from ridgeline.llm.base import Completion, ContextLengthError, Message, Sampling, ToolSpec
 from ridgeline.llm.chat_template import continuation_ids, encode_chat
+from ridgeline.rl.protocols import TokenGenerator, Tokenizer
 from ridgeline.rl.tokens import TokenEpisode
 
 HISTORY_REWRITTEN = "history_rewritten"
 NO_TOKEN_RECORD = "no_token_record"
 
 
-class TokenGenerator(Protocol):
-    """Token-in generation: `EngineClient` (in-process) and `OpenAIClient` have it."""
-
-    name: str
-    context_window: int
-
-    def complete_ids(self, prompt_ids: list[int], sampling: Sampling | None = None,
-                     tools: list[ToolSpec] | None = None) -> Completion: ...
-
-
 class TokenChat:
     """One episode's model: `chat(messages)` as a `ChatModel`, recording `episode`."""
 
-    def __init__(self, generator: TokenGenerator, tokenizer: Any, *, group: str = "",
+    def __init__(self, generator: TokenGenerator, tokenizer: Tokenizer, *,
                  sampling: Sampling | None = None, version: int = 0) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
         self.name = generator.name
         self.context_window = generator.context_window
         self.supports_tools = bool(getattr(generator, "supports_tools", False))
-        self.group = group
         # RL samples from the policy: these settings replace the agent's (temperature,
         # max_tokens, seed) but keep its stop strings (the action closers).
         self.sampling = sampling
@@ -87,7 +75,7 @@ class TokenChat:
         if self.episode is None:
             ids = encode_chat(self.tokenizer, messages, tools)
             self._check_room(len(ids))
-            self.episode = TokenEpisode.start(ids, group=self.group)
+            self.episode = TokenEpisode.start(ids)
             prompt = ids
         elif self.rewritten is None and self._extends(messages):
             added = continuation_ids(self.tokenizer, messages[len(self._seen) + 1:],

@@ -20,18 +20,17 @@ from ridgeline.errors import ConfigError
 
 @dataclass
 class TokenEpisode:
-    """One episode as the engine saw it."""
+    """The tokens of one episode as the engine sampled them: what the trainer trains on
+    (its grade is the `filters.EpisodeOutcome` that carries it)."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)         # 1: sampled by the policy
     behaviour_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
     versions: list[int] = field(default_factory=list)          # -1 where mask is 0
-    reward: float | None = None                                # None: masked (never 0)
-    group: str = ""                                            # GRPO group (task id)
 
     @classmethod
-    def start(cls, prompt_ids: list[int], group: str = "") -> TokenEpisode:
-        ep = cls(group=group)
+    def start(cls, prompt_ids: list[int]) -> TokenEpisode:
+        ep = cls()
         ep.add_context(prompt_ids)
         return ep
 
@@ -78,7 +77,8 @@ class TokenBatch:
                               hint="pass one advantage per episode, at least one episode")
         width = max(len(e.token_ids) for e in episodes)
 
-        def pad(rows: list[list], value, dtype) -> torch.Tensor:
+        def pad(rows: list[list[int]] | list[list[float]], value: float,
+                dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
         return cls(

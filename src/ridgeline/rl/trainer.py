@@ -9,7 +9,7 @@ takes one AdamW step (gradient accumulation over
 micro-batches, gradient-norm clipping, optional bfloat16 autocast: this CPU has
 AVX512_BF16). `sync(worker)` copies the weights into the engine between two of its
 steps (`EngineWorker.update_weights`, which drops the prefix cache and stamps new tokens
-with the new version) and times it.
+with the new version; any `protocols.WeightsSink`) and times it.
 
 The model is a `policy.Policy` (`load_policy`: the engine's own weights, optionally with
 LoRA adapters; sync sends `Policy.engine_weights()`, the merged adapted tensors only with
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ridgeline.errors import ConfigError
 from ridgeline.rl.losses import policy_loss, token_logprobs
 from ridgeline.rl.policy import Policy, named_tensor_bytes
+from ridgeline.rl.protocols import WeightsSink
 from ridgeline.rl.tokens import TokenBatch
 
 
@@ -60,7 +61,19 @@ class TrainerConfig(BaseModel):
                                "behaviour logprobs recorded with logprobs_mode='tempered'")
 
 
+class TrainerState(TypedDict):
+    """A trainer's checkpoint state: the model's (LoRA: the adapters'), AdamW's, the
+    weights version and the steps taken."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, object]
+    version: int
+    num_steps: int
+
+
 class PolicyTrainer:
+    """The in-process `protocols.ResumableTrainer`."""
+
     def __init__(self, model: torch.nn.Module | Policy, config: TrainerConfig | None = None,
                  reference: torch.nn.Module | None = None) -> None:
         if isinstance(model, Policy):
@@ -82,7 +95,7 @@ class PolicyTrainer:
         self.version = 0            # the weights version; the engine's after each sync
         self.num_steps = 0
 
-    def _autocast(self) -> Any:
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
         if self.config.dtype == "bfloat16":
             return torch.autocast("cpu", dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -189,7 +202,7 @@ class PolicyTrainer:
                 sums[k] = sums.get(k, 0.0) + float(v) * tokens
         return sums, total_tokens
 
-    def sync(self, worker: Any) -> dict[str, float]:
+    def sync(self, sink: WeightsSink) -> dict[str, float]:
         """Copy the weights into the engine (between two of its steps) as a new version:
         `Policy.engine_weights()` (LoRA: the merged adapted tensors only), or a plain
         module's `named_parameters()`. `sync_seconds` includes the LoRA merge
@@ -202,7 +215,7 @@ class PolicyTrainer:
             else:
                 tensors = [(name, p.detach()) for name, p in self.model.named_parameters()]
             t1 = time.perf_counter()
-            worker.update_weights(tensors, version=self.version)
+            sink.update_weights(tensors, version=self.version)
         t2 = time.perf_counter()
         return {"sync_seconds": t2 - t0, "sync_merge_seconds": t1 - t0,
                 "sync_tensors": float(len(tensors)),
@@ -218,13 +231,13 @@ class PolicyTrainer:
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         return {k: v for k, v in state.items() if k in trainable}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> TrainerState:
         """A copy (not views of the live tensors: AdamW keeps updating those)."""
         return copy.deepcopy({"model": self._model_state(),
                               "optimizer": self.optimizer.state_dict(),
                               "version": self.version, "num_steps": self.num_steps})
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: TrainerState) -> None:
         state = copy.deepcopy(state)  # loading on CPU would alias the given tensors
         if self.policy is None:
             self.model.load_state_dict(state["model"])
@@ -251,7 +264,8 @@ class PolicyTrainer:
                                    or self.policy.lora is None)
 
 
-def _decoder_and_head(model: torch.nn.Module) -> tuple[Any, Any] | None:
+def _decoder_and_head(model: torch.nn.Module
+                      ) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     """The transformer body and the LM head of a causal LM (through a peft wrapper: its
     LoRA layers sit inside the body), or None when the model does not expose them."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -21,13 +21,13 @@ import httpx
 import openai
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ridgeline.engine import LLM, LLMEngine, SamplingParams
 from ridgeline.serve.app import ServerThread, create_app
 from ridgeline.errors import ConfigError
 from ridgeline.llm import ContextLengthError, Message, OpenAIClient, Sampling, ToolSpec
+from tests.helpers.engine_fixtures import char_tokenizer
 
 EOS = 2
 CALL_PIECES = ["<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": ',
@@ -42,16 +42,9 @@ MAX_LEN = 2048
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character, <unk> <s> </s>, and the pieces of the
-    scripted tool call as added tokens."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": EOS}
-    for c in [chr(i) for i in range(32, 127)] + ["\n"]:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    """The character tokenizer of the engine fixtures (</s> is EOS), with the pieces of the
+    scripted tool call as added tokens and this module's chat template."""
+    fast = char_tokenizer()
     fast.add_tokens(CALL_PIECES)
     fast.chat_template = CHAT_TEMPLATE
     return fast

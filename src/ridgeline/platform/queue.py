@@ -28,6 +28,7 @@ States: queued (waiting, possibly delayed), leased, done, dead, cancelled.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib.resources
 import json
@@ -193,7 +194,7 @@ def _dump_payload(payload: dict[str, Any]) -> str:
         raise TypeError(f"job payload is not JSON-serialisable: {e}") from None
 
 
-class _QueueBase:
+class _QueueBase(abc.ABC):
     """What both backends share: argument checks and `wait_s` (poll, woken early by an
     enqueue in this process)."""
 
@@ -252,11 +253,12 @@ class _QueueBase:
             with self._wake:
                 self._wake.wait(min(self.config.poll_s, remaining))
 
+    @abc.abstractmethod
     def _try_lease(self, worker: str, kinds: list[str] | None, lease_s: float) -> Job | None:
-        raise NotImplementedError
+        """One attempt to lease a job (None: nothing ready); `lease` polls it."""
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def close(self) -> None: ...
 
     def __enter__(self) -> _QueueBase:
         return self

@@ -4,16 +4,14 @@ waiting ones. When the pool runs out, the newest running sequence is preempted: 
 blocks are freed and it is recomputed later (its full blocks usually survive in the
 prefix cache, so recomputation is cheap).
 
-After the forward pass `update_from_output` is where a step's results land: the scheduler
-advances `num_computed_tokens`, appends the sampled tokens and finishes the sequences they
-stop (`OutputProcessor` then detokenizes, checks stop strings and builds the outputs).
-
 The scheduler owns each sequence's KV slots and `num_computed_tokens`. After a step the
 speculator plans how many tokens a decoding sequence will propose (`seq.num_lookahead`);
 `schedule()` reserves their slots with the step's own from the budget left after
-admissions (when the pool is short the sequence just decodes), and `update_from_output`
-advances every sequence by what was computed and kept, giving back the slots of rejected
-or unused proposals."""
+admissions (when the pool is short the sequence just decodes). `update_from_output` is
+where a step's results land: it advances every sequence by what was computed and kept,
+gives back the slots of rejected or unused proposals, appends the sampled tokens and
+finishes the sequences they stop (`OutputProcessor` then detokenizes, checks stop strings
+and builds the outputs)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """`ridgeline train --config FILE [--resume]`: an RL run with a progress bar per step;
-metrics, TensorBoard events, plots and checkpoints under the run directory."""
+`ridgeline sft --config FILE [--resume]`: supervised fine-tuning on agent episodes.
+Metrics, TensorBoard events, plots and checkpoints under the run directory."""
 
 from __future__ import annotations
 
@@ -58,5 +59,41 @@ def train_command(
                   f"{result.run_dir / 'checkpoint'})")
 
 
+def sft_command(
+    config: Path = typer.Option(..., "--config", "-c", help="SFT config (YAML or JSON)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run directory (overrides the config's `out`)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary at the end, no progress output."),
+) -> None:
+    """Supervised fine-tuning on agent episodes (oracle solutions, episode files,
+    rejection sampling), in the token format RL samples."""
+    from ridgeline.rl.sft import load_sft_config, sft
+
+    cfg = load_sft_config(config)
+    if out is not None:
+        cfg = cfg.model_copy(update={"out": out})
+    with console.status("SFT: quality checks and oracle episodes", spinner="dots") as status:
+        def on_step(step: int, metrics: dict) -> None:
+            status.update(f"SFT step {step + 1}: nll {metrics['sft/nll']:.3f} on "
+                          f"{int(metrics['policy_tokens'])} tokens")
+
+        result = sft(cfg, resume=resume, on_step=None if as_json else on_step)
+    summary = {"run_dir": str(result.run_dir), "steps_done": result.steps_done,
+               "episodes": result.episodes, "excluded_tasks": result.excluded}
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    last = result.history[-1] if result.history else {}
+    console.print(f"[bold]{result.steps_done} steps[/] in {result.run_dir} on "
+                  + ", ".join(f"{n} {k} episodes" for k, n in result.episodes.items())
+                  + (f"; last nll {last['sft/nll']:.3f}" if "sft/nll" in last else ""))
+    if result.excluded:
+        console.print(f"{len(result.excluded)} tasks gave no episode "
+                      f"(see {result.run_dir / 'excluded_tasks.json'})")
+    console.print(f"checkpoint: {result.run_dir / 'checkpoint'}  (RL from it: policy.model "
+                  f"{result.run_dir}; ridgeline eval --model {result.run_dir})")
+
+
 def register(app: typer.Typer) -> None:
     app.command("train")(train_command)
+    app.command("sft")(sft_command)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -32,11 +33,35 @@ def _engine_field(name: str) -> FieldInfo:
     return copy.copy(EngineConfig.model_fields[name])
 
 
+class FamilySelection(BaseModel):
+    """Tasks generated from built-in task families (`ridgeline tasks families`): the
+    instances of seeds `seed` .. `seed + instances - 1` of each family named, or of every
+    family of `split`; each quality-checked when generated, failures left out."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    split: Literal["train", "heldout"] | None = Field(None, description="every family of "
+                                                      "this split (with names: a check)")
+    names: list[str] = Field(default_factory=list, description="families by name")
+    instances: int = Field(8, ge=1, description="instances per family")
+    seed: int = Field(0, ge=0, description="the first instance's seed")
+
+    @model_validator(mode="after")
+    def _some(self) -> "FamilySelection":
+        if not self.names and self.split is None:
+            raise ValueError("name the families (names) or a split ('train' or 'heldout')")
+        return self
+
+
 class TaskSelection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field("builtin", description="'builtin', a task or suite dir, or 'shift' "
                         "(the token-level digit family, for quick experiments)")
+    families: FamilySelection | None = Field(None, description="train on generated family "
+                                             "instances (instead of source and ids)")
+    eval_families: FamilySelection | None = Field(None, description="held-out tasks generated "
+                                                  "from families (instead of eval_ids)")
     ids: list[str] = Field(default_factory=list, description="training tasks (empty: all)")
     eval_ids: list[str] = Field(default_factory=list, description="held-out tasks, "
                                 "evaluated before training, every `eval_every` steps and at the end")

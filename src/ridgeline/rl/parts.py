@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ridgeline.errors import ConfigError
 from ridgeline.llm.base import Sampling
-from ridgeline.rl.config import TaskSelection, TrainConfig
+from ridgeline.rl.config import FamilySelection, RolloutSettings, TaskSelection, TrainConfig
 from ridgeline.rl.policy import Policy, load_policy
 from ridgeline.rl.protocols import (
     CheckpointPolicy, GroupRollout, MetricsSource, ResumableTrainer, RLTask, TaskSource,
@@ -34,6 +34,7 @@ from ridgeline.rl.scheduler import DomainScheduler
 from ridgeline.rl.trainer import PolicyTrainer
 
 if TYPE_CHECKING:
+    from ridgeline.agent import AgentConfig
     from ridgeline.engine import LLM
     from ridgeline.llm.router import WeightFanout
     from ridgeline.tasks import Task
@@ -81,25 +82,22 @@ class RunParts:
 
 def select_tasks(cfg: TrainConfig) -> RunTasks:
     """The token family, or the terminal tasks of the selection (quality-checked), the
-    held-out ones apart; the task source over the training tasks."""
-    if cfg.tasks.source == "shift":
+    held-out ones apart; the task source over the training tasks. Family instances are
+    generated under `out/tasks/` (and checked as they are generated)."""
+    sel = cfg.tasks
+    if sel.source == "shift":
         if cfg.engine.url:
             raise ConfigError("the token family 'shift' runs on the in-process engine only",
                               hint="remove engine.url, or train on terminal tasks")
         return RunTasks(make_sampler(cfg, None))
-    suite = _terminal_tasks(cfg.tasks)
-    tasks = _pick(suite, cfg.tasks.ids, cfg.tasks.source) if cfg.tasks.ids \
-        else list(suite.values())
-    excluded: dict[str, str] = {}
-    if cfg.tasks.check:
-        tasks, excluded = quality_checked(tasks, cfg.rollout.backend, cfg.tasks.check_runs)
-        for tid, why in excluded.items():
-            log.warning("task %s left out: %s", tid, why)
-        if not tasks:
-            raise ConfigError("every training task failed its quality check: "
-                              + "; ".join(f"{k}: {v}" for k, v in list(excluded.items())[:3]),
-                              hint="`ridgeline tasks check` shows why; fix or pick other tasks")
-    held_out = _pick(suite, cfg.tasks.eval_ids, cfg.tasks.source)
+    tasks, excluded = training_tasks(sel, cfg.out, cfg.rollout.backend)
+    if sel.eval_families is not None:
+        held_out, eval_excluded = family_tasks(sel.eval_families, cfg.out / "tasks" / "heldout",
+                                               cfg.rollout.backend)
+        for tid, why in eval_excluded.items():
+            log.warning("held-out task %s left out: %s", tid, why)
+    else:
+        held_out = _pick(_terminal_tasks(sel), sel.eval_ids, sel.source) if sel.eval_ids else []
     overlap = {t.id for t in tasks} & {t.id for t in held_out}
     if overlap:
         raise ConfigError(f"tasks both trained on and held out: {', '.join(sorted(overlap))}",
@@ -107,8 +105,48 @@ def select_tasks(cfg: TrainConfig) -> RunTasks:
     return RunTasks(make_sampler(cfg, tasks), held_out, excluded)
 
 
+def training_tasks(sel: TaskSelection, out: Path, backend: str
+                   ) -> tuple[list[Task], dict[str, str]]:
+    """The selection's training tasks that passed their quality check (generated family
+    instances under `out/tasks/train`, or tasks of `source`), and those left out -> why.
+    `ConfigError` when none is left."""
+    if sel.families is not None:
+        tasks, excluded = family_tasks(sel.families, out / "tasks" / "train", backend)
+    else:
+        suite = _terminal_tasks(sel)
+        tasks = _pick(suite, sel.ids, sel.source) if sel.ids else list(suite.values())
+        excluded = {}
+        if sel.check:
+            tasks, excluded = quality_checked(tasks, backend, sel.check_runs)
+    for tid, why in excluded.items():
+        log.warning("task %s left out: %s", tid, why)
+    if not tasks:
+        raise ConfigError("every training task failed its quality check: "
+                          + "; ".join(f"{k}: {v}" for k, v in list(excluded.items())[:3]),
+                          hint="`ridgeline tasks check` shows why; fix or pick other tasks")
+    return tasks, excluded
+
+
+def family_tasks(sel: FamilySelection, root: Path, backend: str
+                 ) -> tuple[list[Task], dict[str, str]]:
+    """The instances `sel` names, generated under `root` and quality-checked (oracle
+    passes, untouched workspace fails); those that fail: id -> why."""
+    from ridgeline.tasks.families import families, generate, get_family
+    from ridgeline.tasks.loader import load_task
+
+    fams = [get_family(n) for n in sel.names] if sel.names else families(sel.split)
+    wrong = [f.name for f in fams if sel.split is not None and f.split != sel.split]
+    if wrong:
+        raise ConfigError(f"families not of the {sel.split} split: {', '.join(wrong)}",
+                          hint="`ridgeline tasks families` shows each family's split")
+    gen = generate(fams, range(sel.seed, sel.seed + sel.instances), root, backend=backend,
+                   concurrency=2)
+    excluded = {name: "; ".join(reasons)[:300] for name, reasons in gen.excluded.items()}
+    return [load_task(d) for d in gen.tasks], excluded
+
+
 def _terminal_tasks(sel: TaskSelection) -> dict[str, Task]:
-    """The suite the selection names, by id (loaded once for both splits)."""
+    """The suite the selection names, by id."""
     from ridgeline.tasks import load_tasks
     from ridgeline.tasks.loader import builtin_suite_dir
 
@@ -164,6 +202,15 @@ def make_trainer(cfg: TrainConfig, policy: Policy) -> PolicyTrainer:
         update={"temperature": cfg.rollout.temperature}))
 
 
+def rollout_agent_config(r: RolloutSettings) -> AgentConfig:
+    """The agent's config in rollouts, and in SFT's oracle episodes: the prompts are the
+    same, so SFT trains on the token format RL samples."""
+    from ridgeline.agent import AgentConfig
+    from ridgeline.rl.agent_rollout import rl_agent_config
+
+    return rl_agent_config(AgentConfig(step_limit=r.step_limit))
+
+
 def make_rollout(cfg: TrainConfig, llm: LLM | None, generator: TokenGenerator | None,
                  tokenizer: Tokenizer | None
                  ) -> tuple[GroupRollout[Any], SandboxVerifier | None]:
@@ -178,14 +225,13 @@ def make_rollout(cfg: TrainConfig, llm: LLM | None, generator: TokenGenerator | 
         verifier = SandboxVerifier(SHIFT_VERIFIER)
         return TokenTaskRollout(llm, verifier, max_tokens=DIGITS,
                                 temperature=r.temperature), verifier
-    from ridgeline.agent import AgentConfig
     from ridgeline.rl.agent_rollout import AgentRollout
 
     if tokenizer is None or generator is None:
         raise ConfigError(f"model {cfg.policy.model!r} has no tokenizer, so the agent "
                           "cannot talk to it", hint="use a model directory with tokenizer files")
     return AgentRollout(
-        generator, tokenizer, AgentConfig(step_limit=r.step_limit),
+        generator, tokenizer, rollout_agent_config(r),
         Sampling(temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
                  logprobs_mode="tempered"),
         backend=r.backend), None

@@ -152,6 +152,44 @@ class PolicyTrainer:
             out["grad_norm"] = grad_norm
         return out
 
+    def supervised_step(self, batch: TokenBatch) -> dict[str, float]:
+        """One optimizer step of supervised fine-tuning: the mean negative log-likelihood
+        of the policy tokens (`loss_mask`) over the whole batch, micro-batched like
+        `step`; the advantages and behaviour logprobs of the batch are not used. The
+        logprobs are at the trainer's temperature (1 for SFT: the plain distribution)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = float(batch.loss_mask.sum())
+        if total_tokens == 0:
+            raise ConfigError("an SFT batch without a single policy token",
+                              hint="every SFT episode needs at least one reply token")
+        nll_sum = 0.0
+        correct = 0.0
+        for start in range(0, len(batch), cfg.micro_batch_size):
+            mb = batch.rows(slice(start, start + cfg.micro_batch_size))
+            if float(mb.loss_mask.sum()) == 0:
+                continue
+            logp, _ = self.logprobs(mb)
+            nll = -(logp * mb.loss_mask).sum()
+            (nll / total_tokens).backward()
+            nll_sum += float(nll.detach())
+            # a token the policy already ranks above 1/2 is one greedy decoding would pick
+            correct += float(((logp.detach() > -0.6931) * mb.loss_mask).sum())
+        grad_norm = None
+        if cfg.grad_clip is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_steps += 1
+        out = {"sft/nll": nll_sum / total_tokens,
+               "sft/token_prob_above_half": correct / total_tokens,
+               "train_seconds": time.perf_counter() - t0, "policy_tokens": total_tokens}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm
+        return out
+
     def gradient(self, batch: TokenBatch) -> torch.Tensor:
         """The loss gradient of `batch` over the trainable parameters, flattened (float32),
         without a step: for comparing the directions different data pull in."""

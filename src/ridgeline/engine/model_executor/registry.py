@@ -63,11 +63,23 @@ def _describe_hf_dir(path: Path) -> str | None:
            f"{cfg.get('num_hidden_layers', '?')} layers"
 
 
+def _is_model_config(path: Path) -> bool:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "model_type" in cfg
+
+
 def _entry_for_path(name: str, path: Path) -> ModelEntry | None:
     if path.is_file() and path.suffix == ".gguf":
         size = path.stat().st_size / 2**20
         return ModelEntry(name, path, "gguf", f"GGUF, {size:.0f} MiB")
     if path.is_dir():
+        if (path / "checkpoint" / "config.json").is_file() and not _is_model_config(path):
+            # a training run's directory (`ridgeline train`/`sft`; its config.json is the
+            # run's) stands for its latest checkpoint, a Hugging Face directory
+            return _entry_for_path(name, path / "checkpoint")
         if (path / "config.json").is_file():
             return ModelEntry(name, path, "hf", _describe_hf_dir(path) or "HF directory")
         ggufs = sorted(path.glob("*.gguf"))

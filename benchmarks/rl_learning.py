@@ -1,94 +1,212 @@
-"""Does RL make the default model a better agent? SmolLM2-135M-Instruct trained with the
-whole pipeline (`ridgeline train`: agentic rollouts in task sandboxes, async buffer,
-GRPO, trainer, weight sync) on a training split of one- and two-command shell tasks, and
-evaluated before and after on a held-out split of *different* tasks with the same
-sampling.
+"""Does training make the default model a better agent on tasks it has never seen?
+SmolLM2-135M-Instruct, per seed: the base model, SFT on oracle episodes of the training
+families (`ridgeline sft`), then RL from the SFT checkpoint on fresh instances of the
+training families (`ridgeline train`), each evaluated with `ridgeline eval`'s code on
+the held-out families with the same sampling.
 
-    .venv/bin/python benchmarks/rl_learning.py --json [--minutes 60] [--out runs/rl-learning]
+    .venv/bin/python benchmarks/rl_learning.py --json [--seeds 0 1 2] [--minutes 60]
 
-Prints one JSON object: held-out pass rate before and after (and per task), the training
-reward curve, steps, wall time; the run directory holds metrics.jsonl, TensorBoard
-events, the checkpoint and plots (reward.png is the learning curve, eval.png the
-held-out pass rate). Goal: +15 points absolute on the held-out split within 1 hour.
+What is held out: whole task families (`ridgeline tasks families`, split `heldout`),
+not instances of trained templates. Their instructions state the goal only (never the
+command), and each exercises a skill of the training families with another goal
+(training counts lines of a kind, held-out finds the longest line; training sorts
+numbers, held-out takes a median; ...). The held-out instances use their own seeds.
+
+Prints one JSON object: `heldout_pass_rate` {base, sft, sft_rl} (means over seeds,
+0-1), `gain_points_sft_rl_over_base`, `gain_points_sft_rl_over_sft`, per seed each
+evaluation's pass@1 with its 95% bootstrap interval over tasks, infrastructure errors
+apart, `checkpoints` (each seed's final RL checkpoint), `peak_rss_gb` of this process,
+minutes per seed and the machine. Plots (held-out pass rates with intervals, SFT loss,
+RL reward) go to OUT/plots/. Goal (issue 27): SFT+RL >= base + 25 points and >= SFT + 5
+points on every seed, within 1 hour of CPU per seed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from bench_common import machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
 
+from ridgeline.eval.runner import EvalConfig, run_eval  # noqa: E402
+from ridgeline.llm.base import Sampling  # noqa: E402
+from ridgeline.rl.config import FamilySelection, RolloutSettings  # noqa: E402
+from ridgeline.rl.parts import family_tasks, rollout_agent_config  # noqa: E402
 from ridgeline.rl.run import TrainConfig, train  # noqa: E402
+from ridgeline.rl.sft import SFTConfig, sft  # noqa: E402
+from ridgeline.tasks import VerdictStatus  # noqa: E402
+from ridgeline.tasks.families import families  # noqa: E402
 
-# Two splits of the built-in shell-basics family by task, not by instance: the held-out
-# tasks are different tasks exercising the same skills (files, text tools, directories,
-# links, counting). At temperature 1 the base model passes ~1-4% of these (measured while
-# they were written), so rollouts sample at 0.7 (tempered behaviour logprobs).
-TRAIN_IDS = [
-    "sh-write-greeting", "sh-append-line", "sh-nested-dirs", "sh-copy-file", "sh-move-file",
-    "sh-count-lines", "sh-sort-lines", "sh-head-lines", "sh-grep-errors", "sh-sed-replace",
-    "sh-make-executable", "sh-symlink-file", "sh-find-py-files", "sh-sum-numbers",
-    "sh-cut-names", "sh-tar-archive", "sh-delete-file", "sh-env-home", "sh-chmod-and-run",
-    "sh-concat-files", "sh-cut-shells", "sh-delete-tmp-files", "sh-lowercase",
-    "sh-mkdir-and-file", "sh-pwd-file", "sh-unique-lines",
-]
-EVAL_IDS = [
-    "sh-write-three-lines", "sh-append-status", "sh-make-two-dirs", "sh-copy-dir",
-    "sh-rename-file", "sh-count-words", "sh-sort-numbers", "sh-tail-lines",
-    "sh-grep-count", "sh-sed-template", "sh-symlink-dir", "sh-count-csv-files",
-]
+# One sampling for every rollout and evaluation: at temperature 0.7 the base model still
+# writes parseable actions; top_p 1 keeps RL's behaviour logprobs exact.
+TEMPERATURE = 0.7
+ROLLOUT = RolloutSettings(temperature=TEMPERATURE, max_tokens=192, step_limit=4)
+HELDOUT_SEED = 10_000      # held-out instances: seeds 10000.. (training uses 0..)
 
 
-def config(out: Path, minutes: float, seed: int) -> TrainConfig:
-    return TrainConfig.model_validate({
-        "policy": {"model": "default"},
-        "tasks": {"source": "builtin", "ids": TRAIN_IDS, "eval_ids": EVAL_IDS},
-        "steps": 1000, "time_limit_s": minutes * 60, "seed": seed, "out": str(out),
-        "checkpoint_every": 10, "eval_samples": 4,
-        # bf16 autocast (AVX512_BF16); a small learning rate for a full fine-tune
-        "trainer": {"lr": 5e-6, "micro_batch_size": 4, "dtype": "bfloat16",
-                    "grad_clip": 1.0},
-        # an episode cut off by the step limit is still graded by the task's tests
-        "loop": {"group_size": 4, "batch_groups": 2, "eta": 1, "rollout_threads": 2,
+def heldout_tasks(root: Path, instances: int) -> Path:
+    """Every held-out family's instances, generated and quality-checked once."""
+    tasks, excluded = family_tasks(FamilySelection(split="heldout", instances=instances,
+                                                   seed=HELDOUT_SEED), root, ROLLOUT.backend)
+    if excluded:
+        print(json.dumps({"heldout_excluded": excluded}))
+    return root
+
+
+def evaluate(model: str, tasks_dir: Path, out: Path, seed: int, samples: int) -> dict[str, Any]:
+    # the agent as rollouts run it (RL's prompts and limits), sampling as in training
+    agent = rollout_agent_config(ROLLOUT).model_copy(update={"sampling": Sampling(
+        temperature=TEMPERATURE, top_p=1.0, max_tokens=ROLLOUT.max_tokens, seed=seed)})
+    run = run_eval(EvalConfig(tasks=str(tasks_dir), model=model, samples=samples,
+                              concurrency=8, out=out, backend=ROLLOUT.backend,
+                              agent_config=agent))
+    s = run.summary
+    return {"pass_rate": s.pass_rate, "pass_at_1_ci95": s.pass_at_1_ci95,
+            "episodes": s.n_episodes, "scored": s.n_scored, "infra_errors": s.n_infra_error,
+            "per_family": _per_family(run.results), "dir": str(out)}
+
+
+def _per_family(results: list[Any]) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for r in results:
+        if r.scored:
+            by.setdefault(r.task_id.rsplit("-", 1)[0], []).append(
+                r.status is VerdictStatus.PASSED)
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}
+
+
+def run_seed(seed: int, out: Path, heldout: Path, minutes: float, args: argparse.Namespace,
+             log: Any) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {"seed": seed}
+    log(f"seed {seed}: base model on the held-out families")
+    res["base"] = evaluate("default", heldout, out / "eval-base", seed, args.samples)
+    log(f"seed {seed}: base {res['base']['pass_rate']:.3f}; SFT")
+    sft_cfg = SFTConfig.model_validate({
+        "tasks": {"families": {"split": "train", "instances": args.sft_instances,
+                               "seed": 0}},
+        "epochs": args.sft_epochs, "batch_size": 8, "seed": seed, "out": str(out / "sft"),
+        "trainer": {"lr": args.sft_lr, "micro_batch_size": 4},
+        "rollout": ROLLOUT.model_dump(), "checkpoint_every": 50})
+    s = sft(sft_cfg)
+    res["sft_steps"] = s.steps_done
+    res["sft_episodes"] = s.episodes
+    res["sft"] = evaluate(str(out / "sft"), heldout, out / "eval-sft", seed, args.samples)
+    log(f"seed {seed}: SFT {res['sft']['pass_rate']:.3f}; RL from it")
+    used = (time.perf_counter() - t0) / 60
+    # RL gets what is left of the hour, minus room for the last evaluation
+    rl_minutes = max(1.0, minutes - used - args.eval_minutes)
+    rl_cfg = TrainConfig.model_validate({
+        "policy": {"model": str(out / "sft")},
+        # fresh instances of the training families (SFT saw seeds 0..n-1)
+        "tasks": {"families": {"split": "train", "instances": args.rl_instances,
+                               "seed": 1000}},
+        "steps": 10_000, "time_limit_s": rl_minutes * 60, "seed": seed,
+        "out": str(out / "rl"), "checkpoint_every": 10,
+        "trainer": {"lr": args.rl_lr, "micro_batch_size": 4, "grad_clip": 1.0},
+        "loop": {"group_size": 4, "batch_groups": 4, "eta": 1, "rollout_threads": 2,
                  "filters": {"limit_policy": "score"}},
-        "rollout": {"temperature": 0.7, "max_tokens": 128, "step_limit": 4},
-        "engine": {"max_num_seqs": 32},
-    })
+        "rollout": ROLLOUT.model_dump(), "engine": {"max_num_seqs": 32}})
+    r = train(rl_cfg)
+    res["rl_steps"] = r.steps_done
+    res["rl_reward"] = [m.get("reward_mean") for m in r.history]
+    res["sft_rl"] = evaluate(str(out / "rl"), heldout, out / "eval-sft-rl", seed, args.samples)
+    res["checkpoint"] = str(out / "rl" / "checkpoint")
+    res["minutes"] = round((time.perf_counter() - t0) / 60, 1)
+    log(f"seed {seed}: SFT+RL {res['sft_rl']['pass_rate']:.3f} after {r.steps_done} RL steps, "
+        f"{res['minutes']} min")
+    return res
+
+
+def plot(out: Path, seeds: list[dict[str, Any]]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ridgeline.rl.run_log import read_metrics
+
+    plots = out / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax = axes[0]
+    for i, s in enumerate(seeds):
+        for j, stage in enumerate(("base", "sft", "sft_rl")):
+            e = s[stage]
+            lo, hi = e["pass_at_1_ci95"] or (e["pass_rate"], e["pass_rate"])
+            x = j + (i - (len(seeds) - 1) / 2) * 0.2
+            ax.errorbar(x, 100 * e["pass_rate"], yerr=[[100 * (e["pass_rate"] - lo)],
+                        [100 * (hi - e["pass_rate"])]], fmt="o", capsize=4,
+                        color=f"C{i}", label=f"seed {s['seed']}" if j == 0 else None)
+    ax.set_xticks([0, 1, 2], ["base", "SFT", "SFT + RL"])
+    ax.set_ylabel("held-out pass@1 (%), 95% interval")
+    ax.set_title("Held-out families")
+    ax.legend(fontsize=8)
+    for i, s in enumerate(seeds):
+        sft_m = read_metrics(out / f"seed-{s['seed']}" / "sft")
+        axes[1].plot([m["step"] for m in sft_m], [m["sft/nll"] for m in sft_m], color=f"C{i}")
+        rl = [(k, v) for k, v in enumerate(s["rl_reward"]) if v is not None]
+        axes[2].plot([k for k, _ in rl], [v for _, v in rl], color=f"C{i}",
+                     label=f"seed {s['seed']}")
+    axes[1].set_title("SFT: NLL of the policy tokens")
+    axes[1].set_xlabel("step")
+    axes[2].set_title("RL: training reward (fresh training-family instances)")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylim(-0.03, 1.03)
+    fig.tight_layout()
+    path = plots / "rl_learning.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--minutes", type=float, default=60.0, help="training time budget")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--minutes", type=float, default=60.0, help="budget per seed")
+    ap.add_argument("--eval-minutes", type=float, default=6.0,
+                    help="time kept back for the final evaluation")
+    ap.add_argument("--heldout-instances", type=int, default=2, help="per held-out family")
+    ap.add_argument("--samples", type=int, default=2, help="episodes per held-out task")
+    ap.add_argument("--sft-instances", type=int, default=8, help="per training family")
+    ap.add_argument("--sft-epochs", type=int, default=2)
+    ap.add_argument("--sft-lr", type=float, default=2e-5)
+    ap.add_argument("--rl-instances", type=int, default=8, help="per training family")
+    ap.add_argument("--rl-lr", type=float, default=2e-6)
     ap.add_argument("--out", type=Path, default=Path("runs/rl-learning"))
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     log = progress_log(args.json)
     t0 = time.perf_counter()
+    heldout = heldout_tasks(args.out / "heldout-tasks", args.heldout_instances)
+    seeds = [run_seed(s, args.out / f"seed-{s}", heldout, args.minutes, args, log)
+             for s in args.seeds]
 
-    def on_step(step: int, m: dict) -> None:
-        log(f"step {step}: reward {m.get('reward_mean', float('nan')):.3f} "
-            f"pass {m.get('pass_rate', float('nan')):.3f} {m.get('step_seconds', 0):.0f} s")
+    def mean(stage: str) -> float:
+        return statistics.fmean(s[stage]["pass_rate"] for s in seeds)
 
-    res = train(config(args.out, args.minutes, args.seed), on_step=on_step)
-    before, after = res.evals[0], res.evals[-1]
-    rewards = [m.get("reward_mean") for m in res.history]
+    rates = {k: round(mean(k), 4) for k in ("base", "sft", "sft_rl")}
     out = {
         "benchmark": "rl_learning", "model": "SmolLM2-135M-Instruct (default)",
-        "train_tasks": len(TRAIN_IDS) - len(res.excluded), "heldout_tasks": len(EVAL_IDS),
-        "excluded": res.excluded, "steps": res.steps_done,
+        "heldout_families": [f.name for f in families("heldout")],
+        "training_families": [f.name for f in families("train")],
+        "heldout_tasks": len([p for p in heldout.iterdir() if p.is_dir()]),
+        "samples_per_task": args.samples, "temperature": TEMPERATURE,
+        "heldout_pass_rate": rates,
+        "gain_points_sft_rl_over_base": round(100 * (rates["sft_rl"] - rates["base"]), 1),
+        "gain_points_sft_rl_over_sft": round(100 * (rates["sft_rl"] - rates["sft"]), 1),
+        "per_seed": seeds,
+        "checkpoints": {str(s["seed"]): s["checkpoint"] for s in seeds},
+        # ru_maxrss is in KiB on Linux: the peak of this process (SFT, RL and evals)
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "minutes_total": round((time.perf_counter() - t0) / 60, 1),
-        "minutes_budget": args.minutes,
-        "heldout_before": before["pass_rate"], "heldout_after": after["pass_rate"],
-        "gain_points": (round(100 * (after["pass_rate"] - before["pass_rate"]), 1)
-                        if before["pass_rate"] is not None and after["pass_rate"] is not None
-                        else None),
-        "heldout_per_task_before": before["per_task"], "heldout_per_task_after": after["per_task"],
-        "train_reward_first5": rewards[:5], "train_reward_last5": rewards[-5:],
-        "run_dir": str(res.run_dir), "goal_points": 15, "machine": machine(),
+        "minutes_budget_per_seed": args.minutes, "goal_points": {"over_base": 25, "over_sft": 5},
+        "plots": plot(args.out, seeds), "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps(out, indent=None if args.json else 2))

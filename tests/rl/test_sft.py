@@ -193,6 +193,9 @@ def test_sft_learns_the_oracle_episodes_and_resumes_where_it_stopped(model_dir, 
     assert steps == list(range(40))
     nll = [m["sft/nll"] for m in read_metrics(out)]
     assert nll[-1] < 0.5 * nll[0], nll
+    from ridgeline.rl.run_plots import plot_run
+
+    assert "sft_loss" in plot_run(out)
     # `ridgeline train` (and eval, serve) take the run directory as the model
     from ridgeline.rl.policy import hf_model_dir
 
@@ -215,3 +218,60 @@ def test_sft_config_mistakes_are_refused_before_anything_runs(tmp_path, over, me
 def test_families_of_the_wrong_split_are_an_error(tmp_path):
     with pytest.raises(ConfigError, match="not of the train split"):
         family_tasks(FamilySelection(names=["longest-line"], split="train"), tmp_path, "bwrap")
+
+
+class ScriptedRollout:
+    """Plays episodes from a table: (task id, sample) -> (passed, ids)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def episode(self, task, seed, sample):
+        from ridgeline.rl.filters import EpisodeOutcome
+
+        ok, ids = self.table[(task.id, sample)]
+        tokens = TokenEpisode.start([1, 2])
+        tokens.add_completion(ids, [0.0] * len(ids), [0] * len(ids))
+        return EpisodeOutcome(verdict="passed" if ok else "failed",
+                              reward=1.0 if ok else 0.0, sample=tokens), None
+
+
+def test_rejection_sampling_keeps_each_distinct_passing_episode_once(tasks):
+    from ridgeline.rl.sft_data import rejection_sampled
+
+    a, b = tasks[0].id, tasks[1].id
+    rollout = ScriptedRollout({(a, 0): (True, [5]), (a, 1): (True, [5]), (a, 2): (False, [6]),
+                               (b, 0): (False, [7]), (b, 1): (True, [8]), (b, 2): (True, [9])})
+    kept, played = rejection_sampled(rollout, tasks, samples=3, seed=0)  # type: ignore[arg-type]
+    assert played == 6
+    assert sorted((e.task_id, e.tokens.token_ids[-1]) for e in kept) == sorted(
+        [(a, 5), (b, 8), (b, 9)])
+    assert all(e.source == "rollout" for e in kept)
+
+
+def test_a_rejection_sampling_round_samples_from_the_trained_weights_and_keeps_its_file(
+        model_dir, tmp_path):
+    out = tmp_path / "rft"
+    res = sft(sft_config(model_dir, out, epochs=2, rejection_sampling={
+        "rounds": 1, "samples": 2, "epochs": 1},
+        rollout={"max_tokens": 32, "step_limit": 2}, engine={"max_num_seqs": 8}))
+    # 2 oracle epochs of 1 batch, then one epoch over oracle + kept rollouts
+    assert (out / "episodes" / "rejection-1.jsonl").is_file()
+    kept = res.episodes.get("rollout", 0)
+    assert res.steps_done == 2 + -(-(2 + kept) // 2)
+    assert [m["sft/phase"] for m in read_metrics(out)][:2] == [0, 0]
+    assert read_metrics(out)[-1]["sft/phase"] == 1
+
+
+def test_resuming_with_another_model_is_refused(model_dir, tok, tmp_path):
+    out = tmp_path / "run"
+    sft(sft_config(model_dir, out, epochs=1))
+    torch.manual_seed(1)
+    other = tmp_path / "other"
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id)).save_pretrained(other)
+    tok.save_pretrained(other)
+    with pytest.raises(ConfigError, match="another model"):
+        sft(sft_config(other, out, epochs=2), resume=True)

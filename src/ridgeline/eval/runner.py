@@ -14,26 +14,33 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import threading
 import time
 import zlib
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
 
-from ridgeline.agent import AgentConfig, AgentResult, ExitStatus, TrajectoryResult
+from ridgeline.agent import AgentConfig, AgentResult
+from ridgeline.agent.results import (
+    EvalTask, Job, episode_result, record_verdict, run_jobs, task_episode_result,
+)
 from ridgeline.agent.run import run_task_episode
 from ridgeline.errors import ConfigError, ModelEndpointError
 from ridgeline.eval.report import write_report
-from ridgeline.eval.results import MODEL_ERROR, EpisodeResult, Summary, summarize
+from ridgeline.eval.results import EpisodeResult, Summary, summarize
 from ridgeline.llm.base import ChatModel
-from ridgeline.tasks import Task, Verdict, VerdictStatus, load_tasks
+from ridgeline.tasks import Task, load_tasks
+
+# episode_result, record_verdict, run_jobs: shared with the held-out evaluation of a
+# training run (`ridgeline.agent.results`); still importable from here
+__all__ = ["DEMO_TASK_IDS", "EvalConfig", "EvalRun", "EvalTask", "Job", "checkpoint_model",
+           "episode_agent_config", "episode_result", "finish_run", "make_model",
+           "record_verdict", "run_episode", "run_episodes", "run_eval", "run_jobs",
+           "run_meta", "select_tasks"]
 
 AgentKind = Literal["llm", "oracle", "null"]
-Job = tuple[Any, int]  # (task, sample)
 
 log = logging.getLogger(__name__)
 
@@ -115,71 +122,6 @@ def select_tasks(config: EvalConfig) -> list[Task]:
     return tasks
 
 
-class EvalTask(Protocol):
-    """What an episode's result names: a terminal `Task` and a toolbench `ToolTask`."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def domain(self) -> str: ...
-
-    @property
-    def difficulty(self) -> str: ...
-
-
-def _failure_class(verdict: Verdict, run: TrajectoryResult | None) -> str | None:
-    if verdict.status is VerdictStatus.PASSED:
-        return None
-    if verdict.status is VerdictStatus.UNSUPPORTED:
-        return f"unsupported:{verdict.detail[:80]}"
-    if verdict.status is VerdictStatus.INFRA_ERROR:
-        return f"infra:{verdict.reason or 'error'}"
-    if run is not None and run.status is not ExitStatus.FINISHED:
-        return "agent_error" if run.status is ExitStatus.ERROR else run.status.value
-    return verdict.reason or "tests_failed"
-
-
-def episode_result(task: EvalTask, sample: int, verdict: Verdict, agent: AgentResult | None,
-                   wall_s: float, trajectory_path: Path,
-                   endpoint_error: ModelEndpointError | None = None,
-                   steps: int | None = None) -> EpisodeResult:
-    """The one place a graded episode becomes its result (terminal tasks and toolbench).
-
-    A model endpoint that failed, before the agent ran (`endpoint_error`) or during its
-    episode (the agent's exception), is infrastructure: `infra_error` and `model_error`,
-    never the agent's fault, with the endpoint's message as the detail. `steps` counts
-    the episode when no agent result does (toolbench's oracle)."""
-    run = agent.result if agent is not None else None
-    if endpoint_error is None and agent is not None and \
-            isinstance(agent.exception, ModelEndpointError):
-        endpoint_error = agent.exception
-    if endpoint_error is not None:
-        status, failure, detail = VerdictStatus.INFRA_ERROR, MODEL_ERROR, str(endpoint_error)
-    else:
-        status, failure = verdict.status, _failure_class(verdict, run)
-        detail = verdict.detail or (run.error if run is not None else None) or ""
-    return EpisodeResult(
-        task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
-        status=status, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
-        steps=run.steps if run is not None else steps or 0,
-        tokens=run.total_tokens if run is not None else 0, wall_s=wall_s,
-        failure_class=failure, agent_exit=run.status.value if run is not None else None,
-        detail=detail[:500], trajectory=str(trajectory_path) if agent is not None else None)
-
-
-def record_verdict(agent: AgentResult | None, verdict: Verdict) -> None:
-    """Append the verdict to the agent's trajectory file. The file is a convenience for
-    reading an episode later: one that cannot be written is logged, and the episode's
-    result (results.json) still counts."""
-    if agent is None:
-        return
-    try:
-        agent.attach_verdict(verdict)
-    except OSError as e:
-        log.warning("could not append the verdict to %s: %s", agent.trajectory_path, e)
-
-
 def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], config: EvalConfig,
                 traj_dir: Path) -> tuple[EpisodeResult, AgentResult | None]:
     """One episode: prepare the environment, let the agent act, verify. Never raises for
@@ -187,12 +129,7 @@ def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], confi
     traj_path = traj_dir / f"{task.id}.{sample}.jsonl"
     ep = run_task_episode(task, agent_factory(), episode_agent_config(config, task.id, sample),
                           backend=config.backend, trajectory_path=traj_path)
-    # raised outside the loop (e.g. probing the endpoint): the run stops starting episodes
-    endpoint_error = ep.error if isinstance(ep.error, ModelEndpointError) else None
-    record_verdict(ep.agent, ep.verdict)
-    res = episode_result(task, sample, ep.verdict, ep.agent, ep.seconds, traj_path,
-                         endpoint_error)
-    return res, ep.agent
+    return task_episode_result(task, sample, ep, traj_path), ep.agent
 
 
 def episode_agent_config(config: EvalConfig, task_id: str, sample: int) -> AgentConfig:
@@ -214,46 +151,6 @@ def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
             "seed": sampling.seed, "max_tokens": sampling.max_tokens,
             "samples": config.samples, "concurrency": config.concurrency,
             "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
-
-
-def run_jobs(jobs: list[Job], run_one: Callable[[Job], EpisodeResult], concurrency: int,
-             on_result: Callable[[EpisodeResult], None] | None = None,
-             ) -> tuple[list[EpisodeResult], str | None]:
-    """Run `run_one` over `jobs`, `concurrency` at once, in completion order. A result of
-    class `model_error` stops starting new jobs (the endpoint is down; the results so far
-    are kept). Returns the results and that endpoint error, if any."""
-    results: list[EpisodeResult] = []
-    stop = threading.Event()
-    endpoint_error: str | None = None
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="eval") as pool:
-        pending: dict[Future, Job] = {}
-        it = iter(jobs)
-
-        def submit_next() -> bool:
-            if stop.is_set():
-                return False
-            job = next(it, None)
-            if job is None:
-                return False
-            pending[pool.submit(run_one, job)] = job
-            return True
-
-        for _ in range(concurrency):
-            if not submit_next():
-                break
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                pending.pop(fut)
-                res = fut.result()
-                results.append(res)
-                if on_result is not None:
-                    on_result(res)
-                if res.failure_class == MODEL_ERROR:
-                    stop.set()
-                    endpoint_error = res.detail
-                submit_next()
-    return results, endpoint_error
 
 
 def run_episodes(config: EvalConfig, tasks: list[Any],

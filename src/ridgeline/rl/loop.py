@@ -20,6 +20,10 @@ them (masked episodes, zero-variance groups), computes GRPO advantages, steps, s
 weights into the engine (a `protocols.WeightsSink`) as a new version and publishes it to
 the buffer.
 
+`paused()` holds back groups not yet started and waits out those in flight: inside it
+no rollout runs (the run's held-out evaluation, `run.evaluate`, has the engine to
+itself).
+
 The task source (`sampler.py`, `scheduler.py`) hands out tasks in a seeded order and
 knows which draws are not yet trained on, and episode seeds derive from (run seed, draw,
 sample): a checkpoint of the task source and the buffer resumes the same data order. The
@@ -32,7 +36,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic
 
 import torch
@@ -40,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ridgeline.errors import RidgelineError
 from ridgeline.rl.advantages import group_advantages
-from ridgeline.rl.buffer import BufferClosed, RolloutBuffer
+from ridgeline.rl.buffer import BufferClosed, RolloutBuffer, Ticket
 from ridgeline.rl.conflicts import ConflictConfig, ConflictMonitor
 from ridgeline.rl.filters import (
     TOO_FEW_VALID, ZERO_VARIANCE, FilterConfig, FilterResult, filter_batch,
@@ -89,15 +94,60 @@ class AsyncRLLoop(Generic[TaskT]):
         self.conflicts = ConflictMonitor(cfg.conflicts)
         self._stop = threading.Event()
         self.errors: list[str] = []
+        # groups whose rollout is running (drawn, not yet put or given back), and how many
+        # `paused()` blocks are open: while one is, no group starts
+        self._flight = threading.Condition()
+        self._running = 0
+        self._pauses = 0
 
     def stop(self) -> None:
         """End `run()` after the current step (e.g. from `on_step` once a goal is met)."""
         self._stop.set()
 
+    @property
+    def rollouts_in_flight(self) -> int:
+        """Groups whose rollout is running now."""
+        with self._flight:
+            return self._running
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No rollout runs inside the block (the held-out evaluation has the engine to
+        itself, on one weights version): groups not yet started wait, and the block is
+        entered once every group in flight has finished and gone into the buffer, as
+        any other (a checkpoint taken inside holds them). A rollout thread keeps a ticket
+        it was admitted with while it waits, so the staleness bound holds: the group
+        samples later, never earlier, than its ticket's version. Nests; callable from
+        `on_step` (the trainer waits on nothing meanwhile) and before `run()`."""
+        with self._flight:
+            self._pauses += 1
+        try:
+            with self._flight:
+                while self._running:
+                    self._flight.wait()
+            yield
+        finally:
+            with self._flight:
+                self._pauses -= 1
+                self._flight.notify_all()
+
+    def _start_group(self) -> None:
+        """Wait while paused, then count a group as in flight (BufferClosed: the run ends)."""
+        with self._flight:
+            while self._pauses and not self.buffer.closed:
+                self._flight.wait(timeout=1.0)
+            if self.buffer.closed:
+                raise BufferClosed("the rollout buffer is closed: the run is ending")
+            self._running += 1
+
+    def _end_group(self) -> None:
+        with self._flight:
+            self._running -= 1
+            self._flight.notify_all()
+
     # ---- rollouts ---------------------------------------------------------------------
 
     def _produce(self) -> None:
-        cfg = self.config
         while True:
             try:
                 ticket = self.buffer.admit()
@@ -105,30 +155,52 @@ class AsyncRLLoop(Generic[TaskT]):
                 return
             draw = -1
             try:
+                # a draw blocked here (the scheduler's caps) is not yet in flight
                 draw, task = self.tasks.draw()
-                seeds = [episode_seed(self.tasks.seed, draw, j) for j in range(cfg.group_size)]
-                group = self.rollout(task, seeds)
-                group.index = draw
-                if self.adaptive is not None:
-                    self.adaptive.finished(draw, group)
+                self._start_group()
             except BufferClosed:
                 return
-            except BaseException as e:  # noqa: BLE001 - reported by run(); slot given back
-                self.errors.append(f"{type(e).__name__}: {e}")
-                log.warning("rollout failed: %s: %s", type(e).__name__, e)
-                self.buffer.abort(ticket)
-                if draw >= 0:
-                    if self.adaptive is not None:
-                        self.adaptive.finished(draw, None)
-                    self.tasks.done(draw)
-                if isinstance(e, (StopIteration, RidgelineError)) and not isinstance(
-                        e, VerifierError):
-                    return  # a broken setup, not a bad episode: this thread stops
+            except BaseException as e:  # noqa: BLE001 - as a failed rollout's, below
+                if not self._failed(e, ticket, draw):
+                    return
                 continue
             try:
-                self.buffer.put(group, ticket)
-            except BufferClosed:
-                return
+                if not self._play(task, draw, ticket):
+                    return
+            finally:
+                self._end_group()   # after put: a drained pause finds the group buffered
+
+    def _play(self, task: TaskT, draw: int, ticket: Ticket) -> bool:
+        """Play the group of `draw` and put it in the buffer; False: this thread stops."""
+        cfg = self.config
+        try:
+            seeds = [episode_seed(self.tasks.seed, draw, j) for j in range(cfg.group_size)]
+            group = self.rollout(task, seeds)
+            group.index = draw
+            if self.adaptive is not None:
+                self.adaptive.finished(draw, group)
+        except BufferClosed:
+            return False
+        except BaseException as e:  # noqa: BLE001 - reported by run(); slot given back
+            return self._failed(e, ticket, draw)
+        try:
+            self.buffer.put(group, ticket)
+        except BufferClosed:
+            return False
+        return True
+
+    def _failed(self, e: BaseException, ticket: Ticket, draw: int) -> bool:
+        """A rollout (or its draw) raised: give the slot back; False when this thread
+        stops (a broken setup, not a bad episode)."""
+        self.errors.append(f"{type(e).__name__}: {e}")
+        log.warning("rollout failed: %s: %s", type(e).__name__, e)
+        self.buffer.abort(ticket)
+        if draw >= 0:
+            if self.adaptive is not None:
+                self.adaptive.finished(draw, None)
+            self.tasks.done(draw)
+        return not (isinstance(e, (StopIteration, RidgelineError))
+                    and not isinstance(e, VerifierError))
 
     # ---- training ---------------------------------------------------------------------
 
@@ -210,6 +282,8 @@ class AsyncRLLoop(Generic[TaskT]):
                     on_step(step, metrics)
         finally:
             self.buffer.close()
+            with self._flight:
+                self._flight.notify_all()   # rollout threads waiting out a pause end
             if self.adaptive is not None:
                 self.adaptive.close()
             for t in threads:

@@ -20,16 +20,20 @@ cannot start.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
+from ridgeline.agent.results import (
+    EpisodeResult, episode_result, run_jobs, summarize, task_episode_result, write_results,
+)
+from ridgeline.agent.run import run_task_episode
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.rl import checkpoint
 from ridgeline.rl.config import TrainConfig, load_train_config
@@ -37,10 +41,10 @@ from ridgeline.rl.distributed import ray_parts
 from ridgeline.rl.loop import AsyncRLLoop
 from ridgeline.rl.parts import RunParts, RunTasks, local_parts, remote_parts, select_tasks
 from ridgeline.rl.protocols import EpisodeRollout, GroupRollout, RLTask, StepMetrics
-from ridgeline.rl.rollouts import passed
 from ridgeline.rl.run_log import RunLog
 from ridgeline.rl.run_plots import plot_run
 from ridgeline.rl.sampler import episode_seed
+from ridgeline.tasks.verifier import Verdict, VerdictStatus
 
 if TYPE_CHECKING:
     from ridgeline.tasks import Task
@@ -51,16 +55,24 @@ log = logging.getLogger(__name__)
 
 
 class HeldOutEval(TypedDict):
-    """One held-out evaluation: a line of eval.jsonl."""
+    """One held-out evaluation: a line of eval.jsonl. Scored as `ridgeline eval` scores
+    (`agent.results.summarize`): infrastructure errors and unsupported tasks are never
+    scored, neither pass nor fail. Its episodes are in `results` (results.json, as
+    `ridgeline eval` writes it) and their trajectories beside it."""
 
     step: int
-    version: int
-    pass_rate: float | None         # over graded episodes; None when none was graded
+    version: int                    # the trainer's weights version, the one evaluated
+    sampled_versions: list[int]     # the versions the engine sampled the episodes under
+    pass_rate: float | None         # over scored episodes; None when none was scored
+    pass_rate_ci95: tuple[float, float] | None   # bootstrap over tasks; None: none scored
     episodes: int
-    ungraded: int
-    ungraded_reasons: dict[str, int]   # "verdict:detail" -> episodes
-    per_task: dict[str, float]      # pass rate over all its episodes, ungraded ones too
+    ungraded: int                   # not scored: infra errors and unsupported tasks
+    infra_errors: int
+    ungraded_reasons: dict[str, int]   # failure class (infra:<what>, unsupported:..) -> n
+    per_task: dict[str, float | None]  # pass rate over its scored episodes (None: none)
     seconds: float
+    results: str                    # RUN/eval/step-N/results.json
+    endpoint_error: str | None      # the model endpoint went down: the eval stopped early
 
 
 @dataclass
@@ -85,27 +97,90 @@ def build_parts(cfg: TrainConfig) -> RunParts:
 
 def evaluate(cfg: TrainConfig, rollout: GroupRollout[Task], tasks: list[Task], step: int,
              version: int) -> HeldOutEval:
-    """The held-out tasks, `eval_samples` episodes each, with the rollout's sampling."""
+    """The held-out tasks, `eval_samples` episodes each, run and scored by the code
+    `ridgeline eval` uses (`agent.results`: `run_jobs`, one `EpisodeResult` per episode,
+    `summarize`), with the rollout's model (the engine's current weights) and sampling.
+    Writes RUN/eval/step-N/results.json and the episodes' trajectories beside it. Call it
+    while no rollout is in flight (`AsyncRLLoop.paused`)."""
     # held-out tasks are terminal tasks, whose rollouts (the agent's, Ray's) play single
     # episodes
     assert isinstance(rollout, EpisodeRollout)
-    t0 = time.perf_counter()
-    jobs = [(i, t, j) for i, t in enumerate(tasks) for j in range(cfg.eval_samples)]
-    with ThreadPoolExecutor(min(len(jobs), cfg.engine.max_num_seqs) or 1) as ex:
+    out_dir = cfg.out / "eval" / f"step-{step}"
+    traj_dir = out_dir / "trajectories"
+    traj_dir.mkdir(parents=True, exist_ok=True)
+    position: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        position.setdefault(t.id, i)
+    sampled: set[int] = set()
+
+    def run_one(job: tuple[Task, int]) -> EpisodeResult:
+        task, sample = job
         # seeds apart from training's (negative draws), the same at every eval
-        outcomes = list(ex.map(lambda job: rollout.episode(
-            job[1], episode_seed(cfg.seed + 1, -1 - job[0], job[2]), job[2])[0], jobs))
-    per_task: dict[str, list[bool]] = {}
-    for (_, task, _), out in zip(jobs, outcomes):
-        per_task.setdefault(task.id, []).append(passed(out))
-    graded = [out for out in outcomes if out.reward is not None]
-    why = Counter(f"{o.verdict}:{o.detail}" for o in outcomes if o.reward is None)
-    return {"step": step, "version": version,
-            "pass_rate": sum(passed(o) for o in graded) / len(graded) if graded else None,
-            "episodes": len(outcomes), "ungraded": len(outcomes) - len(graded),
-            "ungraded_reasons": dict(why),
-            "per_task": {k: sum(v) / len(v) for k, v in per_task.items()},
-            "seconds": round(time.perf_counter() - t0, 1)}
+        seed = episode_seed(cfg.seed + 1, -1 - position[task.id], sample)
+        return _held_out_episode(rollout, task, sample, seed,
+                                 traj_dir / f"{task.id}.{sample}.jsonl", version, sampled)
+
+    t0 = time.perf_counter()
+    jobs = [(t, s) for s in range(cfg.eval_samples) for t in tasks]
+    concurrency = min(len(jobs), cfg.engine.max_num_seqs) or 1
+    results, endpoint_error = run_jobs(jobs, run_one, concurrency)
+    seconds = time.perf_counter() - t0
+    summary = summarize(results, samples=cfg.eval_samples, wall_s=seconds)
+    # as `ridgeline eval` describes its run (`eval.runner.run_meta`)
+    r = getattr(rollout, "sampling", None) or cfg.rollout
+    meta = {"agent": "llm", "tasks": "held-out", "model": cfg.policy.model, "step": step,
+            "version": version, "temperature": r.temperature, "top_p": r.top_p,
+            "seed": cfg.seed + 1, "max_tokens": r.max_tokens, "samples": cfg.eval_samples,
+            "concurrency": concurrency, "backend": cfg.rollout.backend,
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    path = write_results(out_dir, results, summary, meta)
+    if endpoint_error is not None:
+        log.warning("held-out eval of step %d stopped early, the model endpoint failed: %s",
+                    step, endpoint_error)
+    if sampled - {version}:
+        log.warning("held-out eval of version %d sampled under versions %s", version,
+                    sorted(sampled))
+    scored: dict[str, list[EpisodeResult]] = {t.id: [] for t in tasks}
+    for res in results:
+        if res.scored:
+            scored[res.task_id].append(res)
+    return {"step": step, "version": version, "sampled_versions": sorted(sampled),
+            "pass_rate": summary.pass_rate if summary.n_scored else None,
+            "pass_rate_ci95": summary.pass_at_1_ci95,
+            "episodes": summary.n_episodes, "ungraded": summary.n_episodes - summary.n_scored,
+            "infra_errors": summary.n_infra_error,
+            "ungraded_reasons": dict(Counter(x.failure_class or "?" for x in results
+                                             if not x.scored)),
+            "per_task": {k: sum(x.status is VerdictStatus.PASSED for x in v) / len(v)
+                         if v else None for k, v in scored.items()},
+            "seconds": round(seconds, 1), "results": str(path),
+            "endpoint_error": endpoint_error}
+
+
+def _held_out_episode(rollout: EpisodeRollout[Task], task: Task, sample: int, seed: int,
+                      path: Path, version: int, sampled: set[int]) -> EpisodeResult:
+    """One held-out episode as `ridgeline eval` runs it (`run_task_episode`, then
+    `task_episode_result`), its model a `TokenChat` on the agent rollout's generator with
+    the rollout's sampling and `seed`. A rollout whose episodes run elsewhere (Ray's
+    workers) reports only the outcome: the result is made from its verdict (no
+    trajectory here)."""
+    from ridgeline.rl.agent_rollout import AgentRollout
+    from ridgeline.rl.token_chat import TokenChat
+
+    if not isinstance(rollout, AgentRollout):
+        t0 = time.perf_counter()
+        outcome, _ = rollout.episode(task, seed, sample)
+        verdict = Verdict(VerdictStatus(outcome.verdict), reward=outcome.reward,
+                          detail=outcome.detail, reason=outcome.detail or None)
+        return episode_result(task, sample, verdict, None, time.perf_counter() - t0, path)
+    chat = TokenChat(rollout.generator, rollout.tokenizer,
+                     sampling=rollout.sampling.model_copy(update={"seed": seed}),
+                     version=version)
+    ep = run_task_episode(task, chat, rollout.agent_config, backend=rollout.backend,
+                          trajectory_path=path)
+    if chat.episode is not None:
+        sampled.update(v for v in chat.episode.versions if v >= 0)
+    return task_episode_result(task, sample, ep, path)
 
 
 def probe_sandbox(backend: str) -> None:
@@ -200,7 +275,10 @@ def _train(cfg: TrainConfig, tasks: RunTasks, parts: RunParts, resume: bool,
         (run_dir / "excluded_tasks.json").write_text(json.dumps(tasks.excluded, indent=1))
 
     def held_out(done: int) -> HeldOutEval:
-        ev = evaluate(cfg, parts.rollout, tasks.held_out, done, parts.trainer.version)
+        # no training rollout in flight: the eval has the engine, on one weights version,
+        # to itself; groups finished meanwhile wait in the buffer
+        with loop.paused():
+            ev = evaluate(cfg, parts.rollout, tasks.held_out, done, parts.trainer.version)
         _append_json(run_dir / "eval.jsonl", ev)
         result.evals.append(ev)
         return ev

@@ -48,3 +48,15 @@ def cpu_info() -> CpuInfo:
               if "cpu family" in fields else None)
     return CpuInfo(name, cpu_id,
                    frozenset((fields.get("flags") or fields.get("Features") or "").split()))
+
+
+#: Flags of a CPU that computes bfloat16 natively: AVX512_BF16 or AMX-BF16 (x86), BF16
+#: (Arm's /proc/cpuinfo "Features"). Without one (AVX2 only: Zen 2/3, pre-Cooper Lake
+#: Intel), torch emulates bf16 matmuls through float32 conversions, several times slower
+#: than float32 itself.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def has_native_bf16(info: CpuInfo | None = None) -> bool:
+    """Whether this CPU (or `info`'s) has native bfloat16 arithmetic."""
+    return bool((info or cpu_info()).flags & NATIVE_BF16_FLAGS)

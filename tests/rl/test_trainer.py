@@ -199,3 +199,21 @@ def test_decoupled_gradient_is_the_behaviour_weighted_policy_gradient(setup):
     g_stale = PolicyTrainer(model, cfg).gradient(stale)
     torch.testing.assert_close(g_stale, g_fresh * torch.exp(torch.tensor(0.5)),
                                rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_of_similar_length_cut_to_their_width_give_the_same_gradient(
+        setup, aggregation):
+    """Episodes of very different lengths: micro-batches group similar lengths and drop
+    the padding beyond their longest; the gradient is the whole batch's all the same."""
+    model, llm = setup
+    episodes = multi_turn_episodes(llm, turns=1)
+    long = multi_turn_episodes(llm, turns=4, seed=3)[0]
+    batch = TokenBatch.of([episodes[0], long, episodes[1], episodes[2]],
+                          [1.0, -0.5, 0.5, -1.0])
+    cfg = {"aggregation": aggregation, "max_behaviour_weight": None}
+    whole = PolicyTrainer(model, TrainerConfig(micro_batch_size=4, **cfg)).gradient(batch)
+    trainer = PolicyTrainer(model, TrainerConfig(micro_batch_size=2, **cfg))
+    widths = [mb.token_ids.shape[1] for mb in trainer._micro_batches(batch)]
+    assert widths[0] < batch.token_ids.shape[1] == widths[-1]
+    torch.testing.assert_close(trainer.gradient(batch), whole, rtol=1e-4, atol=1e-6)

@@ -343,11 +343,12 @@ def _duration(s: float) -> str:
 
 def format_progress(step: int, total: int, metrics: Mapping[str, object]) -> str:
     """One line for a progress bar's postfix, e.g.
-    `reward 0.42 | pass 0.38 | stale 0.6 | 12.3 s/step | 850 tok/s | eta 39m48s`.
+    `reward 0.42 | pass 0.38 | stale 0.6 | 12.3 s/step | 850 tok/s | rss 3.1G | eta 39m48s`.
 
     reward = reward_mean, pass = pass_rate, eval = eval/pass_rate, stale =
     staleness_mean (policy versions), s/step = step_seconds, tok/s = rollout (generation)
-    tokens per second, else training tokens per second. `step` is the step just
+    tokens per second, else training tokens per second, rss = memory/rss_gb (the
+    process's resident memory after the train step). `step` is the step just
     finished, counted from 0 as `AsyncRLLoop.run` passes it, out of `total`; the ETA is
     the remaining steps at this step's pace. Absent and non-finite values are left out."""
     parts = []
@@ -365,6 +366,9 @@ def format_progress(step: int, total: int, metrics: Mapping[str, object]) -> str
         tps = _finite(metrics, "train_tokens_per_s")
     if tps is not None:
         parts.append(f"{_rate(tps)} tok/s")
+    rss = _finite(metrics, "memory/rss_gb")
+    if rss is not None:
+        parts.append(f"rss {rss:.1f}G")
     remaining = total - step - 1
     if secs is not None and remaining > 0:
         parts.append(f"eta {_duration(secs * remaining)}")

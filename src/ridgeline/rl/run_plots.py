@@ -129,6 +129,21 @@ def _plot_reward(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     _save(fig, out_dir, "reward", paths)
 
 
+def _plot_sft(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
+    nll = _series(flat, "sft/nll")
+    if nll is None:
+        return
+    fig, ax = _figure()
+    steps, values = nll
+    ax.plot(steps, values, color=_BLUE, linewidth=1.5, label="NLL of the policy tokens",
+            **_marker(len(steps)))
+    ax.set_title("SFT loss per step")
+    ax.set_ylabel("mean negative log-likelihood (nats per token)")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize=8)
+    _save(fig, out_dir, "sft_loss", paths)
+
+
 def _plot_domains(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     domains = sorted({k[len("pass_rate/"):] for _, rec in flat for k in rec
                       if k.startswith("pass_rate/")})
@@ -271,7 +286,7 @@ def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
 
 def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path]:
     """Draw a run's PNGs (default into run_dir/plots/) from its metrics.jsonl; returns
-    {name: path} for those drawn: reward, pass_rate_by_domain, staleness, time_split,
+    {name: path} for those drawn: reward, sft_loss, pass_rate_by_domain, staleness, time_split,
     throughput, eval. A plot whose metrics are absent (or never finite) is skipped."""
     run_dir = Path(run_dir)
     flat = _flat_all(read_metrics(run_dir))
@@ -280,7 +295,7 @@ def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path
     if not flat:
         return paths
     out_dir.mkdir(parents=True, exist_ok=True)
-    for plot in (_plot_reward, _plot_domains, _plot_staleness, _plot_time_split,
+    for plot in (_plot_reward, _plot_sft, _plot_domains, _plot_staleness, _plot_time_split,
                  _plot_throughput, _plot_eval):
         plot(flat, out_dir, paths)
     return paths

@@ -93,6 +93,11 @@ class TokenBatch:
         return self.token_ids.shape[0]
 
     def rows(self, index: slice | list[int]) -> TokenBatch:
-        return TokenBatch(self.token_ids[index], self.attention_mask[index],
-                          self.loss_mask[index], self.behaviour_logprobs[index],
-                          self.advantages[index])
+        """The episodes at `index`, cut to the longest of them: padding up to the whole
+        batch's longest episode would cost a micro-batch activations for tokens that are
+        not there (in float32 about 2 MB per padded token for SmolLM2-135M)."""
+        width = max(int(self.attention_mask[index].sum(dim=1).max()), 1) \
+            if len(self.token_ids[index]) else 0
+        return TokenBatch(self.token_ids[index, :width], self.attention_mask[index, :width],
+                          self.loss_mask[index, :width],
+                          self.behaviour_logprobs[index, :width], self.advantages[index])

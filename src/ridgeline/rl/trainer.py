@@ -6,8 +6,8 @@ the decoupled PPO loss (AReaL's: the clip is anchored to the proximal policy, th
 before this update, and the behaviour logprobs the sampler recorded only weigh each token
 by pi_prox / pi_behav, truncated at `max_behaviour_weight`; `losses.policy_loss`), and
 takes one AdamW step (gradient accumulation over
-micro-batches, gradient-norm clipping, optional bfloat16 autocast: this CPU has
-AVX512_BF16). `sync(worker)` copies the weights into the engine between two of its
+micro-batches, gradient-norm clipping, bfloat16 autocast where the CPU computes bf16
+natively: `dtype="auto"`, resolved once into `autocast_dtype`). `sync(worker)` copies the weights into the engine between two of its
 steps (`EngineWorker.update_weights`, which drops the prefix cache and stamps new tokens
 with the new version; any `protocols.WeightsSink`) and times it.
 
@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
+from collections.abc import Iterator
 from typing import Literal, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from ridgeline.cpu import has_native_bf16
 from ridgeline.errors import ConfigError
 from ridgeline.rl.losses import policy_loss, token_logprobs
+from ridgeline.rl.memory import memory_metrics, release_freed_memory
 from ridgeline.rl.policy import Policy, named_tensor_bytes
 from ridgeline.rl.protocols import WeightsSink
 from ridgeline.rl.tokens import TokenBatch
+
+log = logging.getLogger(__name__)
+
+AutocastDtype = Literal["float32", "bfloat16"]
 
 
 class TrainerConfig(BaseModel):
@@ -42,7 +50,11 @@ class TrainerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: off)")
     micro_batch_size: int = Field(8, ge=1, description="episodes per forward/backward")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the forward pass's autocast dtype. auto: bfloat16 where the "
+        "device computes it natively (CPU: AVX512_BF16, AMX or Arm BF16; CUDA: "
+        "is_bf16_supported), else float32 (on an AVX2-only CPU bf16 is emulated and a "
+        "step is several times slower than in float32)")
     eps_low: float = Field(0.2, ge=0, description="PPO clip below 1")
     eps_high: float = Field(0.28, ge=0, description="PPO clip above 1 (clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy")
@@ -59,6 +71,27 @@ class TrainerConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="the rollouts' sampling temperature: "
                                "logprobs are of log_softmax(logits / temperature), matching "
                                "behaviour logprobs recorded with logprobs_mode='tempered'")
+    release_memory: bool = Field(True, description="after each step, hand the heap's freed "
+                                 "pages back to the OS (glibc malloc_trim): activations of "
+                                 "varying shapes otherwise ratchet the RSS up step by step")
+
+
+def resolve_dtype(dtype: str, device_type: str = "cpu") -> AutocastDtype:
+    """The autocast dtype `TrainerConfig.dtype` means on `device_type`: "auto" is
+    bfloat16 where it is native (`cpu.has_native_bf16`; CUDA: `is_bf16_supported`),
+    float32 elsewhere. An explicit "bfloat16" stays, with a warning where it is emulated
+    (it works, slowly)."""
+    if device_type == "cuda":
+        native = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    else:
+        native = has_native_bf16()
+    if dtype == "auto":
+        return "bfloat16" if native else "float32"
+    if dtype == "bfloat16" and not native:
+        log.warning("trainer dtype bfloat16 on a %s without native bf16 arithmetic: it is "
+                    "emulated, a step can be several times slower than in float32 (dtype: "
+                    "auto picks float32 here)", device_type.upper())
+    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 class TrainerState(TypedDict):
@@ -94,11 +127,25 @@ class PolicyTrainer:
                                            weight_decay=cfg.weight_decay, betas=cfg.betas)
         self.version = 0            # the weights version; the engine's after each sync
         self.num_steps = 0
+        self.device_type = params[0].device.type
+        # what cfg.dtype ("auto") means on this machine, once
+        self.autocast_dtype: AutocastDtype = resolve_dtype(cfg.dtype, self.device_type)
+        log.info("trainer autocast dtype: %s (configured %s)", self.autocast_dtype, cfg.dtype)
 
     def _autocast(self) -> contextlib.AbstractContextManager[object]:
-        if self.config.dtype == "bfloat16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+        if self.autocast_dtype == "bfloat16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def _step_done(self, out: dict[str, float]) -> dict[str, float]:
+        """What every optimizer step adds to its metrics, after releasing the memory it
+        freed (`release_memory`): the autocast dtype (1: bfloat16) and the process's
+        resident memory (`memory/rss_gb`, `memory/peak_rss_gb`)."""
+        if self.config.release_memory:
+            release_freed_memory()
+        out["autocast_bf16"] = float(self.autocast_dtype == "bfloat16")
+        out.update(memory_metrics())
+        return out
 
     def logprobs(self, batch: TokenBatch, model: torch.nn.Module | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +197,17 @@ class PolicyTrainer:
         out.update(train_seconds=time.perf_counter() - t0, policy_tokens=total_tokens)
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
-        return out
+        return self._step_done(out)
+
+    def _micro_batches(self, batch: TokenBatch) -> Iterator[TokenBatch]:
+        """`micro_batch_size` episodes at a time, episodes of similar length together and
+        each micro-batch cut to its longest (`TokenBatch.rows`): activations grow with the
+        padded width, so one long episode does not widen every other. The loss is a sum
+        over micro-batches, so their order and makeup do not change the gradient."""
+        lengths = batch.attention_mask.sum(dim=1)
+        order = sorted(range(len(batch)), key=lambda i: int(lengths[i]))
+        for start in range(0, len(order), self.config.micro_batch_size):
+            yield batch.rows(order[start:start + self.config.micro_batch_size])
 
     def supervised_step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning: the mean negative log-likelihood
@@ -167,8 +224,7 @@ class PolicyTrainer:
                               hint="every SFT episode needs at least one reply token")
         nll_sum = 0.0
         correct = 0.0
-        for start in range(0, len(batch), cfg.micro_batch_size):
-            mb = batch.rows(slice(start, start + cfg.micro_batch_size))
+        for mb in self._micro_batches(batch):
             if float(mb.loss_mask.sum()) == 0:
                 continue
             logp, _ = self.logprobs(mb)
@@ -188,7 +244,7 @@ class PolicyTrainer:
                "train_seconds": time.perf_counter() - t0, "policy_tokens": total_tokens}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
-        return out
+        return self._step_done(out)
 
     def gradient(self, batch: TokenBatch) -> torch.Tensor:
         """The loss gradient of `batch` over the trainable parameters, flattened (float32),
@@ -208,8 +264,7 @@ class PolicyTrainer:
         total_tokens = float(batch.loss_mask.sum())
         total_seqs = float((batch.loss_mask.sum(dim=1) > 0).sum())
         sums: dict[str, float] = {}
-        for start in range(0, len(batch), cfg.micro_batch_size):
-            mb = batch.rows(slice(start, start + cfg.micro_batch_size))
+        for mb in self._micro_batches(batch):
             tokens = float(mb.loss_mask.sum())
             if tokens == 0:
                 continue

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from bench_common import machine, progress_log  # noqa: I001  (sets the OpenMP p
 from ridgeline.eval.runner import EvalConfig, run_eval  # noqa: E402
 from ridgeline.llm.base import Sampling  # noqa: E402
 from ridgeline.rl.config import FamilySelection, RolloutSettings  # noqa: E402
+from ridgeline.rl.memory import peak_rss_gb  # noqa: E402
 from ridgeline.rl.parts import family_tasks, rollout_agent_config  # noqa: E402
 from ridgeline.rl.run import TrainConfig, train  # noqa: E402
 from ridgeline.rl.sft import SFTConfig, sft  # noqa: E402
@@ -144,15 +144,17 @@ def plot(out: Path, seeds: list[dict[str, Any]]) -> list[str]:
                         [100 * (hi - e["pass_rate"])]], fmt="o", capsize=4,
                         color=f"C{i}", label=f"seed {s['seed']}" if j == 0 else None)
     ax.set_xticks([0, 1, 2], ["base", "SFT", "SFT + RL"])
+    ax.set_ylim(-3, 103)
     ax.set_ylabel("held-out pass@1 (%), 95% interval")
     ax.set_title("Held-out families")
     ax.legend(fontsize=8)
     for i, s in enumerate(seeds):
         sft_m = read_metrics(out / f"seed-{s['seed']}" / "sft")
-        axes[1].plot([m["step"] for m in sft_m], [m["sft/nll"] for m in sft_m], color=f"C{i}")
+        axes[1].plot([m["step"] for m in sft_m], [m["sft/nll"] for m in sft_m], color=f"C{i}",
+                     marker="o", markersize=3)
         rl = [(k, v) for k, v in enumerate(s["rl_reward"]) if v is not None]
-        axes[2].plot([k for k, _ in rl], [v for _, v in rl], color=f"C{i}",
-                     label=f"seed {s['seed']}")
+        axes[2].plot([k for k, _ in rl], [v for _, v in rl], color=f"C{i}", marker="o",
+                     markersize=3, label=f"seed {s['seed']}")
     axes[1].set_title("SFT: NLL of the policy tokens")
     axes[1].set_xlabel("step")
     axes[2].set_title("RL: training reward (fresh training-family instances)")
@@ -175,10 +177,10 @@ def main() -> None:
     ap.add_argument("--heldout-instances", type=int, default=2, help="per held-out family")
     ap.add_argument("--samples", type=int, default=2, help="episodes per held-out task")
     ap.add_argument("--sft-instances", type=int, default=8, help="per training family")
-    ap.add_argument("--sft-epochs", type=int, default=2)
+    ap.add_argument("--sft-epochs", type=int, default=3)
     ap.add_argument("--sft-lr", type=float, default=2e-5)
     ap.add_argument("--rl-instances", type=int, default=8, help="per training family")
-    ap.add_argument("--rl-lr", type=float, default=2e-6)
+    ap.add_argument("--rl-lr", type=float, default=5e-6)
     ap.add_argument("--out", type=Path, default=Path("runs/rl-learning"))
     args = ap.parse_args()
     log = progress_log(args.json)
@@ -202,8 +204,8 @@ def main() -> None:
         "gain_points_sft_rl_over_sft": round(100 * (rates["sft_rl"] - rates["sft"]), 1),
         "per_seed": seeds,
         "checkpoints": {str(s["seed"]): s["checkpoint"] for s in seeds},
-        # ru_maxrss is in KiB on Linux: the peak of this process (SFT, RL and evals)
-        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        # the high-water mark of this process's resident memory (SFT, RL and the evals)
+        "peak_rss_gb": round(peak_rss_gb() or 0.0, 2),
         "minutes_total": round((time.perf_counter() - t0) / 60, 1),
         "minutes_budget_per_seed": args.minutes, "goal_points": {"over_base": 25, "over_sft": 5},
         "plots": plot(args.out, seeds), "machine": machine(),

@@ -5,10 +5,14 @@ model, float32 weights) and takes `--steps` steps on synthetic `TokenBatch`es wh
 sequence lengths vary from step to step (agent episodes do: `--min-len`..`--max-len`
 tokens, `--batch` episodes, the last part of each a policy completion), recording VmRSS
 and VmHWM after every step. Each autocast dtype runs in a fresh subprocess (a process's
-heap only grows), in two modes:
+heap only grows), in these modes:
 
     plain   the step alone
     trim    the step, then `memory.release_freed_memory()` (glibc malloc_trim(0))
+    mmap    trim, and allocations of 1 MB or more served by mmap from the start
+            (`memory.map_large_allocations()`)
+
+`--checkpointing` turns on the trainer's gradient checkpointing.
 
 `--threaded` runs each step on a new thread, as a run's trainer does not run on the
 thread that loaded the model (glibc gives each thread its own malloc arena).
@@ -39,16 +43,21 @@ def _one(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from ridgeline.rl.memory import peak_rss_gb, release_freed_memory, rss_gb
+    from ridgeline.rl.memory import (
+        map_large_allocations, peak_rss_gb, release_freed_memory, rss_gb,
+    )
     from ridgeline.rl.policy import PolicyConfig, load_policy
     from ridgeline.rl.tokens import TokenBatch, TokenEpisode
     from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
 
     torch.set_num_threads(args.threads)
+    if args.mode == "mmap":
+        map_large_allocations()
     policy = load_policy(PolicyConfig(model=args.model))
     # the trainer's own release_memory off: this script trims (mode "trim") and measures
-    trainer = PolicyTrainer(policy, TrainerConfig(dtype=args.dtype, release_memory=False,
-                                                  micro_batch_size=args.micro_batch))
+    trainer = PolicyTrainer(policy, TrainerConfig(
+        dtype=args.dtype, release_memory=False, micro_batch_size=args.micro_batch,
+        gradient_checkpointing=args.checkpointing))
     vocab = int(policy.model.config.vocab_size)
     rng = random.Random(args.seed)
     loaded = rss_gb()
@@ -78,13 +87,13 @@ def _one(args: argparse.Namespace) -> dict[str, Any]:
         step_s = time.perf_counter() - t0
         before_trim = rss_gb()
         trim_s = 0.0
-        if args.mode == "trim":
+        if args.mode in ("trim", "mmap"):
             t1 = time.perf_counter()
             release_freed_memory()
             trim_s = time.perf_counter() - t1
         row = {"step": i, "shape": list(b.token_ids.shape), "step_s": round(step_s, 2),
                "rss_gb": round(rss_gb() or 0, 3), "peak_rss_gb": round(peak_rss_gb() or 0, 3)}
-        if args.mode == "trim":
+        if args.mode in ("trim", "mmap"):
             row.update(rss_before_trim_gb=round(before_trim or 0, 3),
                        trim_ms=round(trim_s * 1e3, 1))
         steps.append(row)
@@ -92,7 +101,8 @@ def _one(args: argparse.Namespace) -> dict[str, Any]:
     rss = [s["rss_gb"] for s in steps]
     half = len(rss) // 2
     return {"dtype": args.dtype, "resolved": trainer_dtype(trainer), "mode": args.mode,
-            "threaded": args.threaded, "loaded_rss_gb": round(loaded or 0, 3),
+            "threaded": args.threaded, "checkpointing": args.checkpointing,
+            "loaded_rss_gb": round(loaded or 0, 3),
             "first_rss_gb": rss[0], "last_rss_gb": rss[-1], "max_rss_gb": max(rss),
             "peak_rss_gb": steps[-1]["peak_rss_gb"],
             # growth per step over the second half (the first steps warm the allocator)
@@ -120,8 +130,10 @@ def main() -> None:
                     help="the share of each episode that is policy tokens (loss mask)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--modes", nargs="+", default=["plain", "trim"],
-                    choices=["plain", "trim"])
+                    choices=["plain", "trim", "mmap"])
     ap.add_argument("--threaded", action="store_true", help="each step on a new thread")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="the trainer's gradient checkpointing on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)     # the child's
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -141,7 +153,8 @@ def main() -> None:
                    "--steps", str(args.steps), "--batch", str(args.batch),
                    "--micro-batch", str(args.micro_batch), "--min-len", str(args.min_len),
                    "--max-len", str(args.max_len), "--policy-share", str(args.policy_share),
-                   "--seed", str(args.seed)] + (["--threaded"] if args.threaded else [])
+                   "--seed", str(args.seed)] + (["--threaded"] if args.threaded else []) \
+                + (["--checkpointing"] if args.checkpointing else [])
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if not args.json
                                   else subprocess.DEVNULL, text=True, check=True)
             run = json.loads(done.stdout.strip().splitlines()[-1])

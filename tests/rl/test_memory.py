@@ -118,3 +118,14 @@ def test_the_progress_line_shows_resident_memory():
     line = format_progress(3, 10, {"step_seconds": 12.0, "memory/rss_gb": 3.14})
     assert "rss 3.1G" in line
     assert "rss" not in format_progress(3, 10, {"step_seconds": 12.0})
+
+
+def test_large_allocations_can_be_mapped_on_linux_and_is_a_no_op_elsewhere(monkeypatch):
+    import sys
+
+    from ridgeline.rl import memory
+
+    if sys.platform.startswith("linux"):
+        assert memory.map_large_allocations() is True
+    monkeypatch.setattr(memory.sys, "platform", "darwin")
+    assert memory.map_large_allocations() is False

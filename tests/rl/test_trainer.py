@@ -217,3 +217,20 @@ def test_micro_batches_of_similar_length_cut_to_their_width_give_the_same_gradie
     widths = [mb.token_ids.shape[1] for mb in trainer._micro_batches(batch)]
     assert widths[0] < batch.token_ids.shape[1] == widths[-1]
     torch.testing.assert_close(trainer.gradient(batch), whole, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(setup):
+    model, llm = setup
+    batch = TokenBatch.of(multi_turn_episodes(llm, turns=2), [1.0, -0.5, 0.5, -1.0])
+    plain = PolicyTrainer(model, TrainerConfig()).gradient(batch)
+    recomputed = PolicyTrainer(model, TrainerConfig(gradient_checkpointing=True))
+    assert model.is_activation_checkpointing
+    torch.testing.assert_close(recomputed.gradient(batch), plain, rtol=1e-4, atol=1e-6)
+    model.activation_checkpointing_disable()
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_a_clear_error():
+    from ridgeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot checkpoint"):
+        PolicyTrainer(torch.nn.Linear(2, 2), TrainerConfig(gradient_checkpointing=True))

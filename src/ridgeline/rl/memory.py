@@ -80,6 +80,28 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return fn  # type: ignore[no-any-return]
 
 
+#: glibc's mallopt parameter for the mmap threshold (malloc.h M_MMAP_THRESHOLD).
+_M_MMAP_THRESHOLD = -3
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> bool:
+    """Serve every allocation of `threshold` bytes or more with its own mmap (glibc
+    `mallopt(M_MMAP_THRESHOLD)`), so a freed activation goes back to the OS at once. By
+    default glibc raises this threshold (up to 32 MB) each time a large chunk is freed,
+    after which a train step's tensors land in the heap, where they fragment and
+    `malloc_trim` cannot give all of them back. Process-wide; True when set. A no-op
+    returning False without glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
 def release_freed_memory() -> bool:
     """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`, which trims
     every arena, not only the top of the main heap); True when some memory was

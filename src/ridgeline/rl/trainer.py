@@ -74,6 +74,10 @@ class TrainerConfig(BaseModel):
     release_memory: bool = Field(True, description="after each step, hand the heap's freed "
                                  "pages back to the OS (glibc malloc_trim): activations of "
                                  "varying shapes otherwise ratchet the RSS up step by step")
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's "
+                                         "activations in the backward pass instead of "
+                                         "keeping them: a step's memory grows with the "
+                                         "layers' boundaries only, for more compute")
 
 
 def resolve_dtype(dtype: str, device_type: str = "cpu") -> AutocastDtype:
@@ -127,6 +131,8 @@ class PolicyTrainer:
                                            weight_decay=cfg.weight_decay, betas=cfg.betas)
         self.version = 0            # the weights version; the engine's after each sync
         self.num_steps = 0
+        if cfg.gradient_checkpointing:
+            _enable_gradient_checkpointing(self.model)
         self.device_type = params[0].device.type
         # what cfg.dtype ("auto") means on this machine, once
         self.autocast_dtype: AutocastDtype = resolve_dtype(cfg.dtype, self.device_type)
@@ -355,6 +361,20 @@ class PolicyTrainer:
                 hint="resume with the policy config (lora) the checkpoint was trained with")
         self.model.load_state_dict(model_state, strict=self.policy is None
                                    or self.policy.lora is None)
+
+
+def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    # non-reentrant: works with frozen inputs (LoRA) and keeps the graph's semantics.
+    # transformers >= 5 names it activation checkpointing (the old name is deprecated);
+    # a peft model passes either through to its base.
+    kwargs = {"use_reentrant": False}
+    if callable(getattr(model, "activation_checkpointing_enable", None)):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ConfigError(f"{type(model).__name__} cannot checkpoint its activations",
+                          hint="set trainer.gradient_checkpointing: false")
 
 
 def _decoder_and_head(model: torch.nn.Module

@@ -104,3 +104,19 @@ def test_template_with_tools_gets_them_in_the_prompt() -> None:
     out = client.chat(CONVERSATION, tools=[tool], sampling=Sampling(max_tokens=4))
     prompt = client.tokenizer.decode(out.prompt_token_ids)
     assert '"name": "bash"' in prompt and "<tools>" in prompt
+
+
+def test_close_stops_an_engine_the_client_started_and_leaves_a_given_one_running(
+        hf_and_client, tmp_path) -> None:
+    hf, given = hf_and_client
+    tok = tiny_tokenizer()
+    hf.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    own = EngineClient(str(tmp_path), num_kv_blocks=64)
+    assert own.chat(CONVERSATION, sampling=Sampling(max_tokens=2)).token_ids
+    assert own.llm.worker.is_running
+    own.close()
+    assert not own.llm.worker.is_running
+    given.close()
+    assert given.llm.worker.is_running
+    assert given.chat(CONVERSATION, sampling=Sampling(max_tokens=2)).token_ids

@@ -222,15 +222,33 @@ def test_micro_batches_of_similar_length_cut_to_their_width_give_the_same_gradie
 def test_gradient_checkpointing_gives_the_same_gradient(setup):
     model, llm = setup
     batch = TokenBatch.of(multi_turn_episodes(llm, turns=2), [1.0, -0.5, 0.5, -1.0])
-    plain = PolicyTrainer(model, TrainerConfig()).gradient(batch)
-    recomputed = PolicyTrainer(model, TrainerConfig(gradient_checkpointing=True))
+    plain = PolicyTrainer(model, TrainerConfig(gradient_checkpointing=False)).gradient(batch)
+    assert not model.is_activation_checkpointing
+    recomputed = PolicyTrainer(model, TrainerConfig())     # the default: on where it can
     assert model.is_activation_checkpointing
     torch.testing.assert_close(recomputed.gradient(batch), plain, rtol=1e-4, atol=1e-6)
-    model.activation_checkpointing_disable()
 
 
-def test_gradient_checkpointing_on_a_model_without_it_is_a_clear_error():
+def test_gradient_checkpointing_required_of_a_model_without_it_is_a_clear_error():
     from ridgeline.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cannot checkpoint"):
         PolicyTrainer(torch.nn.Linear(2, 2), TrainerConfig(gradient_checkpointing=True))
+    PolicyTrainer(torch.nn.Linear(2, 2), TrainerConfig())     # unset: where it can
+
+
+def test_micro_batches_hold_at_most_the_token_budget_and_keep_the_gradient(setup):
+    model, llm = setup
+    episodes = multi_turn_episodes(llm, turns=1) + multi_turn_episodes(llm, turns=3, seed=5)
+    batch = TokenBatch.of(episodes, [1.0, -1.0, 0.5, -0.5, 0.25, -0.25, 1.0, -1.0])
+    longest = int(batch.attention_mask.sum(dim=1).max())
+    budget = 2 * longest
+    whole = PolicyTrainer(model, TrainerConfig(micro_batch_size=8, micro_batch_tokens=None))
+    trainer = PolicyTrainer(model, TrainerConfig(micro_batch_size=8, micro_batch_tokens=budget))
+    parts = list(trainer._micro_batches(batch))
+    assert sum(len(p) for p in parts) == len(batch) and len(parts) > 1
+    assert all(p.token_ids.numel() <= budget for p in parts)
+    alone = PolicyTrainer(model, TrainerConfig(micro_batch_tokens=1))
+    assert [len(p) for p in alone._micro_batches(batch)] == [1] * len(batch)
+    torch.testing.assert_close(trainer.gradient(batch), whole.gradient(batch),
+                               rtol=1e-4, atol=1e-6)

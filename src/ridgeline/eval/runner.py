@@ -191,14 +191,21 @@ def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | No
     traj_dir = out_dir / "trajectories"
     traj_dir.mkdir(parents=True, exist_ok=True)
 
+    made = None
     if config.agent == "llm":
         chat_model = model if model is not None else make_model(config)
+        made = chat_model if model is None else None
         agent_factory: Callable[[], Any] = lambda: chat_model  # noqa: E731
         model_label = getattr(chat_model, "name", config.model)
     else:
         agent_factory = lambda: config.agent  # noqa: E731
         model_label = "-"
-    return run_episodes(
-        config, tasks, lambda task, sample: run_episode(task, sample, agent_factory, config,
-                                                        traj_dir)[0],
-        out_dir, run_meta(config, model_label), on_start, on_result)
+    try:
+        return run_episodes(
+            config, tasks, lambda task, sample: run_episode(task, sample, agent_factory,
+                                                            config, traj_dir)[0],
+            out_dir, run_meta(config, model_label), on_start, on_result)
+    finally:
+        close = getattr(made, "close", None)
+        if callable(close):   # an in-process engine made here: its memory goes with it
+            close()

@@ -29,8 +29,10 @@ class EngineClient:
 
             self.llm = LLM(llm_or_model_name, **engine_kwargs)
             self.name = name or llm_or_model_name
+            self._owns_engine = True
         else:
             self.llm = llm_or_model_name
+            self._owns_engine = False
             self.name = name or str(getattr(llm_or_model_name, "model_name", "engine"))
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
@@ -39,6 +41,12 @@ class EngineClient:
         self.context_window = int(min(context_window or self.llm.max_model_len,
                                       self.llm.max_model_len))
         self.supports_tools = template_supports_tools(self.tokenizer)
+
+    def close(self) -> None:
+        """Stop the engine this client started (its worker thread holds the weights and
+        the KV cache for as long as it runs); an engine it was given stays up."""
+        if self._owns_engine:
+            self.llm.worker.stop()
 
     def encode_prompt(self, messages: list[Message], tools: list[ToolSpec] | None = None) -> list[int]:
         """The ids this client sends the engine (the same as `ridgeline serve` would)."""

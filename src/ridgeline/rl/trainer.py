@@ -50,6 +50,11 @@ class TrainerConfig(BaseModel):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = Field(1.0, gt=0, description="max gradient norm (None: off)")
     micro_batch_size: int = Field(8, ge=1, description="episodes per forward/backward")
+    micro_batch_tokens: int | None = Field(4096, ge=1, description="at most this many "
+                                           "padded tokens per forward/backward (an episode "
+                                           "longer than this is one alone); a step's "
+                                           "activation memory grows with it. None: "
+                                           "micro_batch_size alone")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="the forward pass's autocast dtype. auto: bfloat16 where the "
         "device computes it natively (CPU: AVX512_BF16, AMX or Arm BF16; CUDA: "
@@ -74,10 +79,11 @@ class TrainerConfig(BaseModel):
     release_memory: bool = Field(True, description="after each step, hand the heap's freed "
                                  "pages back to the OS (glibc malloc_trim): activations of "
                                  "varying shapes otherwise ratchet the RSS up step by step")
-    gradient_checkpointing: bool = Field(False, description="recompute each layer's "
-                                         "activations in the backward pass instead of "
-                                         "keeping them: a step's memory grows with the "
-                                         "layers' boundaries only, for more compute")
+    gradient_checkpointing: bool | None = Field(
+        None, description="recompute each layer's activations in the backward pass instead "
+        "of keeping them (SmolLM2-135M, 4 episodes of ~1,100 tokens: peak 4.0 GB instead of "
+        "10.1, and no slower on this CPU: docs/benchmarks.md). None: on where the model "
+        "supports it (transformers models); True: required")
 
 
 def resolve_dtype(dtype: str, device_type: str = "cpu") -> AutocastDtype:
@@ -131,8 +137,7 @@ class PolicyTrainer:
                                            weight_decay=cfg.weight_decay, betas=cfg.betas)
         self.version = 0            # the weights version; the engine's after each sync
         self.num_steps = 0
-        if cfg.gradient_checkpointing:
-            _enable_gradient_checkpointing(self.model)
+        _set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
         self.device_type = params[0].device.type
         # what cfg.dtype ("auto") means on this machine, once
         self.autocast_dtype: AutocastDtype = resolve_dtype(cfg.dtype, self.device_type)
@@ -206,14 +211,26 @@ class PolicyTrainer:
         return self._step_done(out)
 
     def _micro_batches(self, batch: TokenBatch) -> Iterator[TokenBatch]:
-        """`micro_batch_size` episodes at a time, episodes of similar length together and
-        each micro-batch cut to its longest (`TokenBatch.rows`): activations grow with the
-        padded width, so one long episode does not widen every other. The loss is a sum
-        over micro-batches, so their order and makeup do not change the gradient."""
-        lengths = batch.attention_mask.sum(dim=1)
-        order = sorted(range(len(batch)), key=lambda i: int(lengths[i]))
-        for start in range(0, len(order), self.config.micro_batch_size):
-            yield batch.rows(order[start:start + self.config.micro_batch_size])
+        """Episodes of similar length together, at most `micro_batch_size` of them and
+        `micro_batch_tokens` padded tokens (a longer episode goes alone), each
+        micro-batch cut to its longest (`TokenBatch.rows`): activations grow with the
+        padded tokens, so long agent episodes must not share a forward pass with many
+        others. The loss is a sum over micro-batches, so their makeup does not change
+        the gradient."""
+        cfg = self.config
+        lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+        order = sorted(range(len(batch)), key=lambda i: lengths[i])
+        group: list[int] = []
+        for i in order:   # ascending: the newest member is the longest
+            full = len(group) >= cfg.micro_batch_size or (
+                cfg.micro_batch_tokens is not None
+                and (len(group) + 1) * lengths[i] > cfg.micro_batch_tokens)
+            if group and full:
+                yield batch.rows(group)
+                group = []
+            group.append(i)
+        if group:
+            yield batch.rows(group)
 
     def supervised_step(self, batch: TokenBatch) -> dict[str, float]:
         """One optimizer step of supervised fine-tuning: the mean negative log-likelihood
@@ -363,18 +380,26 @@ class PolicyTrainer:
                                    or self.policy.lora is None)
 
 
-def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    # non-reentrant: works with frozen inputs (LoRA) and keeps the graph's semantics.
-    # transformers >= 5 names it activation checkpointing (the old name is deprecated);
-    # a peft model passes either through to its base.
+def _set_gradient_checkpointing(model: torch.nn.Module, want: bool | None) -> None:
+    """On (True: required, None: where the model has it) or off, non-reentrant (works
+    with frozen inputs, as LoRA's). transformers >= 5 calls it activation checkpointing
+    (the old name is deprecated); a peft model passes either through to its base."""
+    new = callable(getattr(model, "activation_checkpointing_enable", None))
+    old = callable(getattr(model, "gradient_checkpointing_enable", None))
+    if want is False:
+        if new:
+            model.activation_checkpointing_disable()
+        elif old:
+            model.gradient_checkpointing_disable()
+        return
     kwargs = {"use_reentrant": False}
-    if callable(getattr(model, "activation_checkpointing_enable", None)):
+    if new:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+    elif old:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    else:
+    elif want:
         raise ConfigError(f"{type(model).__name__} cannot checkpoint its activations",
-                          hint="set trainer.gradient_checkpointing: false")
+                          hint="set trainer.gradient_checkpointing: false (or leave it unset)")
 
 
 def _decoder_and_head(model: torch.nn.Module

@@ -180,8 +180,9 @@ class PolicyTrainer:
         want = batch.loss_mask[:, 1:] > 0               # token t+1 is predicted at t
         rows, cols = want.nonzero(as_tuple=True)
         with self._autocast():
-            hidden = decoder(input_ids=batch.token_ids,
-                             attention_mask=batch.attention_mask).last_hidden_state
+            # no KV cache to build: a training forward (and checkpointing refuses one)
+            hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask,
+                             use_cache=False).last_hidden_state
             logits = head(hidden[rows, cols])           # [N, V]
         with torch.autocast("cpu", enabled=False):
             logp = torch.log_softmax(logits.float() / self.config.temperature, dim=-1)

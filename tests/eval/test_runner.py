@@ -122,10 +122,15 @@ def test_pass_at_1_has_an_interval_over_tasks():
 
 
 def test_a_run_directory_evaluates_its_checkpoint(tmp_path):
-    from ridgeline.eval.runner import checkpoint_model
+    from ridgeline.engine.model_executor.registry import DEFAULT_MODEL, resolve_model
+
+    def checkpoint_model(model: str) -> str:
+        return str(resolve_model(model).path) if model != DEFAULT_MODEL else model
 
     (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    (tmp_path / "checkpoint" / "config.json").write_text('{"model_type": "llama"}')
+    # the run's own config.json (a training config) does not make it a model directory
+    (tmp_path / "config.json").write_text('{"steps": 3}')
     assert checkpoint_model(str(tmp_path)) == str(tmp_path / "checkpoint")
     assert checkpoint_model(str(tmp_path / "checkpoint")) == str(tmp_path / "checkpoint")
     assert checkpoint_model("default") == "default"

@@ -21,7 +21,7 @@ from ridgeline.rl.policy import PolicyConfig, load_policy
 from ridgeline.rl.run_log import read_metrics
 from ridgeline.rl.sft import SFTConfig, sft
 from ridgeline.rl.sft_data import (
-    ScriptedReplies, oracle_episode, oracle_replies, read_episodes, write_episodes,
+    ScriptedReplies, oracle_episode, oracle_replies, read_episodes, token_runs, write_episodes,
 )
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
@@ -58,21 +58,11 @@ def tasks(tmp_path_factory):
     return kept
 
 
-def runs(ep: TokenEpisode) -> list[tuple[int, list[int]]]:
-    out: list[tuple[int, list[int]]] = []
-    for t, m in zip(ep.token_ids, ep.loss_mask):
-        if out and out[-1][0] == m:
-            out[-1][1].append(t)
-        else:
-            out.append((m, [t]))
-    return out
-
-
 def test_an_oracle_episode_is_the_agent_loop_token_format_with_loss_on_replies_only(tok, tasks):
     agent = rollout_agent_config(RolloutSettings())
     ep = oracle_episode(tasks[0], tok, agent, context_window=4096)
     assert not isinstance(ep, str), ep
-    parts = runs(ep.tokens)
+    parts = token_runs(ep.tokens)
     # prompt, reply (plan + the solution as a shell block), observation, finish
     assert [m for m, _ in parts] == [0, 1, 0, 1]
     # the prompt is exactly what the agent sends an engine: its system and task messages

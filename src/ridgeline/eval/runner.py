@@ -35,8 +35,7 @@ from ridgeline.tasks import Task, load_tasks
 
 # episode_result, record_verdict, run_jobs: shared with the held-out evaluation of a
 # training run (`ridgeline.agent.results`); still importable from here
-__all__ = ["DEMO_TASK_IDS", "EvalConfig", "EvalRun", "EvalTask", "Job", "checkpoint_model",
-           "episode_agent_config", "episode_result", "finish_run", "make_model",
+__all__ = ["DEMO_TASK_IDS", "EvalConfig", "EvalRun", "EvalTask", "Job", "episode_agent_config", "episode_result", "finish_run", "make_model",
            "record_verdict", "run_episode", "run_episodes", "run_eval", "run_jobs",
            "run_meta", "select_tasks"]
 
@@ -92,17 +91,9 @@ def make_model(config: EvalConfig) -> ChatModel:
     if config.model.startswith(("http://", "https://")):
         # model=None lets the client discover the served model's name and context window.
         return make_chat_model(config.model, model=config.model_name, api_key=config.api_key)
-    return make_chat_model(checkpoint_model(config.model))
-
-
-def checkpoint_model(model: str) -> str:
-    """A training run's directory stands for its latest checkpoint (RUN_DIR/checkpoint, a
-    Hugging Face directory); anything else is a model name or path as given."""
-    run_dir = Path(model).expanduser()
-    if not (run_dir / "config.json").is_file() and (run_dir / "checkpoint" /
-                                                     "config.json").is_file():
-        return str(run_dir / "checkpoint")
-    return model
+    # a training run's directory stands for its checkpoint: the engine's model registry
+    # resolves it (`registry._entry_for_path`), as for `serve` and `train`
+    return make_chat_model(config.model)
 
 
 def select_tasks(config: EvalConfig) -> list[Task]:

@@ -90,14 +90,17 @@ def select_tasks(cfg: TrainConfig) -> RunTasks:
             raise ConfigError("the token family 'shift' runs on the in-process engine only",
                               hint="remove engine.url, or train on terminal tasks")
         return RunTasks(make_sampler(cfg, None))
-    tasks, excluded = training_tasks(sel, cfg.out, cfg.rollout.backend)
+    # the suite both splits pick from, loaded once (None: both are generated)
+    suite = _terminal_tasks(sel) if sel.families is None or (
+        sel.eval_families is None and sel.eval_ids) else None
+    tasks, excluded = training_tasks(sel, cfg.out, cfg.rollout.backend, suite)
     if sel.eval_families is not None:
         held_out, eval_excluded = family_tasks(sel.eval_families, cfg.out / "tasks" / "heldout",
                                                cfg.rollout.backend)
         for tid, why in eval_excluded.items():
             log.warning("held-out task %s left out: %s", tid, why)
     else:
-        held_out = _pick(_terminal_tasks(sel), sel.eval_ids, sel.source) if sel.eval_ids else []
+        held_out = _pick(suite, sel.eval_ids, sel.source) if suite is not None else []
     overlap = {t.id for t in tasks} & {t.id for t in held_out}
     if overlap:
         raise ConfigError(f"tasks both trained on and held out: {', '.join(sorted(overlap))}",
@@ -105,15 +108,15 @@ def select_tasks(cfg: TrainConfig) -> RunTasks:
     return RunTasks(make_sampler(cfg, tasks), held_out, excluded)
 
 
-def training_tasks(sel: TaskSelection, out: Path, backend: str
-                   ) -> tuple[list[Task], dict[str, str]]:
+def training_tasks(sel: TaskSelection, out: Path, backend: str,
+                   suite: dict[str, Task] | None = None) -> tuple[list[Task], dict[str, str]]:
     """The selection's training tasks that passed their quality check (generated family
     instances under `out/tasks/train`, or tasks of `source`), and those left out -> why.
     `ConfigError` when none is left."""
     if sel.families is not None:
         tasks, excluded = family_tasks(sel.families, out / "tasks" / "train", backend)
     else:
-        suite = _terminal_tasks(sel)
+        suite = suite if suite is not None else _terminal_tasks(sel)
         tasks = _pick(suite, sel.ids, sel.source) if sel.ids else list(suite.values())
         excluded = {}
         if sel.check:

@@ -202,7 +202,7 @@ def rejection_sampled(rollout: AgentRollout, tasks: list[Task], samples: int, se
 # ---- episode files ------------------------------------------------------------------------
 
 
-def _runs(tokens: TokenEpisode) -> list[tuple[int, list[int]]]:
+def token_runs(tokens: TokenEpisode) -> list[tuple[int, list[int]]]:
     """Maximal runs of equal mask: (mask, ids)."""
     runs: list[tuple[int, list[int]]] = []
     for tid, m in zip(tokens.token_ids, tokens.loss_mask):
@@ -225,7 +225,7 @@ def write_episodes(path: Path, episodes: Iterable[SFTEpisode], tokenizer: Tokeni
             f.write(json.dumps({
                 "format": FORMAT, "task": ep.task_id, "source": ep.source, "model": model,
                 "token_ids": t.token_ids, "loss_mask": t.loss_mask,
-                "texts": [tokenizer.decode(ids) for _, ids in _runs(t)]}) + "\n")
+                "texts": [tokenizer.decode(ids) for _, ids in token_runs(t)]}) + "\n")
     tmp.replace(path)
     return path
 
@@ -278,13 +278,13 @@ def _episode(rec: dict[str, object], tokenizer: Tokenizer,
     if not set(mask) <= {0, 1} or 1 not in mask:
         raise ValueError("loss_mask must be 0/1 with at least one policy token")
     tokens = TokenEpisode()
-    for m, run in _runs(TokenEpisode(token_ids=ids, loss_mask=mask)):
+    for m, run in token_runs(TokenEpisode(token_ids=ids, loss_mask=mask)):
         if m:
             tokens.add_completion(run, [0.0] * len(run), [-1] * len(run))
         else:
             tokens.add_context(run)
     texts = rec["texts"]
-    runs = _runs(tokens)
+    runs = token_runs(tokens)
     if not isinstance(texts, list) or len(texts) != len(runs):
         raise ValueError("texts must hold one text per run of policy / non-policy tokens")
     for (m, run), text in zip(runs, texts):

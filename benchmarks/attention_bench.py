@@ -55,8 +55,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import torch  # noqa: E402
 from bench_common import cpu_info, machine, progress_log  # noqa: I001  (sets the OpenMP policy before torch)
+# isort: split
+import torch
 
 from ridgeline.engine.kernels import cpu_kernels
 from ridgeline.engine.model_executor.kv_quant import quantize  # noqa: E402

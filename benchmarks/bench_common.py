@@ -19,7 +19,14 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-import ridgeline  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+if "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ:
+    # torch's OpenMP runtime read its wait policy when torch loaded: spinning idle workers
+    # stall short forward passes (speculative decoding's most of all), so the figures would
+    # not compare with any recorded run
+    raise RuntimeError("import bench_common before torch (it sets OMP_WAIT_POLICY=PASSIVE "
+                       "for the benchmark; torch reads it once, when it loads)")
+
+import ridgeline  # noqa: E402,F401  (sets OMP_WAIT_POLICY before torch loads)
 from ridgeline.cpu import cpu_info
 
 T = TypeVar("T")

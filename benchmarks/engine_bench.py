@@ -34,8 +34,6 @@ import statistics
 import time
 from datetime import date
 
-import torch  # noqa: E402
-
 # before torch: idle OpenMP workers sleep, the same for both engines
 from bench_common import (
     engine_arg_parser,
@@ -44,6 +42,8 @@ from bench_common import (
     progress_log,
     read_bandwidth_gbs,  # noqa: I001
 )
+# isort: split
+import torch
 
 
 def workload(n: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int,

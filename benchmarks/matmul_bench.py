@@ -36,9 +36,10 @@ import json
 import time
 from collections.abc import Callable
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from bench_common import machine, median_seconds, progress_log, read_bandwidth_gbs  # noqa: I001  (sets the OpenMP policy before torch)
+# isort: split
+import torch
+import torch.nn.functional as F
 
 from ridgeline.engine.kernels import linear_kernel
 from ridgeline.engine.model_executor.models.layers import int8_linear  # noqa: E402

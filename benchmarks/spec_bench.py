@@ -48,12 +48,12 @@ import time
 from datetime import date
 from typing import Any
 
-import torch  # noqa: E402
-
 # before torch: idle OpenMP workers sleep (a spinning one that loses its core stalled
 # 2..8-token forward passes by a scheduler slice here, which would hide what speculation
 # does); the same for both sides
 from bench_common import engine_arg_parser, machine, on_worker_thread, progress_log  # noqa: I001
+# isort: split
+import torch
 
 FILES = {
     "config.py": '''import os

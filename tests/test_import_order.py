@@ -129,3 +129,19 @@ def test_engine_packages_import_only_those_below_them() -> None:
             if ENGINE_LAYER[target] > ENGINE_LAYER[owner]:
                 wrong.append(f"engine/{path.relative_to(engine)}:{line} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.glob("*.py")), ids=lambda p: p.name)
+def test_a_benchmark_imports_bench_common_before_torch(path: Path) -> None:
+    """bench_common sets OMP_WAIT_POLICY before torch loads its OpenMP runtime; a benchmark
+    that loads torch first measures spinning idle workers (an import sorter once moved
+    `import torch` up and cost spec_bench's `:fast-q` a third of its speed)."""
+    top = [(n, line) for n, line in imported_modules(path) if n.split(".")[0] in ("torch", "bench_common")]
+    first = {}
+    for name, line in top:
+        first.setdefault(name.split(".")[0], line)
+    if "torch" in first and "bench_common" in first:
+        assert first["bench_common"] < first["torch"], f"{path.name}: import bench_common before torch"

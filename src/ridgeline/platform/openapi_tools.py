@@ -42,7 +42,8 @@ import yaml
 
 from ridgeline.agent.observation import truncate_middle
 from ridgeline.errors import ConfigError, NotFoundError, RidgelineError
-from ridgeline.platform.tools import Tool, ToolCallContext, ToolFailure, make_nullable
+from ridgeline.platform.tool_schemas import make_nullable
+from ridgeline.platform.tools import Tool, ToolCallContext, ToolFailure
 from ridgeline.platform.urls import check_outbound_url, safe_client
 
 log = logging.getLogger(__name__)

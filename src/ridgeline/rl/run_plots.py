@@ -93,6 +93,17 @@ def _marker(n: int) -> dict[str, str | int]:
     return {"marker": "o", "markersize": 4 if n <= 50 else 2}
 
 
+def _save_per_step(fig: Figure, ax: Axes, title: str, ylabel: str, out_dir: Path, name: str,
+                   paths: dict[str, Path], /, **legend: object) -> None:
+    """Finish a plot over training steps (title, y label, steps axis, a small legend whose
+    options `legend` overrides: positional-only above, so it may hold a `title`) and save it."""
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    _steps_axis(ax)
+    ax.legend(**{"loc": "best", "fontsize": 8, **legend})
+    _save(fig, out_dir, name, paths)
+
+
 def _save(fig: Figure, out_dir: Path, name: str, paths: dict[str, Path]) -> None:
     fig.tight_layout()
     path = out_dir / f"{name}.png"
@@ -122,11 +133,8 @@ def _plot_reward(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
         steps, values = passed
         ax.plot(steps, values, color=_GREEN, linewidth=1.5, label="pass rate (fraction)",
                 **_marker(len(steps)))
-    ax.set_title("Training reward per step")
-    ax.set_ylabel("mean episode reward / pass rate (0-1)")
-    _steps_axis(ax)
-    ax.legend(loc="best", fontsize=8)
-    _save(fig, out_dir, "reward", paths)
+    _save_per_step(fig, ax, "Training reward per step", "mean episode reward / pass rate (0-1)",
+                   out_dir, "reward", paths)
 
 
 def _plot_sft(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
@@ -137,11 +145,8 @@ def _plot_sft(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     steps, values = nll
     ax.plot(steps, values, color=_BLUE, linewidth=1.5, label="NLL of the policy tokens",
             **_marker(len(steps)))
-    ax.set_title("SFT loss per step")
-    ax.set_ylabel("mean negative log-likelihood (nats per token)")
-    _steps_axis(ax)
-    ax.legend(loc="best", fontsize=8)
-    _save(fig, out_dir, "sft_loss", paths)
+    _save_per_step(fig, ax, "SFT loss per step", "mean negative log-likelihood (nats per token)",
+                   out_dir, "sft_loss", paths)
 
 
 def _plot_domains(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
@@ -155,12 +160,9 @@ def _plot_domains(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
         ax.plot(steps, [100 * v for v in values], linewidth=1.5, label=domain,
                 **_marker(len(steps)))
     ax.set_ylim(-3, 103)
-    ax.set_title("Training pass rate by task domain")
-    ax.set_ylabel("pass rate (% of the step's scored episodes)")
-    _steps_axis(ax)
-    ax.legend(loc="best", fontsize=8, ncol=2 if len(lines) > 6 else 1, title="domain",
-              title_fontsize=8)
-    _save(fig, out_dir, "pass_rate_by_domain", paths)
+    _save_per_step(fig, ax, "Training pass rate by task domain",
+                   "pass rate (% of the step's scored episodes)", out_dir, "pass_rate_by_domain",
+                   paths, ncol=2 if len(lines) > 6 else 1, title="domain", title_fontsize=8)
 
 
 def _plot_staleness(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
@@ -227,11 +229,8 @@ def _plot_time_split(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
         ax.bar(steps, vals, bottom=bottom, width=width, color=color, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylim(0, 1.3 * max(max(bottom), 1e-3))  # headroom for the legend
-    ax.set_title("Where each training step's time went")
-    ax.set_ylabel("seconds")
-    _steps_axis(ax)
-    ax.legend(loc="upper left", fontsize=8, ncol=2)
-    _save(fig, out_dir, "time_split", paths)
+    _save_per_step(fig, ax, "Where each training step's time went", "seconds", out_dir,
+                   "time_split", paths, loc="upper left", ncol=2)
 
 
 def _plot_throughput(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
@@ -249,11 +248,8 @@ def _plot_throughput(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
         ax.set_yscale("log")
     else:
         ax.set_ylim(bottom=0)
-    ax.set_title("Throughput per training step")
-    ax.set_ylabel("tokens per second")
-    _steps_axis(ax)
-    ax.legend(loc="best", fontsize=8)
-    _save(fig, out_dir, "throughput", paths)
+    _save_per_step(fig, ax, "Throughput per training step", "tokens per second", out_dir,
+                   "throughput", paths)
 
 
 def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
@@ -277,11 +273,8 @@ def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
                     ax.annotate(f"{100 * v:.0f}%", (s, 100 * v), textcoords="offset points",
                                 xytext=(0, 6), ha="center", fontsize=8)
     ax.set_ylim(-3, 108)
-    ax.set_title("Held-out evaluation pass rate")
-    ax.set_ylabel("pass rate (% of scored episodes)")
-    _steps_axis(ax)
-    ax.legend(loc="best", fontsize=8)
-    _save(fig, out_dir, "eval", paths)
+    _save_per_step(fig, ax, "Held-out evaluation pass rate", "pass rate (% of scored episodes)",
+                   out_dir, "eval", paths)
 
 
 def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path]:

@@ -53,6 +53,18 @@ def normalize_sandbox_path(path: str, what: str) -> str:
     return posixpath.normpath(path).replace("//", "/")
 
 
+def _mount_point(path: str, what: str, root_refusal: str) -> str:
+    """`path` normalised as a place the spec mounts something on: not '/' (`root_refusal`
+    says why) and not on or under the paths the sandbox provides itself."""
+    v = normalize_sandbox_path(path, what)
+    if v == "/":
+        raise ValueError(root_refusal)
+    if any(v == r or v.startswith(r + "/") for r in RESERVED_PATHS):
+        raise ValueError(f"{what} {v!r} is inside {', '.join(RESERVED_PATHS)}, "
+                         "which the sandbox provides itself")
+    return v
+
+
 class NetworkPolicy(str, Enum):
     NONE = "none"          # no network at all (own empty net namespace)
     LOOPBACK = "loopback"  # own namespace with only `lo` up: servers inside talk to each other
@@ -68,13 +80,8 @@ class Mount(_SpecModel):
     @field_validator("target")
     @classmethod
     def _target(cls, v: str) -> str:
-        v = normalize_sandbox_path(v, "mount target")
-        if v == "/":
-            raise ValueError("mount target must not be '/' (use tools_root for the root)")
-        if any(v == r or v.startswith(r + "/") for r in RESERVED_PATHS):
-            raise ValueError(f"mount target {v!r} is inside {', '.join(RESERVED_PATHS)}, "
-                             "which the sandbox provides itself")
-        return v
+        return _mount_point(v, "mount target",
+                            "mount target must not be '/' (use tools_root for the root)")
 
 
 class Limits(_SpecModel):
@@ -120,12 +127,8 @@ class SandboxSpec(_SpecModel):
     @field_validator("workspace_path")
     @classmethod
     def _workspace_path(cls, v: str) -> str:
-        v = normalize_sandbox_path(v, "workspace_path")
-        if v == "/":
-            raise ValueError("workspace_path must be an absolute path other than '/'")
-        if any(v == r or v.startswith(r + "/") for r in RESERVED_PATHS):
-            raise ValueError(f"workspace_path {v!r} is inside {', '.join(RESERVED_PATHS)}")
-        return v
+        return _mount_point(v, "workspace_path",
+                            "workspace_path must be an absolute path other than '/'")
 
     @field_validator("workdir")
     @classmethod

@@ -517,19 +517,16 @@ class BwrapSandbox(HostSandbox):
         return {"init": (self._init_alive(), "the sandbox's init process has exited")}
 
     # -- commands ---------------------------------------------------------------------------
-    def _argv(self, cmd: str | list[str], cwd: str | None) -> list[str]:
-        if isinstance(cmd, str):
-            argv = ["bash", "-c", cmd]
-        else:
-            argv = [str(a) for a in cmd]
-            if not argv:
-                raise SandboxError("empty command")
+    def _argv(self, cmd: list[str], cwd: str | None) -> list[str]:
+        argv = [str(a) for a in cmd]
+        if not argv:
+            raise SandboxError("empty command")
         target = cwd if cwd is not None else self.spec.cwd
         if target != self._init_cwd:
             argv = ["sh", "-c", 'cd -- "$1" && shift && exec "$@"', "sh", target, *argv]
         return argv
 
-    def _spawn(self, argv: str | list[str], *, env: dict[str, str] | None = None,
+    def _spawn(self, argv: list[str], *, env: dict[str, str] | None = None,
                cwd: str | None = None, launcher: tuple[str, ...] = (),
                **kwargs) -> tuple[subprocess.Popen, ExecGroup | None]:
         """Start `argv` inside the sandbox; returns the process and, with cgroups, the
@@ -569,12 +566,12 @@ class BwrapSandbox(HostSandbox):
         (like `docker exec`); at the timeout every process it started is killed.
         `pass_fds`: host descriptors the command inherits at the same numbers (the
         verifier's report socket)."""
-        limit = self._timeout(timeout)
+        argv, limit = self._command(cmd, timeout)
         self._check_running()
         oom_before = self._cg.oom_kills() if self._cg else 0
         disk_before = self.disk_kills
         t0 = time.monotonic()
-        proc, group = self._spawn(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE if stdin
+        proc, group = self._spawn(argv, env=env, cwd=cwd, stdin=subprocess.PIPE if stdin
                                   is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, start_new_session=True,
                                   pass_fds=pass_fds)

@@ -217,8 +217,7 @@ class DockerSandbox(HostSandbox):
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None) -> ExecResult:
-        limit = self._timeout(timeout)
-        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        argv, limit = self._command(cmd, timeout)
         t0 = time.monotonic()
         proc = self._exec(argv, env, cwd, stdin is not None)
         outcome = communicate(proc, stdin=stdin, max_output=self.spec.limits.max_output_bytes,  # type: ignore[arg-type]

@@ -196,13 +196,15 @@ class HostSandbox(abc.ABC):
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed", hint="create a new sandbox")
 
-    def _timeout(self, timeout: float | None) -> float:
-        """A command's timeout: the spec's default, or a positive number of seconds."""
+    def _command(self, cmd: str | list[str], timeout: float | None) -> tuple[list[str], float]:
+        """`run`'s command as argv (a string is a bash script, a list the argv itself) and
+        its timeout: the spec's default, or a positive number of seconds."""
+        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         if timeout is None:
-            return self.spec.limits.wall_timeout_s
+            return argv, self.spec.limits.wall_timeout_s
         if not isinstance(timeout, (int, float)) or not timeout > 0 or timeout == float("inf"):
             raise SandboxError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        return float(timeout)
+        return argv, float(timeout)
 
     def __enter__(self):
         return self

@@ -98,8 +98,7 @@ class LocalSandbox(HostSandbox):
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None) -> ExecResult:
-        limit = self._timeout(timeout)
-        argv = ["bash", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        argv, limit = self._command(cmd, timeout)
         t0 = time.monotonic()
         try:
             proc = self.popen(argv, env=env, cwd=cwd, start_new_session=True,

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -160,21 +160,23 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
     async def get_model(model_id: str) -> dict[str, Any]:
         return lookup(model_id).describe()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def generate(request: Request, cls: type[ChatCompletionRequest | CompletionRequest],
+                       handler: Callable[..., Awaitable[Response]]) -> Response:
+        """Read a request as `cls`, find its model, check its token ids against the
+        model's vocabulary and answer it with `handler` (timed from now)."""
         t0 = time.perf_counter()
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, limits)
+        req = await _parse(request, cls, limits)
         model = lookup(req.model)
         req.check_token_ids(model.worker.engine.model_config.vocab_size)
-        return await _chat(request, req, model, metrics, t0)
+        return await handler(request, req, model, metrics, t0)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatCompletionRequest, _chat)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        t0 = time.perf_counter()
-        req: CompletionRequest = await _parse(request, CompletionRequest, limits)
-        model = lookup(req.model)
-        req.check_token_ids(model.worker.engine.model_config.vocab_size)
-        return await _complete(request, req, model, metrics, t0)
+        return await generate(request, CompletionRequest, _complete)
 
     add_weight_routes(app, served, enabled=weight_updates)
     return app

@@ -10,7 +10,7 @@ after every step, so a scrape never touches the engine while it runs.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from ridgeline.engine.core.worker import EngineWorker
+    from ridgeline.engine.outputs import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -55,6 +56,36 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _acceptance_rate(stats: EngineStats) -> float:
+    rate = getattr(stats, "spec_acceptance_rate", None)  # set by engines that speculate
+    return math.nan if rate is None else float(rate)
+
+
+#: The engine's metrics, each labelled by model: (family, name, help, its value from a
+#: worker and that worker's stats snapshot).
+_ENGINE_METRICS: tuple[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str,
+                             Callable[[EngineWorker, EngineStats], float]], ...] = (
+    (GaugeMetricFamily, "ridgeline_kv_cache_usage_ratio",
+     "Fraction of KV cache blocks held by live sequences", lambda w, s: s.kv_usage),
+    (GaugeMetricFamily, "ridgeline_num_requests_running", "Sequences in the running batch",
+     lambda w, s: s.num_running),
+    (GaugeMetricFamily, "ridgeline_num_requests_waiting", "Sequences waiting to be scheduled",
+     lambda w, s: s.num_waiting),
+    (CounterMetricFamily, "ridgeline_num_preemptions",
+     "Sequences preempted (KV freed, recomputed later)", lambda w, s: s.num_preemptions),
+    (CounterMetricFamily, "ridgeline_num_aborted_requests",
+     "Requests aborted in the engine because their client disconnected",
+     lambda w, s: w.num_aborted),
+    (GaugeMetricFamily, "ridgeline_prefix_cache_hit_rate",
+     "Prompt tokens found in the prefix cache / looked up", lambda w, s: s.prefix_cache_hit_rate),
+    (GaugeMetricFamily, "ridgeline_spec_decode_acceptance_rate",
+     "Accepted / proposed speculative tokens (NaN without speculative decoding)",
+     lambda w, s: _acceptance_rate(s)),
+    (GaugeMetricFamily, "ridgeline_engine_up", "1 while the engine thread runs",
+     lambda w, s: 1.0 if w.is_running else 0.0),
+)
+
+
 class EngineCollector(Collector):
     """Engine gauges and counters from each worker's stats snapshot."""
 
@@ -62,39 +93,13 @@ class EngineCollector(Collector):
         self.workers = workers
 
     def collect(self) -> Iterator[Metric]:
-        kv = GaugeMetricFamily("ridgeline_kv_cache_usage_ratio",
-                               "Fraction of KV cache blocks held by live sequences",
-                               labels=["model"])
-        running = GaugeMetricFamily("ridgeline_num_requests_running",
-                                    "Sequences in the running batch", labels=["model"])
-        waiting = GaugeMetricFamily("ridgeline_num_requests_waiting",
-                                    "Sequences waiting to be scheduled", labels=["model"])
-        preempt = CounterMetricFamily("ridgeline_num_preemptions",
-                                      "Sequences preempted (KV freed, recomputed later)",
-                                      labels=["model"])
-        aborted = CounterMetricFamily("ridgeline_num_aborted_requests",
-                                      "Requests aborted in the engine because their client "
-                                      "disconnected", labels=["model"])
-        prefix = GaugeMetricFamily("ridgeline_prefix_cache_hit_rate",
-                                   "Prompt tokens found in the prefix cache / looked up",
-                                   labels=["model"])
-        accept = GaugeMetricFamily("ridgeline_spec_decode_acceptance_rate",
-                                   "Accepted / proposed speculative tokens (NaN without "
-                                   "speculative decoding)", labels=["model"])
-        healthy = GaugeMetricFamily("ridgeline_engine_up", "1 while the engine thread runs",
-                                    labels=["model"])
-        for name, worker in self.workers.items():
-            s = worker.stats
-            kv.add_metric([name], s.kv_usage)
-            running.add_metric([name], s.num_running)
-            waiting.add_metric([name], s.num_waiting)
-            preempt.add_metric([name], s.num_preemptions)
-            aborted.add_metric([name], worker.num_aborted)
-            prefix.add_metric([name], s.prefix_cache_hit_rate)
-            rate = getattr(s, "spec_acceptance_rate", None)  # set by engines that speculate
-            accept.add_metric([name], math.nan if rate is None else float(rate))
-            healthy.add_metric([name], 1.0 if worker.is_running else 0.0)
-        yield from (kv, running, waiting, preempt, aborted, prefix, accept, healthy)
+        # one stats snapshot per worker, so a scrape's numbers are of one moment
+        snapshots = [(name, worker, worker.stats) for name, worker in self.workers.items()]
+        for family, metric, doc, value in _ENGINE_METRICS:
+            samples = family(metric, doc, labels=["model"])
+            for name, worker, stats in snapshots:
+                samples.add_metric([name], value(worker, stats))
+            yield samples
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

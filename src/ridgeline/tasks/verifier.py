@@ -557,6 +557,19 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None
     duration = time.perf_counter() - t0
     offline = [ln.split(OFFLINE_MARK, 1)[1].strip() for ln in output.splitlines()
                if OFFLINE_MARK in ln]
+
+    def explained_absence(missing: str) -> Verdict | None:
+        """The verdict where `missing` (no reward, no test results) has a known cause:
+        the tests need what this machine lacks offline, or the agent filled the disk."""
+        if offline and not sessions:
+            return Verdict(VerdictStatus.UNSUPPORTED, detail=offline[0],
+                           reason="unsupported", duration_s=duration,
+                           output=output[-OUTPUT_TAIL:])
+        if agent_filled_disk(sandbox):
+            return _agents_failure("disk_full", f"{missing}, and the workspace is full of "
+                                   "the agent's files", t0, output, results)
+        return None
+
     if task.layout is TaskLayout.HARBOR:
         try:
             reward = _read_reward(sandbox)
@@ -565,13 +578,8 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None
         except (ValueError, OSError, json.JSONDecodeError) as e:
             return infra_error("bad_reward", f"unreadable reward file: {e}", t0, output)
         if reward is None:
-            if offline and not sessions:
-                return Verdict(VerdictStatus.UNSUPPORTED, detail=offline[0],
-                               reason="unsupported", duration_s=duration,
-                               output=output[-OUTPUT_TAIL:])
-            if agent_filled_disk(sandbox):
-                return _agents_failure("disk_full", "no reward, and the workspace is "
-                                       "full of the agent's files", t0, output, results)
+            if (verdict := explained_absence("no reward")) is not None:
+                return verdict
             return infra_error("no_reward", f"the verifier wrote no reward to "
                                f"{LOGS_PATH}/verifier/reward.txt (exit code "
                                f"{res.exit_code})", t0, output)
@@ -589,13 +597,8 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None
                        None if status is VerdictStatus.PASSED else "tests_failed",
                        results, output[-OUTPUT_TAIL:])
     if not graded:
-        if offline and not sessions:
-            return Verdict(VerdictStatus.UNSUPPORTED, detail=offline[0],
-                           reason="unsupported", duration_s=duration,
-                           output=output[-OUTPUT_TAIL:])
-        if agent_filled_disk(sandbox):
-            return _agents_failure("disk_full", "no test results, and the workspace is "
-                                   "full of the agent's files", t0, output, results)
+        if (verdict := explained_absence("no test results")) is not None:
+            return verdict
         if channel and PYTEST_HEADER in output:
             # Every pytest the harness starts reports; one that printed a session and
             # did not was disabled or replaced by something the tests reached (the

@@ -60,7 +60,7 @@ def tasks(tmp_path_factory):
 
 def test_an_oracle_episode_is_the_agent_loop_token_format_with_loss_on_replies_only(tok, tasks):
     agent = rollout_agent_config(RolloutSettings())
-    ep = oracle_episode(tasks[0], tok, agent, context_window=4096)
+    ep = oracle_episode(tasks[0], tok, agent, context_window=4096, style="direct")
     assert not isinstance(ep, str), ep
     parts = token_runs(ep.tokens)
     # prompt, reply (plan + the solution as a shell block), observation, finish
@@ -79,6 +79,70 @@ def test_an_oracle_episode_is_the_agent_loop_token_format_with_loss_on_replies_o
     assert "```bash\n" in reply and reply.endswith("```<|im_end|>")
     assert "Observation" in tok.decode(parts[2][1])
     assert tok.decode(parts[3][1]).startswith("<finish>")
+
+
+def test_an_inspect_oracle_episode_looks_at_the_input_solves_checks_the_output_then_finishes(
+        tok, tasks):
+    task = tasks[0]                           # sort-numbers: /app/<in>.txt -> /app/<out>.txt
+    ep = oracle_episode(task, tok, rollout_agent_config(RolloutSettings()),
+                        context_window=4096)
+    assert not isinstance(ep, str), ep
+    parts = token_runs(ep.tokens)
+    assert [m for m, _ in parts] == [0, 1] * 4
+    replies = [tok.decode(ids) for m, ids in parts if m == 1]
+    observations = [tok.decode(ids) for m, ids in parts[2::2]]
+    files = sorted(p.name for p in task.files_dir.iterdir())  # type: ignore[union-attr]
+    assert f"head -n 8 {files[0]}" in replies[0]
+    numbers = (task.files_dir / files[0]).read_text().split()  # type: ignore[operator]
+    assert numbers[0] in observations[0]      # the policy sees the real input
+    solution = task.solution_script.read_text().splitlines()[-1]  # type: ignore[union-attr]
+    assert solution in replies[1]
+    out = solution.split("> ")[-1].strip()
+    assert f"head -n 8 {out}" in replies[2]
+    assert sorted(numbers, key=int)[0] in observations[2] or sorted(
+        numbers, key=int)[-1] in observations[2]       # and what its command wrote
+    assert replies[3].startswith("<finish>")
+
+
+def test_every_training_family_gives_inspect_oracle_episodes_whose_actions_all_succeed(
+        tok, tmp_path):
+    """The look and check commands are built from each family's instruction and files;
+    an oracle episode with a failed action would be left out (and teach finishing after
+    an error if it were not)."""
+    from ridgeline.rl.sft_data import oracle_episodes
+    from ridgeline.tasks.families import families
+
+    tasks, excluded = family_tasks(FamilySelection(split="train", instances=1), tmp_path,
+                                   "bwrap")
+    assert not excluded
+    episodes, left_out = oracle_episodes(tasks, tok, rollout_agent_config(RolloutSettings()),
+                                         context_window=16384)
+    assert not left_out, left_out
+    assert len(episodes) == len(tasks) == len(families("train"))
+
+
+def test_a_scripted_action_that_fails_leaves_the_oracle_episode_out(tok, tasks, tmp_path):
+    import shutil
+
+    from ridgeline.tasks.loader import load_task
+
+    moved = tmp_path / "moved"
+    shutil.copytree(tasks[0].path, moved)
+    name = next(p.name for p in (moved / "files").iterdir())
+    # the solution removes its input: the check step's look at the named input fails
+    (moved / "task.yaml").write_text((moved / "task.yaml").read_text().replace(
+        "/app/" + name, "/app/" + name + " (then delete /app/" + name + ")", 1))
+    solution = (moved / "solution.sh").read_text()
+    (moved / "solution.sh").write_text(solution + f"rm {name}\n")
+    ep = oracle_episode(load_task(moved), tok, rollout_agent_config(RolloutSettings()),
+                        context_window=4096)
+    assert isinstance(ep, str) and "failed" in ep, ep
+
+
+def test_sft_refuses_a_step_limit_too_short_for_its_oracle_episodes():
+    with pytest.raises(ValueError, match="step_limit to 4"):
+        SFTConfig(rollout=RolloutSettings(step_limit=3))
+    SFTConfig(rollout=RolloutSettings(step_limit=2), oracle_style="direct")
 
 
 def test_a_solution_the_agent_cannot_type_is_left_out_with_its_reason(tok, tasks, tmp_path):
@@ -244,7 +308,8 @@ def test_a_rejection_sampling_round_samples_from_the_trained_weights_and_keeps_i
     out = tmp_path / "rft"
     res = sft(sft_config(model_dir, out, epochs=2, rejection_sampling={
         "rounds": 1, "samples": 2, "epochs": 1},
-        rollout={"max_tokens": 32, "step_limit": 2}, engine={"max_num_seqs": 8}))
+        rollout={"max_tokens": 32, "step_limit": 2}, engine={"max_num_seqs": 8},
+        oracle_style="direct"))
     # 2 oracle epochs of 1 batch, then one epoch over oracle + kept rollouts
     assert (out / "episodes" / "rejection-1.jsonl").is_file()
     kept = res.episodes.get("rollout", 0)

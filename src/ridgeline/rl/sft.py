@@ -36,7 +36,8 @@ from ridgeline.rl.config import EngineSettings, RolloutSettings, TaskSelection
 from ridgeline.rl.policy import Policy, PolicyConfig, load_policy
 from ridgeline.rl.run_log import RunLog
 from ridgeline.rl.sft_data import (
-    SFTEpisode, oracle_episodes, read_episodes, rejection_sampled, write_episodes,
+    ORACLE_REPLIES, OracleStyle, SFTEpisode, oracle_episodes, read_episodes, rejection_sampled,
+    write_episodes,
 )
 from ridgeline.rl.tokens import TokenBatch
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
@@ -66,6 +67,9 @@ class SFTConfig(BaseModel):
                                  "whose reference solutions become episodes (and that "
                                  "rejection sampling plays)")
     oracle: bool = Field(True, description="train on the tasks' oracle episodes")
+    oracle_style: OracleStyle = Field(
+        "inspect", description="inspect: look at the named inputs, solve, check the result, "
+        "finish (4 replies: rollout.step_limit must allow them); direct: solve, finish")
     episodes: list[Path] = Field(default_factory=list, description="episode files "
                                  "(RUN/episodes/*.jsonl of an earlier run) to train on too")
     rejection_sampling: RejectionSampling = Field(default_factory=RejectionSampling)
@@ -93,6 +97,11 @@ class SFTConfig(BaseModel):
                              "out and run `ridgeline eval --model RUN_DIR` on held-out tasks")
         if self.trainer.temperature != 1:
             raise ValueError("SFT fits the plain distribution: trainer.temperature must be 1")
+        replies = ORACLE_REPLIES[self.oracle_style]
+        if self.oracle and self.rollout.step_limit < replies:
+            raise ValueError(f"{self.oracle_style} oracle episodes take {replies} replies: "
+                             f"raise rollout.step_limit to {replies} or more (it is "
+                             f"{self.rollout.step_limit})")
         if not self.oracle and not self.episodes and not self.rejection_sampling.rounds:
             raise ValueError("no data: set oracle, episodes or rejection_sampling.rounds")
         if self.engine.url:
@@ -168,7 +177,8 @@ def sft(config: SFTConfig, *, resume: bool = False,
             oracle = read_episodes(path, tokenizer, policy.identity)
         else:
             oracle, why = oracle_episodes(tasks, tokenizer, agent_config, context_window=context,
-                                          backend=config.rollout.backend)
+                                          backend=config.rollout.backend,
+                                          style=config.oracle_style)
             excluded.update(why)
             if not oracle:
                 raise ConfigError("no task gave a usable oracle episode: " + "; ".join(

@@ -9,10 +9,16 @@ An oracle episode is a task's reference solution played by the agent loop itself
 same `run_task_episode` as evaluation and RL (the task's environment in a fresh sandbox,
 the agent's prompts, the verifier), with a `ScriptedReplies` model in place of the
 engine. The scripted model answers each turn with the token ids of a reply a policy could
-have sampled (a short plan and the solution as one fenced shell block, then ``<finish>``)
-and `TokenChat` records the episode as it records a sampled one: the chat template's
-prompt ids, the reply ids (loss on these only), the observation ids appended as the next
-turn's prompt. An oracle episode the tests do not pass is left out with its reason.
+have sampled) and `TokenChat` records the episode as it records a sampled one: the chat
+template's prompt ids, the reply ids (loss on these only), the observation ids appended
+as the next turn's prompt. An oracle episode the tests do not pass is left out with its
+reason.
+
+Two styles of oracle episode. `direct`: a plan and the solution in one shell block, then
+finish. `inspect` (the default) works as the agent's prompt asks: look at the inputs the
+instruction names, run the solution, look at what it produced, then finish. A policy
+trained only on `direct` episodes learned to finish right after any command, failed or
+not, and to guess file names it had never looked at.
 
 Rejection sampling (`rejection_sampled`) keeps the policy's own passing rollouts, with
 the ids it sampled.
@@ -47,6 +53,9 @@ if TYPE_CHECKING:
 
 FORMAT = 1
 Source = Literal["oracle", "rollout", "file"]
+OracleStyle = Literal["inspect", "direct"]
+#: replies an oracle episode of each style takes
+ORACLE_REPLIES: dict[str, int] = {"inspect": 4, "direct": 2}
 
 #: The first reply's short plan (the agent's prompt asks for one), picked per task.
 PLANS = (
@@ -54,6 +63,15 @@ PLANS = (
     "Plan: one shell command does this; run it and finish.",
     "I will solve this with a short shell command.",
 )
+INSPECT_PLANS = (
+    "Plan: look at the input first, solve it with a shell command, check the result, finish.",
+    "Plan: read the files the task names, then do it in the shell and check the output.",
+    "First I will look at the input, then run the command, then verify what it wrote.",
+)
+SOLVE_THOUGHTS = ("Now the command that does it.", "I know the input; solving it now.",
+                  "This does what the task asks:")
+CHECK_THOUGHTS = ("Checking the result.", "Let me verify the output.",
+                  "Now I check that it worked.")
 FINISH = "<finish>Done: the task's goal is met.</finish>"
 # lines of a solution script that only make sense as a script, not typed into a shell
 _SCRIPT_ONLY = re.compile(r"^\s*(#!|set\s+-[euxo]|#)")
@@ -71,11 +89,11 @@ class SFTEpisode:
 # ---- oracle solutions as agent episodes ------------------------------------------------
 
 
-def oracle_replies(task: Task) -> list[str]:
-    """The replies an agent would write to solve `task` with its reference solution: a
-    plan and the solution's commands in one ```bash block, then finish. `ConfigError`
-    when the solution cannot be typed into a shell (it runs files of a solution folder
-    the agent does not have)."""
+def oracle_replies(task: Task, style: OracleStyle = "inspect") -> list[str]:
+    """The replies an agent would write to solve `task` with its reference solution, in
+    `style` (see the module docstring), the solution's commands as one ```bash block.
+    `ConfigError` when the solution cannot be typed into a shell (it runs files of a
+    solution folder the agent does not have)."""
     if task.solution_steps is not None:
         commands = [s.command.rstrip("\n") for s in task.solution_steps]
     elif task.solution_script is not None:
@@ -92,8 +110,75 @@ def oracle_replies(task: Task) -> list[str]:
     if not script or "```" in script:
         raise ConfigError(f"the solution of {task.id} cannot be written as one shell block",
                           hint="leave the task out of SFT")
-    plan = PLANS[zlib.crc32(task.id.encode()) % len(PLANS)]
-    return [f"{plan}\n```bash\n{script}\n```", FINISH]
+    pick = zlib.crc32(task.id.encode())
+    if style == "direct":
+        return [f"{PLANS[pick % len(PLANS)]}\n```bash\n{script}\n```", FINISH]
+    look, check = inspect_commands(task)
+    if re.search(r"(^|[;&|\s])cd\s", script):   # the shell keeps the solution's directory
+        check = f"cd {task.workdir}\n{check}"
+    return [f"{INSPECT_PLANS[pick % len(INSPECT_PLANS)]}\n```bash\n{look}\n```",
+            f"{SOLVE_THOUGHTS[pick % len(SOLVE_THOUGHTS)]}\n```bash\n{script}\n```",
+            f"{CHECK_THOUGHTS[pick % len(CHECK_THOUGHTS)]}\n```bash\n{check}\n```",
+            FINISH]
+
+
+_ARCHIVE = re.compile(r"\.(gz|tgz|tar|zip|bz2|xz|zst)$")
+_PATH_WORD = re.compile(r"[A-Za-z0-9_./~-]+")
+
+
+def inspect_commands(task: Task) -> tuple[str, str]:
+    """(look, check): shell commands that show the inputs the instruction names before
+    the solution, and what it produced after it. A named path is a file, folder or git
+    repository of the task's seeded workspace that the instruction mentions, or an
+    absolute path under the workdir that the workspace lacks (what the task creates: a
+    folder when its name has no suffix). The check shows the created paths, else the named
+    inputs (edited in place); `ls -la` where the instruction names nothing."""
+    files, dirs, repos = _workspace(task)
+    prefix = task.workdir.rstrip("/") + "/"
+    named: list[str] = []
+    for word in _PATH_WORD.findall(task.instruction):
+        word = word.rstrip(".,;:")
+        rel = word.removeprefix(prefix).rstrip("/")
+        known = rel in files or rel in dirs
+        if rel and rel not in named and (known or word.startswith(prefix)):
+            named.append(rel)
+    inputs = [p for p in named if p in files or p in dirs]
+    new = [p for p in named if p not in inputs]
+    created = [p for p in new if not any(p.startswith(q + "/") for q in new)]  # tops only
+    created_files = {p for p in created if "." in p.rsplit("/", 1)[-1]}
+    look = [_show(p, files, repos) for p in inputs[:2]] or ["ls -la"]
+    check = [_show(p, files | created_files, repos) for p in (created or inputs)[:2]]
+    return "\n".join(look), "\n".join(check or ["ls -la"])
+
+
+def _show(path: str, files: set[str] | frozenset[str], repos: set[str]) -> str:
+    """A command that shows `path`: a repository's log and status, a folder's tree with
+    modes, an archive's size, a Python file whole, another file's first lines."""
+    if path in repos:
+        return f"git -C {path} log --oneline | head -n 5; git -C {path} status --short"
+    if path not in files:
+        return f"ls -lR {path} | head -n 30"
+    if _ARCHIVE.search(path):
+        return f"ls -l {path}"
+    return f"cat {path}" if path.endswith(".py") else f"head -n 8 {path}"
+
+
+def _workspace(task: Task) -> tuple[set[str], set[str], set[str]]:
+    """(files, folders, git repositories) of the task's seeded workspace, relative to it
+    (a repository counts as a folder too); all empty for a task built from a Dockerfile."""
+    if task.files_dir is None or not task.files_dir.is_dir():
+        return set(), set(), set()
+    files: set[str] = set()
+    dirs: set[str] = set()
+    repos: set[str] = set()
+    for p in task.files_dir.rglob("*"):
+        rel = p.relative_to(task.files_dir)
+        if ".git" in rel.parts:
+            if rel.name == ".git":
+                repos.add(str(rel.parent))
+            continue
+        (dirs if p.is_dir() else files).add(str(rel))
+    return files, dirs | repos, repos
 
 
 class ScriptedReplies:
@@ -134,14 +219,15 @@ class ScriptedReplies:
 
 
 def oracle_episode(task: Task, tokenizer: Tokenizer, agent_config: AgentConfig, *,
-                   context_window: int, backend: str = "bwrap") -> SFTEpisode | str:
+                   context_window: int, backend: str = "bwrap",
+                   style: OracleStyle = "inspect") -> SFTEpisode | str:
     """The task's reference solution played by the agent loop, recorded as tokens; or
     why it cannot be trained on (no shell-typed solution, the tests failed, ...)."""
     from ridgeline.agent.run import run_task_episode
     from ridgeline.rl.agent_rollout import rl_agent_config
 
     try:
-        replies = oracle_replies(task)
+        replies = oracle_replies(task, style)
     except ConfigError as e:
         return str(e)
     model = ScriptedReplies(replies, tokenizer, name="oracle", context_window=context_window,
@@ -156,17 +242,22 @@ def oracle_episode(task: Task, tokenizer: Tokenizer, agent_config: AgentConfig, 
         return f"the oracle episode has no usable token record ({unusable})"
     if model.turn != len(replies):
         return f"the agent stopped after {model.turn} of {len(replies)} scripted replies"
+    failed = [r.action.tool for r in ep.agent.trajectory.steps
+              if r.observation is not None and not r.observation.ok] if ep.agent else []
+    if failed:   # an episode that shows finishing after a failed command teaches just that
+        return f"a scripted action failed in the oracle episode ({failed[0]})"
     return SFTEpisode(task.id, "oracle", tokens)
 
 
 def oracle_episodes(tasks: Iterable[Task], tokenizer: Tokenizer, agent_config: AgentConfig, *,
-                    context_window: int, backend: str = "bwrap", concurrency: int = 4
-                    ) -> tuple[list[SFTEpisode], dict[str, str]]:
+                    context_window: int, backend: str = "bwrap", concurrency: int = 4,
+                    style: OracleStyle = "inspect") -> tuple[list[SFTEpisode], dict[str, str]]:
     """Every task's oracle episode (in task order), and the tasks left out -> why."""
     tasks = list(tasks)
     with ThreadPoolExecutor(max(1, min(concurrency, len(tasks)))) as ex:
         results = list(ex.map(lambda t: oracle_episode(
-            t, tokenizer, agent_config, context_window=context_window, backend=backend), tasks))
+            t, tokenizer, agent_config, context_window=context_window, backend=backend,
+            style=style), tasks))
     kept = [r for r in results if isinstance(r, SFTEpisode)]
     excluded = {t.id: r for t, r in zip(tasks, results) if isinstance(r, str)}
     return kept, excluded

@@ -45,7 +45,7 @@ from ridgeline.tasks.families import families  # noqa: E402
 # One sampling for every rollout and evaluation: at temperature 0.7 the base model still
 # writes parseable actions; top_p 1 keeps RL's behaviour logprobs exact.
 TEMPERATURE = 0.7
-ROLLOUT = RolloutSettings(temperature=TEMPERATURE, max_tokens=192, step_limit=4)
+ROLLOUT = RolloutSettings(temperature=TEMPERATURE, max_tokens=192, step_limit=6)
 HELDOUT_SEED = 10_000      # held-out instances: seeds 10000.. (training uses 0..)
 
 

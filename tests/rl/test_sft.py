@@ -21,7 +21,8 @@ from ridgeline.rl.policy import PolicyConfig, load_policy
 from ridgeline.rl.run_log import read_metrics
 from ridgeline.rl.sft import SFTConfig, sft
 from ridgeline.rl.sft_data import (
-    ScriptedReplies, oracle_episode, oracle_replies, read_episodes, token_runs, write_episodes,
+    ScriptedReplies, inspect_commands, oracle_episode, oracle_replies, read_episodes, token_runs,
+    write_episodes,
 )
 from ridgeline.rl.tokens import TokenBatch, TokenEpisode
 from ridgeline.rl.trainer import PolicyTrainer, TrainerConfig
@@ -121,22 +122,25 @@ def test_every_training_family_gives_inspect_oracle_episodes_whose_actions_all_s
     assert len(episodes) == len(tasks) == len(families("train"))
 
 
-def test_a_scripted_action_that_fails_leaves_the_oracle_episode_out(tok, tasks, tmp_path):
+def test_an_inspect_episode_whose_check_fails_is_played_direct_instead(tok, tasks, tmp_path):
     import shutil
+
+    import yaml
 
     from ridgeline.tasks.loader import load_task
 
-    moved = tmp_path / "moved"
-    shutil.copytree(tasks[0].path, moved)
-    name = next(p.name for p in (moved / "files").iterdir())
-    # the solution removes its input: the check step's look at the named input fails
-    (moved / "task.yaml").write_text((moved / "task.yaml").read_text().replace(
-        "/app/" + name, "/app/" + name + " (then delete /app/" + name + ")", 1))
-    solution = (moved / "solution.sh").read_text()
-    (moved / "solution.sh").write_text(solution + f"rm {name}\n")
-    ep = oracle_episode(load_task(moved), tok, rollout_agent_config(RolloutSettings()),
-                        context_window=4096)
-    assert isinstance(ep, str) and "failed" in ep, ep
+    odd = tmp_path / "odd"
+    shutil.copytree(tasks[0].path, odd)
+    # the instruction names a path that no step creates: the check's look at it fails
+    meta = yaml.safe_load((odd / "task.yaml").read_text())
+    meta["instruction"] += " Notes, if any, are in /app/NOTES.md."
+    (odd / "task.yaml").write_text(yaml.safe_dump(meta))
+    task = load_task(odd)
+    assert "head -n 8 NOTES.md" in inspect_commands(task)[1]
+    ep = oracle_episode(task, tok, rollout_agent_config(RolloutSettings()), context_window=4096)
+    assert not isinstance(ep, str), ep
+    replies = [tok.decode(ids) for m, ids in token_runs(ep.tokens) if m == 1]
+    assert len(replies) == 2 and "NOTES" not in "".join(replies)   # solution, finish
 
 
 def test_sft_refuses_a_step_limit_too_short_for_its_oracle_episodes():

@@ -222,7 +222,10 @@ def oracle_episode(task: Task, tokenizer: Tokenizer, agent_config: AgentConfig, 
                    context_window: int, backend: str = "bwrap",
                    style: OracleStyle = "inspect") -> SFTEpisode | str:
     """The task's reference solution played by the agent loop, recorded as tokens; or
-    why it cannot be trained on (no shell-typed solution, the tests failed, ...)."""
+    why it cannot be trained on (no shell-typed solution, the tests failed, ...). An
+    `inspect` episode whose look or check failed (the instruction names a path the
+    workspace never has, e.g. a task built from a Dockerfile) is played `direct` instead:
+    an episode that finishes after a failed command would teach just that."""
     from ridgeline.agent.run import run_task_episode
     from ridgeline.rl.agent_rollout import rl_agent_config
 
@@ -244,7 +247,10 @@ def oracle_episode(task: Task, tokenizer: Tokenizer, agent_config: AgentConfig, 
         return f"the agent stopped after {model.turn} of {len(replies)} scripted replies"
     failed = [r.action.tool for r in ep.agent.trajectory.steps
               if r.observation is not None and not r.observation.ok] if ep.agent else []
-    if failed:   # an episode that shows finishing after a failed command teaches just that
+    if failed and style == "inspect":
+        return oracle_episode(task, tokenizer, agent_config, context_window=context_window,
+                              backend=backend, style="direct")
+    if failed:
         return f"a scripted action failed in the oracle episode ({failed[0]})"
     return SFTEpisode(task.id, "oracle", tokens)
 

@@ -157,6 +157,7 @@ def test_sft_then_rl_through_the_agent_learns_what_only_the_verifier_knows(tmp_p
     rollout = AgentRollout(EngineClient(llm), tok, agent, Sampling(
         temperature=1.0, max_tokens=96, logprobs_mode="tempered"))
     choices: list[list[str]] = []        # per step: the words the episodes wrote
+    pending: list[str] = []              # written since the last step
 
     def play(rl_task, seeds):
         group = rollout(rl_task, seeds)
@@ -165,7 +166,6 @@ def test_sft_then_rl_through_the_agent_learns_what_only_the_verifier_knows(tmp_p
         pending.extend(words)
         return group
 
-    pending: list[str] = []
     trainer = PolicyTrainer(model, TrainerConfig(lr=5e-4))
     loop = AsyncRLLoop(trainer, TaskSampler([task]), play, llm.worker, LoopConfig(
         group_size=8, batch_groups=2, eta=1, rollout_threads=2,

@@ -55,7 +55,7 @@ FORMAT = 1
 Source = Literal["oracle", "rollout", "file"]
 OracleStyle = Literal["inspect", "direct"]
 #: replies an oracle episode of each style takes
-ORACLE_REPLIES: dict[str, int] = {"inspect": 4, "direct": 2}
+ORACLE_REPLIES: dict[OracleStyle, int] = {"inspect": 4, "direct": 2}
 
 #: The first reply's short plan (the agent's prompt asks for one), picked per task.
 PLANS = (

@@ -27,8 +27,10 @@ from ridgeline.sandbox.base import SandboxSpec
 
 #: Top-level host directories bound read-only when the tools root is the host's `/`.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "opt")
-#: Top-level entries of a custom tools root that the sandbox provides itself.
-PROVIDED = ("proc", "dev", "sys", "tmp", "run", "home", "var")
+#: Top-level entries of a custom tools root (an image's root filesystem) that the
+#: sandbox provides itself. Its /var (dpkg's state) and /home (users made by the
+#: build) are the image's, read-only, with a private /var/tmp.
+PROVIDED = ("proc", "dev", "sys", "tmp", "run")
 #: Directories under the bound ones scanned for unreadable (secret) entries.
 SCANNED_FOR_SECRETS = ("etc", "opt")
 SCAN_LIMIT = 50_000
@@ -191,10 +193,15 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
     args += ["--proc", "/proc", *proc_hardening_args(), "--dev", "/dev",
              "--perms", "1777", *size, "--tmpfs", "/dev/shm",
              "--perms", "1777", *size, "--tmpfs", "/tmp",
-             "--perms", "0755", *size, "--tmpfs", "/run",
-             "--perms", "0755", *size, "--tmpfs", "/home", "--dir", "/home/sandbox",
-             "--dir", "/var", "--symlink", "../tmp", "/var/tmp",
-             "--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
+             "--perms", "0755", *size, "--tmpfs", "/run"]
+    if plan.root == "/" or "home" not in top.children:
+        args += ["--perms", "0755", *size, "--tmpfs", "/home", "--dir", "/home/sandbox"]
+    if plan.root == "/" or "var" not in top.children:
+        args += ["--dir", "/var", "--symlink", "../tmp", "/var/tmp",
+                 "--symlink", "../run", "/var/run", "--symlink", "../run/lock", "/var/lock"]
+    elif os.path.isdir(plan.host_path("/var/tmp")) and not os.path.islink(
+            plan.host_path("/var/tmp")):
+        args += ["--perms", "1777", *size, "--tmpfs", "/var/tmp"]
     for target, source, writable in targets:
         args += ["--bind" if writable else "--ro-bind", source, target]
     # Read-only only now: mount points above had to be created first.

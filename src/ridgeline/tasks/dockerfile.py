@@ -109,6 +109,9 @@ class BuildPlan:
     extra_dirs: tuple[str, ...] = ()   # other writable trees (COPY/WORKDIR outside it)
     problems: tuple[str, ...] = ()     # reasons the environment cannot be reproduced
     notes: tuple[str, ...] = ()        # what was ignored or approximated
+    #: the subset of `problems` that only the host-root mode has (a real image build
+    #: does not: COPY into /etc, several FROM ...)
+    host_problems: tuple[str, ...] = ()
 
     def steps(self, base_env: dict[str, str]) -> tuple[list[Step], dict[str, str]]:
         """Walk the instructions: the steps to execute in order, and the final runtime ENV
@@ -485,4 +488,5 @@ def plan_build(dockerfile: Path | None, context: Path, default_workdir: str = "/
             problems.append(f"line {step.line}: COPY source not found in the build context "
                             f"{context}")
     return BuildPlan(dockerfile, context, instructions, image, workdir, workspace,
-                     tuple(extra), tuple(problems), tuple(notes))
+                     tuple(extra), tuple(problems), tuple(notes),
+                     host_problems=tuple(problems))

@@ -47,6 +47,8 @@ from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
+from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
+                                    ImagesUnavailable, builder, uses_images)
 from ridgeline.tasks.model import Task
 
 MiB = 1024 * 1024
@@ -111,6 +113,7 @@ class TaskSandbox:
         self.tools = tools
         self.extra_dirs = extra_dirs
         self.setup_s = 0.0
+        self.image: BuiltImage | None = None   # the built image, when there is one
         self._closed = False
 
     # host side of the mounts
@@ -222,16 +225,27 @@ def runtime_env(task: Task, tools: HarnessTools) -> dict[str, str]:
 
 
 def prepare_environment(task: Task, backend: str = "bwrap", *,
-                        env: dict[str, str] | None = None) -> TaskSandbox:
+                        env: dict[str, str] | None = None,
+                        mode: str | None = None) -> TaskSandbox:
     """Create the task's sandbox and build its environment in it (see module doc).
+    `mode` (default: $RIDGELINE_TASK_ENV, else auto) says whether a Dockerfile is built
+    for real (`image`, images.py) or interpreted onto the host's root (`host`).
     Raises `TaskUnsupported` or `EnvironmentSetupError`; nothing is left behind then."""
-    if (reason := task.unsupported_reason) is not None:
+    image = None
+    if task.build.source is not None and backend == "bwrap" and uses_images(mode):
+        if (reason := task.unsupported_reason_in(images=True)) is not None:
+            raise TaskUnsupported(task.id, reason)
+        image = _build_image(task)
+    elif (reason := task.unsupported_reason_in(images=False)) is not None:
         raise TaskUnsupported(task.id, reason)
     t0 = time.perf_counter()
     tools = harness_tools()
     staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{task.id[:40]}-"))
     try:
-        inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
+        if image is not None:
+            inner, extra, steps = _create_on_image(task, image, tools, staging, env), {}, []
+        else:
+            inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
     except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
         hostfs.discard_tree(staging, "task staging directory")
         raise
@@ -247,7 +261,52 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         sb.close()
         raise
     sb.setup_s = time.perf_counter() - t0
+    sb.image = image
     return sb
+
+
+def _build_image(task: Task) -> BuiltImage:
+    assert task.build.source is not None
+    try:
+        return builder().build(task.build.source, task.build.context)
+    except BuildRefused as e:
+        raise TaskUnsupported(task.id, str(e)) from e
+    except ImagesUnavailable as e:
+        raise TaskUnsupported(task.id, f"task images cannot be built here: {e.message}"
+                              ) from e
+    except SandboxError as e:
+        raise EnvironmentSetupError(task.id, f"building the image: {e.message}") from e
+
+
+def image_workdir(task: Task, image: BuiltImage) -> str:
+    """Where commands start: the image's WORKDIR, else the task's default (/app)."""
+    return image.config.workdir if image.config.workdir not in ("", "/") else task.workdir
+
+
+def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging: Path,
+                     env: dict[str, str] | None) -> Sandbox:
+    """A bwrap sandbox whose root is the built image (read-only), whose workspace is a
+    writable copy of the image's WORKDIR, with the harness's staging mounts."""
+    for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
+        (staging / sub).mkdir(parents=True)
+    workdir = image_workdir(task, image)
+    seed = image.rootfs / workdir.lstrip("/")
+    base = runtime_env(task, tools)
+    # The image's own tools first, the offline stand-ins (uv, curl ...) for what a test
+    # script would download; never the host's Python (the agent sees the image's).
+    image_path = image.config.env.get("PATH", IMAGE_PATH)
+    run_env = {**image.config.env, **CA_ENV, **base, "PATH": f"{tools.bin}:{image_path}"}
+    mounts = [Mount(source=tools.host_dir, target=HARNESS_MOUNT, writable=False),
+              Mount(source=staging / "tests", target=TESTS_PATH, writable=False),
+              Mount(source=staging / "solution", target=SOLUTION_PATH, writable=False),
+              Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
+              Mount(source=staging / "home", target=base["HOME"], writable=True),
+              *interpreter_mounts(tools)]
+    spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
+                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
+                       env={**run_env, **(env or {})}, tools_root=image.rootfs,
+                       limits=sandbox_limits(task), network=NetworkPolicy.NONE)
+    return _create_sandbox(spec, "bwrap")
 
 
 def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: str,

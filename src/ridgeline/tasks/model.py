@@ -78,8 +78,16 @@ class Task:
 
     @property
     def unsupported_reason(self) -> str | None:
-        """Why this task cannot run here at all (known before any sandbox starts)."""
-        reasons = list(self.build.problems)
+        """Why this task cannot run here at all (known before any sandbox starts), in
+        the environment mode this process uses (images.environment_mode)."""
+        from ridgeline.tasks.images import uses_images
+        return self.unsupported_reason_in(
+            images=self.build.source is not None and uses_images())
+
+    def unsupported_reason_in(self, images: bool) -> str | None:
+        """`unsupported_reason` for a real image build (`images`) or the host mode."""
+        reasons = [p for p in self.build.problems
+                   if not (images and p in self.build.host_problems)]
         if self.parser_name != "pytest":
             reasons.append(f"parser {self.parser_name!r} is not supported (only 'pytest')")
         if self.resources.gpus > 0:

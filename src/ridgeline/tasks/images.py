@@ -1,0 +1,491 @@
+"""Task images built for real: a task's Dockerfile built by podman (runc) on a local
+Debian base, its root filesystem mounted read-only and run by the bwrap sandbox.
+
+Why podman: it builds Dockerfiles exactly as Docker does (real `apt-get`, `pip`, `uv`,
+users, writes anywhere in the image, multi-stage builds and `COPY --from`), caches
+layers, and needs no daemon. What Ridgeline adds:
+
+* **Base images from the reachable Debian mirror.** Docker Hub is not reachable here,
+  so `FROM` lines are mapped onto local images (`map_base`): `debian:*`, `ubuntu:*`
+  and Terminal-Bench's ubuntu bases onto `ridgeline/debian:bookworm` (made once by
+  `mmdebstrap`), `python:*` and Terminal-Bench's python bases onto
+  `ridgeline/python:bookworm` (that plus Debian's python3, pip and venv). A file named
+  by `RIDGELINE_IMAGE_MAP` (TOML, `[map]` table of glob pattern -> local image) adds to
+  or overrides the mapping. The host's CA bundle is added to the base image at build
+  time: it is what makes the registries' TLS trusted on these machines.
+* **Content-addressed tasks.** A task's image is tagged with a digest of its rewritten
+  Dockerfile, its build context and the base images' ids, so a second build of the same
+  task is a lookup (milliseconds) and a changed file rebuilds (with podman's layer
+  cache for the unchanged prefix).
+* **Typed failures.** An unmapped base image, `RUN --mount=type=secret|ssh`, a package
+  the registries do not have or a build that needs the open internet is
+  `TaskUnsupported` with the Dockerfile line; podman itself failing is an
+  `EnvironmentSetupError` (infrastructure).
+* **Network during builds only**: `podman build --network=host` reaches what this
+  machine reaches (the package registries); the sandbox that runs the image has none.
+
+The image's root is `podman image mount`ed (a read-only overlay; nothing is copied)
+under /var/lib/containers, which only root may enter, so the image's setuid files are
+never reachable by host users; the sandbox binds it with nosuid.
+
+Machine quirks handled here: crun refuses the hybrid cgroup layout (runc is used), and
+podman's default ulimits exceed the hard limits of these VMs (explicit `--ulimit`s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ridgeline.errors import ConfigError, SandboxError
+from ridgeline.tasks.dockerfile import expand, parse_dockerfile
+
+DEBIAN_IMAGE = "localhost/ridgeline/debian:bookworm"
+PYTHON_IMAGE = "localhost/ridgeline/python:bookworm"
+#: Glob patterns over a normalised image reference (registry docker.io and library/
+#: dropped) -> local image. Python tags map to Debian's python3 (3.11): an approximation
+#: recorded in docs/architecture.md.
+DEFAULT_MAP: tuple[tuple[str, str], ...] = (
+    ("debian", DEBIAN_IMAGE), ("debian:*", DEBIAN_IMAGE),
+    ("ubuntu", DEBIAN_IMAGE), ("ubuntu:*", DEBIAN_IMAGE),
+    ("python", PYTHON_IMAGE), ("python:*", PYTHON_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/python-*", PYTHON_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-*", DEBIAN_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/debian-*", DEBIAN_IMAGE),
+)
+MAP_ENV = "RIDGELINE_IMAGE_MAP"
+HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+#: The runtime environment's CA variables, so pip, requests, curl and uv trust the same
+#: bundle (python:* images' pip would otherwise use certifi's).
+CA_ENV = {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+          "PIP_CERT": "/etc/ssl/certs/ca-certificates.crt",
+          "REQUESTS_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt",
+          "CURL_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt"}
+IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TASK_REPO = "localhost/ridgeline/task"
+BUILD_TIMEOUT_S = 1800.0
+#: These VMs refuse RLIMIT_NPROC above ~32K in a container (EPERM from runc) although
+#: the hard limit is higher; podman's default asks for 1M.
+NPROC_LIMIT = 32768
+PYTHON_RECIPE = f"""FROM {DEBIAN_IMAGE}
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \\
+    python3-venv python-is-python3 && rm -rf /var/lib/apt/lists/*
+# python:* images let pip install into the system interpreter; Debian's refuses (PEP 668)
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
+"""
+CONTAINERS_CONF = """# Written by Ridgeline (tasks/images.py): runc, since crun refuses the hybrid
+# cgroup layout of these machines; events to a file (no journald here).
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+
+
+class ImagesUnavailable(SandboxError):
+    """This machine cannot build task images (no podman, not root, no mirror)."""
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """What the image says about how its processes run."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    user: str = ""
+    entrypoint: tuple[str, ...] = ()
+    cmd: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    ref: str                 # the content-addressed tag
+    image_id: str
+    rootfs: Path             # the mounted, read-only root filesystem
+    config: ImageConfig
+    build_s: float           # 0 when it was already built
+    cached: bool
+
+
+class BuildRefused(Exception):
+    """The Dockerfile cannot be built here; `line` is its Dockerfile line (or None)."""
+
+    def __init__(self, reason: str, line: int | None = None) -> None:
+        self.reason, self.line = reason, line
+        super().__init__(f"Dockerfile line {line}: {reason}" if line else reason)
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("RIDGELINE_IMAGE_CACHE")
+    base = Path(env) if env else Path.home() / ".cache" / "ridgeline" / "images"
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return base
+
+
+def normalise_ref(ref: str) -> str:
+    """`docker.io/library/python:3.13` -> `python:3.13`; other registries kept."""
+    ref = ref.split("@", 1)[0]
+    for prefix in ("docker.io/library/", "docker.io/", "index.docker.io/library/"):
+        if ref.startswith(prefix):
+            return ref[len(prefix):]
+    return ref
+
+
+def image_map() -> list[tuple[str, str]]:
+    """The user's mapping (RIDGELINE_IMAGE_MAP) first, then the defaults."""
+    path = os.environ.get(MAP_ENV)
+    user: list[tuple[str, str]] = []
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{MAP_ENV}={path}: cannot read the image map: {e}",
+                              hint='a TOML file with a [map] table: "python:3.*" = '
+                                   f'"{PYTHON_IMAGE}"') from e
+        table = data.get("map", {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ConfigError(f"{MAP_ENV}={path}: [map] must map patterns to image names",
+                              hint=f'e.g. "node:*" = "localhost/my/node:20"')
+        user = list(table.items())
+    return user + list(DEFAULT_MAP)
+
+
+def map_base(ref: str, mapping: list[tuple[str, str]] | None = None) -> str | None:
+    """The local image that stands in for `ref`, or None if there is none."""
+    norm = normalise_ref(ref)
+    if norm.startswith("localhost/"):
+        return norm
+    for pattern, local in (mapping if mapping is not None else image_map()):
+        if fnmatch.fnmatchcase(norm, pattern):
+            return local
+    return None
+
+
+def rewrite_dockerfile(dockerfile: Path, mapping: list[tuple[str, str]] | None = None
+                       ) -> tuple[str, list[str]]:
+    """The Dockerfile with every external `FROM` (and `COPY --from=<image>`) mapped to a
+    local image, and the local base images it needs. Raises `BuildRefused` for what
+    cannot be built here."""
+    mapping = mapping if mapping is not None else image_map()
+    instructions = parse_dockerfile(dockerfile)
+    lines = dockerfile.read_text(encoding="utf-8").splitlines()
+    args: dict[str, str] = {}
+    stages: set[str] = set()
+    bases: list[str] = []
+    seen_from = False
+    for ins in instructions:
+        if ins.keyword == "ARG" and not seen_from:
+            name, _, default = ins.args.partition("=")
+            args[name.strip()] = default.strip().strip('"')
+        if ins.keyword == "RUN":
+            mount = ins.flags.get("mount", "")
+            if "type=secret" in mount or "type=ssh" in mount:
+                raise BuildRefused("RUN --mount=type=secret/ssh is not supported (the "
+                                   "build has no secrets to give)", ins.line)
+        if ins.keyword in ("COPY", "ADD") and (src := ins.flags.get("from")):
+            if src not in stages and not src.isdigit():
+                local = map_base(src, mapping)
+                if local is None:
+                    raise BuildRefused(f"COPY --from={src}: no local image stands in "
+                                       f"for {src!r}", ins.line)
+                lines[ins.line - 1] = lines[ins.line - 1].replace(
+                    f"--from={src}", f"--from={local}", 1)
+                bases.append(local)
+        if ins.keyword != "FROM":
+            continue
+        seen_from = True
+        words = [w for w in ins.args.split() if not w.startswith("--")]  # --platform
+        if not words:
+            raise BuildRefused("FROM without an image", ins.line)
+        image = expand(words[0], args)
+        alias = words[2] if len(words) >= 3 and words[1].lower() == "as" else None
+        if image in stages:
+            local = image
+        elif (local := map_base(image, mapping)) is None:
+            raise BuildRefused(f"base image {image!r} has no local equivalent (map it "
+                               f"with {MAP_ENV}, see docs/architecture.md)", ins.line)
+        else:
+            bases.append(local)
+        if ins.line - 1 < len(lines) and lines[ins.line - 1].lstrip().upper().startswith("FROM"):
+            lines[ins.line - 1] = f"FROM {local}" + (f" AS {alias}" if alias else "")
+        else:
+            raise BuildRefused("a FROM split over several lines is not supported", ins.line)
+        if alias:
+            stages.add(alias)
+    return "\n".join(lines) + "\n", sorted(set(bases))
+
+
+def context_digest(context: Path, h: "hashlib._Hash") -> None:
+    """Feed every path, mode, link target and file content under `context` into `h`."""
+    for dirpath, dirnames, filenames in os.walk(context):
+        dirnames.sort()
+        for name in sorted(filenames) + [d for d in dirnames
+                                         if os.path.islink(os.path.join(dirpath, d))]:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, context)
+            st = os.lstat(p)
+            h.update(f"{rel}\0{st.st_mode:o}\0".encode())
+            if os.path.islink(p):
+                h.update(os.readlink(p).encode())
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            h.update(b"\0")
+
+
+class ImageBuilder:
+    """Builds and mounts task images with podman. One per process is enough."""
+
+    def __init__(self, podman: str | None = None) -> None:
+        self.podman = podman or shutil.which("podman") or ""
+        self.dir = cache_dir()
+        self.conf = self.dir / "containers.conf"
+
+    # -- availability -----------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        if not self.podman:
+            return "podman is not installed (`make install` installs it)"
+        if os.geteuid() != 0:
+            return "building task images needs root (rootful podman and image mounts)"
+        if not shutil.which("runc"):
+            return "runc is not installed (crun cannot run here)"
+        return None
+
+    def _env(self) -> dict[str, str]:
+        if not self.conf.exists() or self.conf.read_text() != CONTAINERS_CONF:
+            tmp = self.conf.with_suffix(".tmp")
+            tmp.write_text(CONTAINERS_CONF)
+            tmp.replace(self.conf)
+        return {**os.environ, "CONTAINERS_CONF": str(self.conf)}
+
+    def _podman(self, *args: str, timeout: float = 120.0, stdin=None,
+                check: bool = True) -> subprocess.CompletedProcess:
+        try:
+            res = subprocess.run([self.podman, *args], capture_output=True, text=True,
+                                 timeout=timeout, env=self._env(), stdin=stdin)
+        except subprocess.TimeoutExpired as e:
+            raise SandboxError(f"podman {args[0]} timed out after {timeout:.0f} s") from e
+        if check and res.returncode != 0:
+            raise SandboxError(f"podman {' '.join(args[:2])} failed: "
+                               f"{(res.stderr or res.stdout).strip()[-600:]}")
+        return res
+
+    def image_id(self, ref: str) -> str | None:
+        res = self._podman("image", "inspect", "--format", "{{.Id}}", ref, check=False)
+        return res.stdout.strip() or None if res.returncode == 0 else None
+
+    def _ulimits(self) -> list[str]:
+        import resource
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else min(nofile, 1 << 20)
+        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+        nproc = NPROC_LIMIT if nproc == resource.RLIM_INFINITY else min(nproc, NPROC_LIMIT)
+        return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+
+    @contextlib.contextmanager
+    def _lock(self, name: str):
+        """One builder per image at a time, across processes."""
+        locks = self.dir / "locks"
+        locks.mkdir(exist_ok=True)
+        with open(locks / f"{name}.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    # -- base images ------------------------------------------------------------------
+
+    def ensure_base(self, ref: str) -> str:
+        """The id of the local base image `ref`, building it if it is one of ours."""
+        if (iid := self.image_id(ref)) is not None:
+            return iid
+        with self._lock(re.sub(r"[^A-Za-z0-9_.-]", "_", ref)):
+            if (iid := self.image_id(ref)) is not None:
+                return iid
+            if ref == DEBIAN_IMAGE:
+                self._build_debian()
+            elif ref == PYTHON_IMAGE:
+                self.ensure_base(DEBIAN_IMAGE)
+                self._build_recipe(ref, PYTHON_RECIPE)
+            else:
+                raise BuildRefused(f"local image {ref!r} does not exist (build or load "
+                                   f"it with podman first)")
+        iid = self.image_id(ref)
+        assert iid is not None
+        return iid
+
+    def _build_debian(self) -> None:
+        mmdebstrap = shutil.which("mmdebstrap")
+        if mmdebstrap is None:
+            raise ImagesUnavailable("mmdebstrap is not installed",
+                                    hint="apt-get install -y mmdebstrap (make install does)")
+        hook = ""
+        if HOST_CA_BUNDLE.is_file():
+            hook = ('mkdir -p "$1/usr/local/share/ca-certificates" && cp '
+                    f'{HOST_CA_BUNDLE} "$1/usr/local/share/ca-certificates/host.crt" && '
+                    'chroot "$1" update-ca-certificates >/dev/null')
+        with tempfile.TemporaryDirectory(prefix="ridgeline-base-") as tmp:
+            tar = Path(tmp) / "rootfs.tar"
+            argv = [mmdebstrap, "--quiet", "--variant=minbase", "--include=ca-certificates",
+                    *(["--customize-hook", hook] if hook else []), "bookworm", str(tar)]
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+            if res.returncode != 0:
+                raise ImagesUnavailable(
+                    f"mmdebstrap could not build the Debian base image: "
+                    f"{(res.stderr or res.stdout).strip()[-600:]}",
+                    hint="the Debian mirror must be reachable (apt-get update works?)")
+            changes = [f"ENV=PATH={IMAGE_PATH}", *(f"ENV={k}={v}" for k, v in CA_ENV.items()),
+                       'CMD=["/bin/bash"]']
+            self._podman("import", *(x for c in changes for x in ("--change", c)), str(tar),
+                         DEBIAN_IMAGE, timeout=300)
+
+    def _build_recipe(self, ref: str, recipe: str) -> None:
+        with tempfile.TemporaryDirectory(prefix="ridgeline-recipe-") as tmp:
+            (Path(tmp) / "Dockerfile").write_text(recipe)
+            res = self._podman("build", "--pull=never", "--network=host", *self._ulimits(),
+                               "-t", ref, tmp, timeout=BUILD_TIMEOUT_S, check=False)
+            if res.returncode != 0:
+                raise ImagesUnavailable(f"building {ref} failed: "
+                                        f"{(res.stderr + res.stdout).strip()[-600:]}")
+
+    # -- task images ------------------------------------------------------------------
+
+    def build(self, dockerfile: Path, context: Path) -> BuiltImage:
+        """Build (or find) the image of `dockerfile` with `context`; mount its root.
+        Raises `BuildRefused` for what cannot be built here."""
+        if (why := self.unavailable_reason()) is not None:
+            raise ImagesUnavailable(why)
+        text, bases = rewrite_dockerfile(dockerfile)
+        h = hashlib.sha256(text.encode())
+        for b in bases:
+            h.update(self.ensure_base(b).encode())
+        context_digest(context, h)
+        ref = f"{TASK_REPO}:{h.hexdigest()[:24]}"
+        t0 = time.perf_counter()
+        cached = True
+        with self._lock(ref.rsplit(":", 1)[1]):
+            iid = self.image_id(ref)
+            if iid is None:
+                cached = False
+                self._build_task(ref, text, dockerfile, context)
+                iid = self.image_id(ref)
+                if iid is None:
+                    raise SandboxError(f"podman built {ref} but cannot find it")
+            rootfs = Path(self._podman("image", "mount", ref).stdout.strip())
+            config = self.config(ref)
+        return BuiltImage(ref, iid, rootfs, config,
+                          0.0 if cached else time.perf_counter() - t0, cached)
+
+    def _build_task(self, ref: str, text: str, dockerfile: Path, context: Path) -> None:
+        fd, path = tempfile.mkstemp(prefix="ridgeline-", suffix=".Dockerfile")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            res = self._podman("build", "--pull=never", "--network=host", "--layers",
+                               *self._ulimits(), "-f", path, "-t", ref, str(context),
+                               timeout=BUILD_TIMEOUT_S, check=False)
+        finally:
+            os.unlink(path)
+        if res.returncode != 0:
+            raise build_failure(res.stdout + "\n" + res.stderr, dockerfile)
+
+    def config(self, ref: str) -> ImageConfig:
+        raw = self._podman("image", "inspect", "--format", "{{json .Config}}", ref).stdout
+        cfg = json.loads(raw or "{}") or {}
+        env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+        return ImageConfig(env=env, workdir=cfg.get("WorkingDir") or "/",
+                           user=cfg.get("User") or "",
+                           entrypoint=tuple(cfg.get("Entrypoint") or ()),
+                           cmd=tuple(cfg.get("Cmd") or ()))
+
+
+#: Build output that means the registries do not have something, or the open internet
+#: is needed: the task is unsupported here (never an infrastructure error).
+_NEEDS = [
+    (re.compile(r"Unable to locate package (\S+)|E: Package '([^']+)' has no installation"),
+     "the Debian mirror has no package {0}"),
+    (re.compile(r"No matching distribution found for (\S+)"), "PyPI has no {0}"),
+    (re.compile(r"Could not resolve host: (\S+)|Failed to resolve '([^']+)'|"
+                r"Temporary failure in name resolution|Name or service not known"),
+     "the build needs the open internet ({0})"),
+]
+_INFRA = re.compile(r"runc create failed|OCI runtime|no space left on device|"
+                    r"error creating overlay|storage driver", re.IGNORECASE)
+
+
+def build_failure(output: str, dockerfile: Path) -> Exception:
+    """A failed `podman build` as `BuildRefused` (the task's build cannot work here) or
+    `SandboxError` (podman itself failed), naming the Dockerfile line."""
+    steps = re.findall(r"^STEP \d+/\d+: (.*)$", output, re.MULTILINE)
+    step = steps[-1] if steps else None
+    line = _instruction_line(step, dockerfile) if step else None
+    tail = " | ".join(ln.strip() for ln in output.strip().splitlines()[-4:] if ln.strip())
+    if _INFRA.search(output):
+        return SandboxError(f"podman failed building the task image at {step!r}: "
+                            f"{tail[-500:]}")
+    for pattern, what in _NEEDS:
+        if (m := pattern.search(output)) is not None:
+            name = next((g for g in m.groups() if g), m.group(0))
+            return BuildRefused(what.format(name) + f" ({(step or '')[:80]})", line)
+    return BuildRefused(f"the build failed here: {(step or '')[:80]!r}: {tail[-400:]}", line)
+
+
+def _instruction_line(step: str, dockerfile: Path) -> int | None:
+    want = " ".join(step.split())
+    try:
+        instructions = parse_dockerfile(dockerfile)
+    except Exception:   # noqa: BLE001 - a line number is a courtesy, never a new failure
+        return None
+    for ins in instructions:
+        flags = " ".join(f"--{k}={v}" for k, v in ins.flags.items())
+        for text in (f"{ins.keyword} {ins.args}", f"{ins.keyword} {flags} {ins.args}"):
+            if " ".join(text.split()) == want:
+                return ins.line
+    kw = want.split(" ", 1)[0]
+    for ins in instructions:   # podman may print the instruction reformatted
+        if ins.keyword == kw and " ".join(ins.args.split())[:40] in want:
+            return ins.line
+    return None
+
+
+MODE_ENV = "RIDGELINE_TASK_ENV"
+MODES = ("auto", "image", "host")
+_builder: ImageBuilder | None = None
+
+
+def environment_mode() -> str:
+    """How task environments with a Dockerfile are made: `image` (built for real by
+    podman), `host` (the Dockerfile interpreted onto the host's root filesystem, the
+    fallback where images cannot be built) or `auto` (image where possible)."""
+    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ConfigError(f"{MODE_ENV}={mode!r} is not one of {', '.join(MODES)}",
+                          hint="auto picks image where podman can build, else host")
+    return mode
+
+
+def uses_images(mode: str | None = None) -> bool:
+    """Whether Dockerfile tasks get real images under `mode` (default: from the env)."""
+    mode = mode or environment_mode()
+    if mode == "host":
+        return False
+    return mode == "image" or builder().unavailable_reason() is None
+
+
+def builder() -> ImageBuilder:
+    global _builder
+    if _builder is None:
+        _builder = ImageBuilder()
+    return _builder

@@ -1,0 +1,256 @@
+"""Task images built for real (tasks/images.py): the FROM mapping, the typed refusals,
+and one small task built by podman and run in the bwrap sandbox on its root."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from ridgeline.errors import ConfigError, SandboxError
+from ridgeline.tasks import (
+    TaskUnsupported, VerdictStatus, apply_solution, load_task, prepare_environment,
+    verdict_from_error, verify,
+)
+from ridgeline.tasks.images import (
+    DEBIAN_IMAGE, MAP_ENV, MODE_ENV, PYTHON_IMAGE, BuildRefused, build_failure, builder,
+    environment_mode, map_base, rewrite_dockerfile,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+# -- the FROM mapping and the rewrite (no podman needed) ---------------------------------
+
+@pytest.mark.parametrize("ref,local", [
+    ("python:3.13-slim-bookworm", PYTHON_IMAGE),
+    ("docker.io/library/python:3.11", PYTHON_IMAGE),
+    ("ubuntu:24.04", DEBIAN_IMAGE),
+    ("debian:bookworm-slim", DEBIAN_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", DEBIAN_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", PYTHON_IMAGE),
+    ("node:20", None),
+    ("nvidia/cuda:12.4-devel", None),
+])
+def test_base_images_map_to_local_ones(ref, local):
+    assert map_base(ref) == local
+
+
+def test_a_user_map_adds_and_overrides(tmp_path, monkeypatch):
+    f = tmp_path / "map.toml"
+    f.write_text('[map]\n"node:*" = "localhost/mine/node:20"\n"python:3.13*" = "localhost/py313"\n')
+    monkeypatch.setenv(MAP_ENV, str(f))
+    assert map_base("node:20-bookworm") == "localhost/mine/node:20"
+    assert map_base("python:3.13-slim") == "localhost/py313"
+    assert map_base("python:3.11") == PYTHON_IMAGE
+    f.write_text("[map]\nnode = 3\n")
+    with pytest.raises(ConfigError, match="map patterns to image names"):
+        map_base("node")
+
+
+def test_a_bad_mode_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(MODE_ENV, "docker")
+    with pytest.raises(ConfigError, match="auto, image, host"):
+        environment_mode()
+
+
+def test_rewrite_maps_every_stage_and_keeps_stage_names(tmp_path):
+    df = tmp_path / "Dockerfile"
+    df.write_text("ARG BASE=python:3.12-slim\n"
+                  "FROM ${BASE} AS build\n"
+                  "RUN echo built > /out\n"
+                  "FROM --platform=linux/amd64 ubuntu:24.04\n"
+                  "COPY --from=build /out /out\n"
+                  "COPY --from=debian:bookworm /etc/debian_version /v\n")
+    text, bases = rewrite_dockerfile(df)
+    lines = text.splitlines()
+    assert lines[1] == f"FROM {PYTHON_IMAGE} AS build"
+    assert lines[3] == f"FROM {DEBIAN_IMAGE}"
+    assert lines[4] == "COPY --from=build /out /out"
+    assert lines[5] == f"COPY --from={DEBIAN_IMAGE} /etc/debian_version /v"
+    assert bases == sorted({DEBIAN_IMAGE, PYTHON_IMAGE})
+
+
+@pytest.mark.parametrize("dockerfile,line,words", [
+    ("FROM python:3.12\nFROM node:20 AS web\n", 2, "'node:20' has no local equivalent"),
+    ("FROM python:3.12\nRUN --mount=type=secret,id=tok cat /run/secrets/tok\n", 2,
+     "secret"),
+    ("FROM ubuntu:24.04\nCOPY --from=golang:1.22 /usr/local/go /go\n", 2, "golang:1.22"),
+])
+def test_what_cannot_be_built_is_refused_with_its_line(tmp_path, dockerfile, line, words):
+    df = tmp_path / "Dockerfile"
+    df.write_text(dockerfile)
+    with pytest.raises(BuildRefused) as e:
+        rewrite_dockerfile(df)
+    assert e.value.line == line and words in e.value.reason
+
+
+def test_build_failures_are_classified(tmp_path):
+    df = tmp_path / "Dockerfile"
+    df.write_text("FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y nosuchpkg\n"
+                  "RUN pip install --retries 3 nosuchdist==1.0\n")
+    apt = ("STEP 1/3: FROM localhost/ridgeline/debian:bookworm\n"
+           "STEP 2/3: RUN apt-get update && apt-get install -y nosuchpkg\n"
+           "E: Unable to locate package nosuchpkg\nError: building at STEP ...")
+    e = build_failure(apt, df)
+    assert isinstance(e, BuildRefused) and e.line == 2
+    assert "Debian mirror has no package nosuchpkg" in e.reason
+    pip = ("STEP 3/3: RUN pip install --retries 3 nosuchdist==1.0\n"
+           "ERROR: No matching distribution found for nosuchdist==1.0\n")
+    e = build_failure(pip, df)
+    assert isinstance(e, BuildRefused) and e.line == 3 and "PyPI has no" in e.reason
+    e = build_failure("STEP 2/3: RUN apt-get update\nerror running container: runc create "
+                      "failed: unable to start container process", df)
+    assert isinstance(e, SandboxError) and not isinstance(e, BuildRefused)
+
+
+# -- built for real ------------------------------------------------------------------
+
+def _images_or_skip():
+    if (why := builder().unavailable_reason()) is not None:
+        pytest.skip(f"task images unavailable here: {why}")
+
+
+TASK_DOCKERFILE = """\
+FROM python:3.12-slim AS tools
+RUN printf '#!/bin/sh\\necho built-in-stage-one\\n' > /stage-tool && chmod 755 /stage-tool
+
+FROM python:3.13-slim-bookworm
+RUN apt-get update && apt-get install -y --no-install-recommends jq \\
+    && rm -rf /var/lib/apt/lists/*
+RUN pip install --retries 3 --no-cache-dir pytest==8.4.1
+RUN groupadd dev && useradd -m -g dev alice && echo greeting=hello > /etc/greeting.conf
+COPY --from=tools /stage-tool /usr/local/bin/stage-tool
+COPY helper.sh /usr/local/bin/helper
+WORKDIR /app
+RUN echo seed > /app/seed.txt
+ENV GREETING_FILE=/etc/greeting.conf
+ENTRYPOINT ["/bin/bash", "-l"]
+"""
+
+TESTS = """\
+import os, pathlib, subprocess
+
+def sh(cmd):
+    return subprocess.run(cmd, shell=True, capture_output=True, text=True)
+
+def test_the_image_is_what_the_dockerfile_built():
+    assert pathlib.Path(os.environ["GREETING_FILE"]).read_text().strip() == "greeting=hello"
+    assert sh("helper").stdout.strip() == "helper-ran"
+    assert sh("stage-tool").stdout.strip() == "built-in-stage-one"
+    assert sh("dpkg -s jq").returncode == 0          # dpkg's state is the image's
+    assert sh("id alice").returncode == 0 and os.path.isdir("/home/alice")
+    assert pathlib.Path("/app/seed.txt").read_text().strip() == "seed"
+
+def test_the_agent_did_the_task():
+    assert pathlib.Path("/app/answer.txt").read_text().split() == ["alice"]
+"""
+
+
+@pytest.fixture(scope="module")
+def image_task(tmp_path_factory):
+    _images_or_skip()
+    d = tmp_path_factory.mktemp("image-task")
+    (d / "tests").mkdir()
+    (d / "task.yaml").write_text(
+        "instruction: Write the names of the directories under /home into "
+        "/app/answer.txt, one per line.\ndifficulty: easy\ncategory: files\n"
+        "parser_name: pytest\nmax_agent_timeout_sec: 120\nmax_test_timeout_sec: 120\n")
+    (d / "Dockerfile").write_text(TASK_DOCKERFILE)
+    (d / "helper.sh").write_text("#!/bin/sh\necho helper-ran\n")
+    (d / "helper.sh").chmod(0o755)
+    (d / "run-tests.sh").write_text("#!/bin/bash\ncd /app\npytest $TEST_DIR/test_outputs.py -rA\n")
+    # apt-get at run time: the package is installed (the image's dpkg says so), so it
+    # succeeds offline, as under Docker.
+    (d / "solution.sh").write_text("#!/bin/bash\napt-get install -y jq\nls /home > /app/answer.txt\n")
+    (d / "tests" / "test_outputs.py").write_text(TESTS)
+    return load_task(d)
+
+
+def _episode(task, oracle):
+    try:
+        with prepare_environment(task, mode="image") as sb:
+            if oracle:
+                apply_solution(task, sb)
+            return verify(task, sb), sb.image
+    except Exception as e:  # noqa: BLE001 - the verdict says what happened
+        return verdict_from_error(e), None
+
+
+def test_a_task_image_is_built_for_real_and_its_oracle_passes(image_task):
+    # The host-root mode cannot run this task at all (writes to /etc, /usr/local/bin,
+    # users, a second stage): the image mode can.
+    assert image_task.unsupported_reason_in(images=False) is not None
+    assert image_task.unsupported_reason_in(images=True) is None
+    null, _ = _episode(image_task, oracle=False)
+    assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
+    assert (null.tests_passed, null.tests_total) == (1, 2)
+    oracle, image = _episode(image_task, oracle=True)
+    assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+    assert image is not None and image.cached   # the null run built it
+    assert image.config.entrypoint == ("/bin/bash", "-l")
+    assert image.config.env["GREETING_FILE"] == "/etc/greeting.conf"
+    assert image.config.workdir == "/app"
+
+
+def test_a_second_build_of_the_same_task_is_a_lookup(image_task):
+    t0 = time.perf_counter()
+    image = builder().build(image_task.build.source, image_task.build.context)
+    assert image.cached and time.perf_counter() - t0 < 3.0
+
+
+def test_the_sandbox_on_a_built_image_keeps_its_isolation(image_task):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        with prepare_environment(image_task, mode="image") as sb:
+            caps = sb.run("grep -E '^Cap(Prm|Eff)' /proc/self/status").stdout
+            assert caps.count("0000000000000000") == 2, caps
+            assert sb.run("id -u").stdout.strip() == "1000"
+            # The image's root is read-only; the workspace (its WORKDIR) is writable.
+            for target in ("/etc/probe", "/usr/local/bin/probe", "/probe", "/home/alice/x"):
+                assert sb.run(f"echo x > {target}").exit_code != 0, target
+            assert sb.run("echo x > /app/probe && cat /app/seed.txt").stdout == "seed\n"
+            # Setuid files of the image give nothing: its trees are mounted nosuid.
+            mounts = sb.run(r"grep -E ' /(usr|bin|etc) ' /proc/self/mountinfo").stdout
+            assert mounts.count("nosuid") >= 2 and "ro," in mounts, mounts
+            # No network: neither the host's loopback nor a name lookup.
+            probe = ("import socket,sys\ntry:\n socket.create_connection(('127.0.0.1', "
+                     f"{port}), timeout=2); print('CONNECTED')\nexcept OSError: print('NO')")
+            assert sb.run(["python3", "-c", probe]).stdout.strip() == "NO"
+            assert sb.run(["python3", "-c", "import socket; socket.getaddrinfo("
+                           "'deb.debian.org', 80)"]).exit_code != 0
+            # The host's files stay invisible: only the image and the mounts are there.
+            assert sb.run(["test", "-e", __file__]).exit_code != 0
+            assert sb.run("test -e /root/.bashrc").exit_code != 0   # HOME is the task's
+    finally:
+        srv.close()
+
+
+def test_an_unmapped_base_image_is_unsupported_with_its_line(tmp_path):
+    _images_or_skip()
+    d = tmp_path / "t"
+    (d / "tests").mkdir(parents=True)
+    (d / "task.yaml").write_text("instruction: x\nparser_name: pytest\n")
+    (d / "Dockerfile").write_text("FROM python:3.12\nFROM rust:1.80\nWORKDIR /app\n")
+    (d / "run-tests.sh").write_text("#!/bin/bash\ntrue\n")
+    (d / "tests" / "test_outputs.py").write_text("def test_x(): pass\n")
+    task = load_task(d)
+    with pytest.raises(TaskUnsupported, match=r"line 2: base image 'rust:1.80' has no local"):
+        prepare_environment(task, mode="image")
+
+
+@pytest.mark.parametrize("name", ["tb1-hello-world", "tb1-fix-script", "harbor-word-count",
+                                  "harbor-partial-reward"])
+def test_the_fixture_tasks_run_unchanged_on_images(name):
+    _images_or_skip()
+    task = load_task(FIXTURES / name)
+    null, _ = _episode(task, oracle=False)
+    assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
+    oracle, image = _episode(task, oracle=True)
+    assert image is not None
+    assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)

@@ -13,7 +13,8 @@ install: $(STAMP)
 
 # bubblewrap: the sandbox backend; e2fsprogs (mkfs.ext4): each sandbox's disk; redis-server and postgresql: the queue and the task
 # store at scale (tests start their own servers on loopback); chromium: the dashboard's
-# browser test.
+# browser test; podman, runc and mmdebstrap: task images built for real (tasks/images.py;
+# runc because crun refuses these machines' cgroup layout).
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
@@ -21,6 +22,9 @@ system-deps:
 	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v podman >/dev/null 2>&1 || missing="$$missing podman"; \
+	PATH="$$PATH:/sbin:/usr/sbin" command -v runc >/dev/null 2>&1 || missing="$$missing runc"; \
+	command -v mmdebstrap >/dev/null 2>&1 || missing="$$missing mmdebstrap"; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 

@@ -255,3 +255,21 @@ def test_the_fixture_tasks_run_unchanged_on_images(name):
     oracle, image = _episode(task, oracle=True)
     assert image is not None
     assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+
+
+def test_an_rl_group_forks_one_prepared_task_environment(image_task):
+    with prepare_environment(image_task, mode="image") as sb:
+        assert sb.run("echo step-one > /app/progress.txt").ok   # an agent step so far
+        kids = sb.fork(3)
+        try:
+            for k in kids:
+                assert k.image is sb.image
+                assert k.run("cat /app/progress.txt /app/seed.txt").stdout == "step-one\nseed\n"
+                assert k.logs_host_dir != sb.logs_host_dir
+            apply_solution(image_task, kids[0])
+            assert verify(image_task, kids[0]).status is VerdictStatus.PASSED
+            assert verify(image_task, kids[1]).status is VerdictStatus.FAILED
+            assert not (sb.workspace_dir / "answer.txt").exists()
+        finally:
+            for k in kids:
+                k.close()

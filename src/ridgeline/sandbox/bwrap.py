@@ -48,7 +48,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from ridgeline.errors import SandboxError
+from ridgeline.errors import ConfigError, SandboxError
+from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox import volume
 from ridgeline.sandbox.base import ExecResult, Limits, NetworkPolicy, SandboxSpec, ShellSession
 from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, SandboxCgroup,
@@ -255,7 +256,8 @@ class BwrapProvider:
 class BwrapSandbox(HostSandbox):
     backend = "bwrap"
 
-    def __init__(self, provider: BwrapProvider, spec: SandboxSpec) -> None:
+    def __init__(self, provider: BwrapProvider, spec: SandboxSpec,
+                 fork_base: forks.ForkBase | None = None) -> None:
         _refuse_weak_limits(provider, spec.limits)
         self._p = provider
         self._volume: volume.Volume | None = None
@@ -264,7 +266,7 @@ class BwrapSandbox(HostSandbox):
                                              if provider.identities is not None else None)
         try:
             owner = (self.host_id.uid, self.host_id.gid) if self.host_id else None
-            super().__init__(spec, provider.root, owner=owner)
+            super().__init__(spec, provider.root, owner=owner, fork_base=fork_base)
         except BaseException as e:
             if self.host_id is not None:
                 self.host_id.release()
@@ -302,6 +304,41 @@ class BwrapSandbox(HostSandbox):
         except BaseException:
             self.close()
             raise
+
+    def fork(self, n: int, specs: list[SandboxSpec] | None = None) -> list["BwrapSandbox"]:
+        """`n` new sandboxes whose workspaces start as this one's is now, copy-on-write
+        (fork.py). `specs` gives each its own spec (default: this one's); writable mounts
+        would be shared by every fork, so the default refuses them (a `TaskSandbox` forks
+        with mounts of each fork's own). This sandbox goes on unchanged."""
+        if n < 1:
+            raise ConfigError(f"fork(n={n}): n must be at least 1")
+        if specs is not None and len(specs) != n:
+            raise ConfigError(f"fork(n={n}) got {len(specs)} specs", hint="one spec per fork")
+        if specs is None:
+            if any(m.writable for m in self.spec.mounts):
+                raise SandboxError("cannot fork a sandbox with writable mounts: every fork "
+                                   "would write into the same host directory",
+                                   hint="pass specs with a writable mount of each fork's own")
+            specs = [self.spec.model_copy(update={"workspace_from": None})] * n
+        self._check_open()
+        base = forks.ForkBase.freeze(self.workspace_dir, self._p.root / f"{os.getpid()}-fork-"
+                                     f"{self.id}-{time.monotonic_ns()}",
+                                     self.spec.limits.disk_bytes)
+        made: list[BwrapSandbox] = []
+        try:
+            for spec in specs:
+                if forks.can_mount():
+                    made.append(BwrapSandbox(self._p, spec, fork_base=base))
+                else:   # no overlay mounts here: each fork gets a copy of the base
+                    made.append(BwrapSandbox(self._p, spec.model_copy(
+                        update={"workspace_from": base.tree})))
+        except BaseException:
+            for sb in made:
+                sb.close()
+            raise
+        finally:
+            base.release()   # the forks hold their own references
+        return made
 
     def _attach_storage(self, ws: Path) -> None:
         """The workspace and each writable mount's directory on a volume of their own

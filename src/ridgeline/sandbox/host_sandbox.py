@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ridgeline.errors import NotFoundError, SandboxError
 from ridgeline.sandbox import disk, hostfs
+from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox import snapshot as snapshots
 from ridgeline.sandbox.base import ExecResult, HealthReport, SandboxSpec, ShellSession
 from ridgeline.sandbox.quota import DiskQuota
@@ -115,8 +116,11 @@ class HostSandbox(abc.ABC):
     backend = "host"
 
     def __init__(self, spec: SandboxSpec, root: Path,
-                 owner: tuple[int, int] | None = None) -> None:
+                 owner: tuple[int, int] | None = None,
+                 fork_base: "forks.ForkBase | None" = None) -> None:
         self.spec = spec
+        #: The frozen workspace this sandbox's overlay reads (a fork), if any.
+        self._fork_base: forks.ForkBase | None = None
         #: The host (uid, gid) the sandbox user is, when it is not the host's own.
         self.owner = owner
         self.id = secrets.token_hex(6)
@@ -137,6 +141,10 @@ class HostSandbox(abc.ABC):
             ws.mkdir()
             # A backend may give the workspace a filesystem of its own (volume.py).
             self._attach_storage(ws)
+            if fork_base is not None:   # a fork: the base below, its own writes above
+                forks.mount_overlay(ws, fork_base)
+                fork_base.acquire()
+                self._fork_base = fork_base
             if spec.workspace_from is not None:
                 shutil.copytree(src, ws, symlinks=True, copy_function=disk.copy2_sparse,
                                 dirs_exist_ok=True)
@@ -146,6 +154,7 @@ class HostSandbox(abc.ABC):
             self.files = Workspace(ws, spec.workspace_path, spec.limits.max_file_size_bytes,
                                    owner)
         except BaseException:
+            self._release_fork()
             self._release_storage()
             hostfs.discard_tree(self.dir, "sandbox directory")
             raise
@@ -158,6 +167,15 @@ class HostSandbox(abc.ABC):
 
     def _release_storage(self) -> None:
         """Undo `_attach_storage`, once nothing runs in the sandbox. Idempotent."""
+
+    def _release_fork(self) -> None:
+        """Detach a fork's overlay (before the storage under it) and let go of its base."""
+        base, self._fork_base = self._fork_base, None
+        if base is not None:
+            try:
+                forks.unmount_overlay(self.dir / "workspace")
+            finally:
+                base.release()
 
     def _start_quota(self) -> None:
         """Watch the disk quota (backends call this once their processes can run)."""
@@ -362,7 +380,10 @@ class HostSandbox(abc.ABC):
             self._close_processes()
         finally:
             try:
-                self._release_storage()
+                try:
+                    self._release_fork()
+                finally:
+                    self._release_storage()
             finally:
                 _trash.discard(self.dir)
             with _live_lock:

@@ -156,6 +156,48 @@ class TaskSandbox:
                 return host / rel
         return None
 
+    def fork(self, n: int) -> list["TaskSandbox"]:
+        """`n` task sandboxes that start from this one's state: the same image (or host
+        root) and a copy-on-write fork of the workspace as it is now (the task's setup
+        and any agent steps so far; sandbox/fork.py). Each has staging of its own: an
+        empty /logs, /tests and /solution, and a fresh home (what a step left in /root,
+        /tmp or running processes is not kept). An RL group of one task uses this."""
+        if self.extra_dirs:
+            raise SandboxError(f"task {self.task.id!r}: cannot fork an environment with "
+                               "writable trees outside its workspace (host-root mode "
+                               "COPY destinations)", hint="use the image mode "
+                               "(RIDGELINE_TASK_ENV=image), where the image holds them")
+        fork = getattr(self.inner, "fork", None)
+        if fork is None:
+            raise SandboxError(f"the {self.inner.backend} backend cannot fork sandboxes",
+                               hint="use the bwrap backend")
+        stagings, specs = [], []
+        old = {str(self.staging / sub): sub for sub in ("tests", "solution", "logs", "home")}
+        try:
+            for _ in range(n):
+                staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{self.task.id[:40]}-"))
+                stagings.append(staging)
+                for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home"):
+                    (staging / sub).mkdir(parents=True)
+                mounts = [m.model_copy(update={"source": staging / old[str(m.source)]})
+                          if str(m.source) in old else m for m in self.spec.mounts]
+                specs.append(self.spec.model_copy(update={"mounts": mounts,
+                                                          "workspace_from": None}))
+            inners = fork(n, specs)
+        except BaseException:
+            for staging in stagings:
+                hostfs.discard_tree(staging, "task staging directory")
+            raise
+        out = []
+        for inner, staging in zip(inners, stagings):
+            sb = TaskSandbox(self.task, inner, staging, self.tools, {})
+            if sb.owner is not None:
+                for sub in ("logs", "home"):
+                    chown_tree(staging / sub, *sb.owner)
+            sb.image = self.image
+            out.append(sb)
+        return out
+
     def run(self, cmd: str | list[str], timeout: float | None = None,
             env: dict[str, str] | None = None, cwd: str | None = None,
             stdin: bytes | None = None, pass_fds: tuple[int, ...] = ()) -> ExecResult:

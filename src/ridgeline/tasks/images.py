@@ -265,7 +265,7 @@ class ImageBuilder:
             return "podman is not installed (`make install` installs it)"
         if os.geteuid() != 0:
             return "building task images needs root (rootful podman and image mounts)"
-        if not shutil.which("runc"):
+        if not shutil.which("runc", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"):
             return "runc is not installed (crun cannot run here)"
         return None
 

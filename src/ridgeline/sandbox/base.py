@@ -121,6 +121,9 @@ class SandboxSpec(_SpecModel):
     workdir: str | None = Field(None, description="cwd of commands; default: workspace_path")
     limits: Limits = Field(default_factory=Limits)
     network: NetworkPolicy = NetworkPolicy.NONE
+    network_namespace: Path | None = Field(
+        None, description="join this private network (sandbox.network.PrivateNetwork: "
+                          "loopback shared by a group of sandboxes) instead of `network`")
     tools_root: Path = Field(Path("/"), description="host tree visible read-only inside")
     image: str | None = Field(None, description="container image (docker backend only)")
 

@@ -50,7 +50,7 @@ from typing import Callable, Iterator, TypeVar
 
 from ridgeline.errors import ConfigError, SandboxError
 from ridgeline.sandbox import fork as forks
-from ridgeline.sandbox import volume
+from ridgeline.sandbox import network, volume
 from ridgeline.sandbox.base import ExecResult, Limits, NetworkPolicy, SandboxSpec, ShellSession
 from ridgeline.sandbox.cgroups import (CgroupHost, CgroupTracker, ExecGroup, SandboxCgroup,
                                        kill_tree)
@@ -432,7 +432,11 @@ class BwrapSandbox(HostSandbox):
                 f"--regid={self.host_id.gid}", "--clear-groups", "--", *argv]
 
     def _start_init(self) -> None:
-        own_netns = self.spec.network == NetworkPolicy.NONE and self._p.privileged
+        shared = self.spec.network_namespace
+        if shared is not None and not self._p.privileged:
+            raise SandboxError("joining a private network needs root")
+        own_netns = shared is not None or (self.spec.network == NetworkPolicy.NONE
+                                           and self._p.privileged)
         info_r, info_w = os.pipe()
         log_path = self.dir / "bwrap.log"
         try:
@@ -443,7 +447,8 @@ class BwrapSandbox(HostSandbox):
                 def spawn() -> subprocess.Popen:
                     if self._launcher.staged is not None:
                         self._launcher.staged.ensure()
-                    netns = _fresh_netns() if own_netns else contextlib.nullcontext()
+                    netns = (network.joined(shared) if shared is not None else
+                             _fresh_netns() if own_netns else contextlib.nullcontext())
                     with netns:
                         return subprocess.Popen(argv, stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=log,

@@ -74,6 +74,30 @@ def test_rewrite_maps_every_stage_and_keeps_stage_names(tmp_path):
     assert bases == sorted({DEBIAN_IMAGE, PYTHON_IMAGE})
 
 
+def test_heredocs_become_instructions_podman_4_can_build(tmp_path):
+    """buildah 1.28 has no heredocs: each becomes one exec-form RUN of the same shell
+    text, so what the shell runs is what BuildKit would run."""
+    import json
+    df = tmp_path / "Dockerfile"
+    df.write_text("FROM python:3.12\n"
+                  "RUN python3 - << 'PY'\nprint('a')\nPY\n"
+                  "RUN <<EOF\necho $HOME\nEOF\n"
+                  "SHELL [\"/bin/bash\", \"-c\"]\n"
+                  "RUN <<-EOF cat > /x\n\tline\nEOF\n"
+                  "COPY --chmod=600 <<EOF /etc/app/conf\nk=v\nEOF\n"
+                  "WORKDIR /app\n")
+    lines = [ln for ln in rewrite_dockerfile(df)[0].splitlines() if ln]
+    assert len(lines) == 7
+    assert json.loads(lines[1].split(None, 1)[1]) == [
+        "/bin/sh", "-c", "python3 - << 'PY'\nprint('a')\nPY\n"]
+    assert json.loads(lines[2].split(None, 1)[1]) == ["/bin/sh", "-c", "echo $HOME\n"]
+    assert json.loads(lines[4].split(None, 1)[1]) == [
+        "/bin/bash", "-c", "<<-EOF cat > /x\nline\nEOF\n"]
+    copy = json.loads(lines[5].split(None, 1)[1])[2]
+    assert "base64 -d > /etc/app/conf" in copy and "chmod 600" in copy
+    assert lines[6] == "WORKDIR /app"
+
+
 @pytest.mark.parametrize("dockerfile,line,words", [
     ("FROM python:3.12\nFROM node:20 AS web\n", 2, "'node:20' has no local equivalent"),
     ("FROM python:3.12\nRUN --mount=type=secret,id=tok cat /run/secrets/tok\n", 2,
@@ -273,3 +297,13 @@ def test_an_rl_group_forks_one_prepared_task_environment(image_task):
         finally:
             for k in kids:
                 k.close()
+
+
+def test_an_absolute_copy_source_is_read_from_the_context_root(tmp_path):
+    from ridgeline.tasks.dockerfile import CopyStep, plan_build
+    (tmp_path / "data.txt").write_text("x")
+    df = tmp_path / "Dockerfile"
+    df.write_text("FROM python:3.12\nWORKDIR /app\nCOPY /data.txt /app/\n")
+    steps, _ = plan_build(df, tmp_path).steps({"PATH": "/usr/bin"})
+    copy = next(s for s in steps if isinstance(s, CopyStep))
+    assert list(copy.sources) == [tmp_path / "data.txt"]

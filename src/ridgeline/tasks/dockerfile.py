@@ -51,7 +51,8 @@ TOOLCHAIN_IMAGES = {"node": "node", "golang": "go", "rust": "cargo", "openjdk": 
 IMAGE_DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                      "HOME": "/root"}
 
-_HEREDOC = re.compile(r"<<(-?)([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
+#: `<<EOF`, `<<-EOF`, `<<'EOF'`, `<< "EOF"` (BuildKit accepts the shell's spacing).
+HEREDOC = re.compile(r"<<(-?)[ \t]*([\"']?)([A-Za-z_][A-Za-z0-9_]*)\2")
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
@@ -163,7 +164,7 @@ def parse_dockerfile(path: Path) -> list[Instruction]:
         args = args.strip()
         heredocs: list[str] = []
         if keyword in ("RUN", "COPY", "ADD"):
-            for m in _HEREDOC.finditer(args):
+            for m in HEREDOC.finditer(args):
                 strip_tabs, delim = m.group(1) == "-", m.group(3)
                 body: list[str] = []
                 while i < len(raw_lines):
@@ -331,9 +332,8 @@ def _sources(src: str, context: Path, ins: Instruction, dockerfile: Path | None
                          "the build context: put the file itself (not a link to it) in "
                          "the task directory")
 
-    if PurePosixPath(src).is_absolute():
-        raise escape(f"is an absolute path; sources are relative to the build context "
-                     f"{context}")
+    # BuildKit reads an absolute source from the context's root (`COPY /data.txt .`)
+    src = src.lstrip("/") or "."
     norm = posixpath.normpath(src)
     if norm == ".." or norm.startswith("../"):
         raise escape(f"leads outside the build context {context}")

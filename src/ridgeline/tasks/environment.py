@@ -44,12 +44,14 @@ from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
+from ridgeline.sandbox.network import PrivateNetwork, hosts_file
+from ridgeline.sandbox.network import joined as network_joined
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
                                     ImagesUnavailable, builder, uses_images)
-from ridgeline.tasks.model import Task
+from ridgeline.tasks.model import Sidecar, Task
 
 MiB = 1024 * 1024
 BUILD_STEP_TIMEOUT_S = 300.0
@@ -114,6 +116,9 @@ class TaskSandbox:
         self.extra_dirs = extra_dirs
         self.setup_s = 0.0
         self.image: BuiltImage | None = None   # the built image, when there is one
+        #: compose sidecars (running sandboxes) and the private network they share
+        self.sidecars: dict[str, Sandbox] = {}
+        self.network: PrivateNetwork | None = None
         self._closed = False
 
     # host side of the mounts
@@ -162,6 +167,9 @@ class TaskSandbox:
         and any agent steps so far; sandbox/fork.py). Each has staging of its own: an
         empty /logs, /tests and /solution, and a fresh home (what a step left in /root,
         /tmp or running processes is not kept). An RL group of one task uses this."""
+        if self.sidecars:
+            raise SandboxError(f"task {self.task.id!r}: cannot fork an environment with "
+                               "compose sidecars (the forks would share them)")
         if self.extra_dirs:
             raise SandboxError(f"task {self.task.id!r}: cannot fork an environment with "
                                "writable trees outside its workspace (host-root mode "
@@ -234,9 +242,12 @@ class TaskSandbox:
         try:
             self.inner.close()
         finally:
-            # /logs and /root are the agent's (any depth): deleted off the caller's path,
-            # a failure logged, never raised.
-            discard_later(self.staging)
+            try:
+                close_group(self.sidecars, self.network)
+            finally:
+                # /logs and /root are the agent's (any depth): deleted off the caller's
+                # path, a failure logged, never raised.
+                discard_later(self.staging)
 
     def __enter__(self) -> "TaskSandbox":
         return self
@@ -283,15 +294,22 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     t0 = time.perf_counter()
     tools = harness_tools()
     staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{task.id[:40]}-"))
+    sidecars: dict[str, Sandbox] = {}
+    net: PrivateNetwork | None = None
     try:
         if image is not None:
-            inner, extra, steps = _create_on_image(task, image, tools, staging, env), {}, []
+            if task.sidecars:
+                net, sidecars = start_sidecars(task, staging)
+            inner, extra, steps = _create_on_image(task, image, tools, staging, env,
+                                                   net), {}, []
         else:
             inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
     except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
+        close_group(sidecars, net)
         hostfs.discard_tree(staging, "task staging directory")
         raise
     sb = TaskSandbox(task, inner, staging, tools, extra)
+    sb.sidecars, sb.network = sidecars, net
     try:
         if sb.owner is not None:  # the writable staging trees are the sandbox user's
             for sub in ("logs", "home", "extra"):
@@ -326,7 +344,8 @@ def image_workdir(task: Task, image: BuiltImage) -> str:
 
 
 def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging: Path,
-                     env: dict[str, str] | None) -> Sandbox:
+                     env: dict[str, str] | None, net: PrivateNetwork | None = None
+                     ) -> Sandbox:
     """A bwrap sandbox whose root is the built image (read-only), whose workspace is a
     writable copy of the image's WORKDIR, with the harness's staging mounts."""
     for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
@@ -344,11 +363,111 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
               Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
               Mount(source=staging / "home", target=base["HOME"], writable=True),
               *interpreter_mounts(tools)]
+    if net is not None:   # compose: the sidecars are reached by their service names
+        mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
                        workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
                        env={**run_env, **(env or {})}, tools_root=image.rootfs,
-                       limits=sandbox_limits(task), network=NetworkPolicy.NONE)
+                       limits=sandbox_limits(task), network=NetworkPolicy.NONE,
+                       network_namespace=net.path if net is not None else None)
     return _create_sandbox(spec, "bwrap")
+
+
+SIDECAR_READY_S = 60.0
+
+
+def start_sidecars(task: Task, staging: Path) -> tuple[PrivateNetwork, dict[str, Sandbox]]:
+    """Build and start the task's compose sidecars in a private network of their own
+    (sandbox/network.py), each a bwrap sandbox on its image running its entrypoint and
+    command in the background; wait until the ports they declare accept connections.
+    The caller closes what this returns (close_group), also when this raises."""
+    net = PrivateNetwork()
+    hosts = hosts_file(staging, [task.service_name, *(c.name for c in task.sidecars)])
+    started: dict[str, Sandbox] = {}
+    try:
+        for car in task.sidecars:
+            started[car.name] = _start_sidecar(task, car, net, hosts)
+        ports = [p for c in task.sidecars for p in c.ports]
+        if ports and not wait_for_ports(net.path, ports, SIDECAR_READY_S):
+            logs = {n: sb.run("tail -c 400 /tmp/.sidecar.log").stdout for n, sb in
+                    started.items()}
+            raise EnvironmentSetupError(task.id, f"compose sidecars did not listen on "
+                                        f"{ports} within {SIDECAR_READY_S:.0f} s: {logs}")
+    except BaseException:
+        close_group(started, net)
+        raise
+    return net, started
+
+
+def _start_sidecar(task: Task, car: Sidecar, net: PrivateNetwork, hosts: Path) -> Sandbox:
+    where = f"compose service {car.name!r}"
+    if car.dockerfile is not None:
+        try:
+            image = builder().build(car.dockerfile, car.context)
+        except BuildRefused as e:
+            raise TaskUnsupported(task.id, f"{where}: {e}") from e
+        except SandboxError as e:
+            raise EnvironmentSetupError(task.id, f"{where}: {e.message}") from e
+    else:
+        raise TaskUnsupported(task.id, f"{where}: a prebuilt image ({car.image}) cannot be "
+                              "pulled here; only services with a build are supported")
+    argv = [*(car.entrypoint if car.entrypoint is not None else image.config.entrypoint),
+            *(car.command if car.command is not None else image.config.cmd)]
+    if not argv:
+        raise TaskUnsupported(task.id, f"{where}: no entrypoint or command to run")
+    workdir = image.config.workdir if image.config.workdir not in ("", "/") else "/srv"
+    seed = image.rootfs / workdir.lstrip("/")
+    spec = SandboxSpec(workspace_path=workdir, tools_root=image.rootfs,
+                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
+                       env={**image.config.env, **CA_ENV, "HOME": "/tmp", **car.env},
+                       mounts=[Mount(source=hosts, target="/etc/hosts", writable=False)],
+                       limits=sandbox_limits(task), network_namespace=net.path)
+    sb = _create_sandbox(spec, "bwrap")
+    try:
+        res = sb.run(["sh", "-c", 'nohup "$@" >/tmp/.sidecar.log 2>&1 </dev/null &',
+                      "sh", *argv], timeout=30)
+        if not res.ok:
+            raise EnvironmentSetupError(task.id, f"{where}: could not start {argv}: "
+                                        f"{_failure_reason(res)}")
+    except BaseException:
+        sb.close()
+        raise
+    return sb
+
+
+def wait_for_ports(netns: Path, ports: list[int], timeout: float) -> bool:
+    """Whether every port accepts a connection on the shared loopback within `timeout`
+    (checked from a thread that joins the private network)."""
+    import socket
+    import threading
+    ok: list[bool] = []
+
+    def probe() -> None:
+        deadline = time.monotonic() + timeout
+        with network_joined(netns):
+            pending = set(ports)
+            while pending and time.monotonic() < deadline:
+                for p in list(pending):
+                    with contextlib.suppress(OSError), \
+                            socket.create_connection(("127.0.0.1", p), timeout=0.5):
+                        pending.discard(p)
+                if pending:
+                    time.sleep(0.1)
+            ok.append(not pending)
+
+    t = threading.Thread(target=probe, name="ridgeline-sidecar-ready")
+    t.start()
+    t.join()
+    return bool(ok and ok[0])
+
+
+def close_group(sidecars: dict[str, Sandbox], net: PrivateNetwork | None) -> None:
+    for sb in sidecars.values():
+        with contextlib.suppress(Exception):
+            sb.close()
+    sidecars.clear()
+    if net is not None:
+        net.close()
 
 
 def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: str,

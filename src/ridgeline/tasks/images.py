@@ -34,6 +34,7 @@ podman's default ulimits exceed the hard limits of these VMs (explicit `--ulimit
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import fnmatch
@@ -41,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ridgeline.errors import ConfigError, SandboxError
-from ridgeline.tasks.dockerfile import expand, parse_dockerfile
+from ridgeline.tasks.dockerfile import HEREDOC, Instruction, expand, parse_dockerfile
 
 DEBIAN_IMAGE = "localhost/ridgeline/debian:bookworm"
 PYTHON_IMAGE = "localhost/ridgeline/python:bookworm"
@@ -185,7 +187,14 @@ def rewrite_dockerfile(dockerfile: Path, mapping: list[tuple[str, str]] | None =
     stages: set[str] = set()
     bases: list[str] = []
     seen_from = False
+    shell = ["/bin/sh", "-c"]
     for ins in instructions:
+        if ins.keyword == "SHELL" and ins.exec_form:
+            shell = list(ins.exec_form)
+        if ins.keyword == "FROM":
+            shell = ["/bin/sh", "-c"]
+        if ins.heredocs and ins.keyword in ("RUN", "COPY", "ADD"):
+            _replace_heredoc(lines, ins, shell)
         if ins.keyword == "ARG" and not seen_from:
             name, _, default = ins.args.partition("=")
             args[name.strip()] = default.strip().strip('"')
@@ -225,6 +234,48 @@ def rewrite_dockerfile(dockerfile: Path, mapping: list[tuple[str, str]] | None =
         if alias:
             stages.add(alias)
     return "\n".join(lines) + "\n", sorted(set(bases))
+
+
+def _replace_heredoc(lines: list[str], ins: Instruction, shell: list[str]) -> None:
+    """Podman 4.3's builder (buildah 1.28) predates Dockerfile heredocs: an instruction
+    with heredocs becomes one exec-form RUN whose script is the same shell text (the
+    documents inline, as the shell reads them), in place of its lines."""
+    start = ins.line - 1
+    end = start
+    while end < len(lines) - 1 and lines[end].rstrip().endswith("\\"):
+        end += 1
+    for m in HEREDOC.finditer(ins.args):
+        strip_tabs, delim = m.group(1) == "-", m.group(3)
+        end += 1
+        while end < len(lines) and (lines[end].lstrip("\t") if strip_tabs
+                                    else lines[end]) != delim:
+            end += 1
+    flags = " ".join(f"--{k}={v}" for k, v in ins.flags.items())
+    if ins.keyword == "RUN":
+        if not HEREDOC.sub("", ins.args).strip():   # the document is the script itself
+            script = ins.heredocs[0]
+            if script.startswith("#!"):   # BuildKit runs it as a file: its interpreter
+                b64 = base64.b64encode(script.encode()).decode()
+                script = (f"printf %s {b64} | base64 -d > /tmp/.ridgeline-run && chmod +x "
+                          "/tmp/.ridgeline-run && /tmp/.ridgeline-run; rc=$?; "
+                          "rm -f /tmp/.ridgeline-run; exit $rc")
+        else:
+            script, docs = ins.args, iter(ins.heredocs)
+            for m in HEREDOC.finditer(ins.args):
+                script += "\n" + next(docs, "") + m.group(3)
+            script += "\n"
+        new = f"RUN {flags} {json.dumps([*shell, script])}"
+    else:   # COPY/ADD <<EOF dest: write the document with the image's own tools
+        dest = ins.args.split()[-1]
+        b64 = base64.b64encode(ins.heredocs[0].encode()).decode()
+        mode = ins.flags.get("chmod")
+        cmd = (f'mkdir -p "$(dirname {shlex.quote(dest)})" && printf %s {b64} | base64 -d'
+               f' > {shlex.quote(dest)}' + (f" && chmod {mode} {shlex.quote(dest)}"
+                                             if mode else ""))
+        new = f"RUN {json.dumps(['/bin/sh', '-c', cmd])}"
+    lines[start] = new
+    for k in range(start + 1, min(end + 1, len(lines))):
+        lines[k] = ""
 
 
 def context_digest(context: Path, h: "hashlib._Hash") -> None:

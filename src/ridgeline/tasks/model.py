@@ -36,6 +36,24 @@ class SolutionStep:
 
 
 @dataclass(frozen=True)
+class Sidecar:
+    """A compose service beside the task's own (an API server, a simulated user, an MCP
+    server): built and started with the task, reachable from it by `name`."""
+
+    name: str
+    dockerfile: Path | None            # built like the task's; or `image`
+    context: Path
+    image: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    entrypoint: tuple[str, ...] | None = None   # compose overrides of the image's
+    command: tuple[str, ...] | None = None
+    ports: tuple[int, ...] = ()        # container ports to wait for (expose/ports)
+
+    def __hash__(self) -> int:
+        return hash((self.name, str(self.context)))
+
+
+@dataclass(frozen=True)
 class Task:
     id: str
     path: Path
@@ -59,6 +77,8 @@ class Task:
     verifier_env: dict[str, str] = field(default_factory=dict)
     solution_env: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, object] = field(default_factory=dict)
+    sidecars: tuple[Sidecar, ...] = ()  # compose services beside the task's (image mode)
+    service_name: str = "client"        # the task's own compose service
 
     def __hash__(self) -> int:      # the dict fields are not hashable; a task is its dir
         return hash((self.layout, str(self.path)))

@@ -122,11 +122,11 @@ def test_build_failures_are_classified(tmp_path):
     e = build_failure(apt, df)
     assert isinstance(e, BuildRefused) and e.line == 2
     assert "Debian mirror has no package nosuchpkg" in e.reason
-    pip = ("STEP 3/3: RUN pip install --retries 3 nosuchdist==1.0\n"
+    pip = ("[2/2] STEP 3/3: RUN pip install --retries 3 nosuchdist==1.0\n"
            "ERROR: No matching distribution found for nosuchdist==1.0\n")
     e = build_failure(pip, df)
     assert isinstance(e, BuildRefused) and e.line == 3 and "PyPI has no" in e.reason
-    e = build_failure("STEP 2/3: RUN apt-get update\nerror running container: runc create "
+    e = build_failure("[1/2] STEP 2/3: RUN apt-get update\nerror running container: runc create "
                       "failed: unable to start container process", df)
     assert isinstance(e, SandboxError) and not isinstance(e, BuildRefused)
 

@@ -67,9 +67,17 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     if "temperature" in meta:
         lines.append(f"Sampling: temperature {meta['temperature']}, top_p {meta['top_p']}, "
                      f"seed {meta['seed']}, max_tokens {meta['max_tokens']}")
+    n_broken = getattr(summary, "n_broken", 0)
+    asked = summary.n_episodes + n_broken * int(meta.get("samples", 1) or 1)
+    all_rate = getattr(summary, "pass_rate_all", summary.n_passed / asked if asked else 0.0)
+    # the all-tasks figure first: a suite mostly unsupported never reads as 100% alone
     lines += ["", "## Summary", "",
-              f"- **pass rate: {100 * summary.pass_rate:.1f}%** ({summary.n_passed} of {summary.n_scored} "
-              f"scored episodes over {summary.n_tasks} tasks)"]
+              f"- **pass rate over all tasks: {100 * all_rate:.1f}%** ({summary.n_passed} of "
+              f"{asked} episodes over {summary.n_tasks + n_broken} tasks; unsupported, "
+              f"broken and infrastructure errors count as not passed)",
+              f"- **pass rate: {100 * summary.pass_rate:.1f}%** of scored episodes, the "
+              f"supported tasks ({summary.n_passed} of {summary.n_scored} scored episodes "
+              f"over {summary.n_tasks} tasks)"]
     if summary.pass_at_1_ci95 is not None:
         lo, hi = summary.pass_at_1_ci95
         lines.append(f"- pass@1 95% interval: {100 * lo:.1f}-{100 * hi:.1f}% (bootstrap over "
@@ -77,7 +85,8 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     for k, v in summary.pass_at_k.items():
         lines.append(f"- {k}: {100 * v:.1f}%")
     lines.append(f"- not scored: {summary.n_infra_error} infrastructure errors, "
-                 f"{summary.n_unsupported} unsupported (these are never counted as failures)")
+                 f"{summary.n_unsupported} unsupported, {n_broken} broken tasks (these are "
+                 f"never counted as failures of the agent)")
     lines.append(f"- mean steps {summary.mean_steps:.1f}, total tokens {summary.total_tokens}")
     if summary.failure_classes:
         lines.append("- why episodes did not pass: " + ", ".join(
@@ -85,6 +94,14 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     lines += ["", "## By domain", "", "| domain | passed | scored | pass rate |", "|---|---:|---:|---:|"]
     for d, info in summary.by_domain.items():
         lines.append(f"| {d} | {int(info['passed'])} | {int(info['scored'])} | {100 * info['pass_rate']:.0f}% |")
+    not_run = [(t, "unsupported", why) for t, why in
+               getattr(summary, "unsupported_tasks", {}).items()]
+    not_run += [(t, "broken", why) for t, why in getattr(summary, "broken_tasks", {}).items()]
+    if not_run:
+        lines += ["", "## Tasks that did not run", "", "| task | status | why |",
+                  "|---|---|---|"]
+        for task_id, status, why in sorted(not_run):
+            lines.append(f"| {task_id} | {status} | {_cell(why)} |")
     for p in plots:
         lines += ["", f"![{p.stem}]({p.name})"]
     lines += ["", "## Episodes", "", "| task | sample | status | tests | steps | tokens | wall s | why |",
@@ -93,6 +110,11 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
         lines.append(f"| {r.task_id} | {r.sample} | {r.status.value} | {r.tests_passed}/{r.tests_total} | {r.steps} | "
                      f"{r.tokens} | {r.wall_s:.1f} | {r.failure_class or ''} |")
     return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    """`text` as one Markdown table cell."""
+    return " ".join(text.split()).replace("|", "\\|")[:300]
 
 
 def write_report(out_dir: Path, results: list[EpisodeResult], summary: Summary,

@@ -7,7 +7,9 @@ graded by the task's tests, gathered into results, a report and plots.
 
 An endpoint that stays down ends the run early: results gathered so far are written, then
 `ModelEndpointError` is raised. Tasks that hang are killed at their timeout by the sandbox
-and reported as such; set-up failures are infrastructure errors, never scored.
+and reported as such; set-up failures are infrastructure errors, never scored. A task
+directory of the suite that does not load is reported as broken, with its reason, and
+the rest run (`summary.broken_tasks`, and in the all-tasks pass rate).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, Field
@@ -29,15 +32,16 @@ from ridgeline.agent.results import (
 from ridgeline.agent.run import run_task_episode
 from ridgeline.errors import ConfigError, ModelEndpointError
 from ridgeline.eval.report import write_report
-from ridgeline.eval.results import EpisodeResult, Summary, summarize
+from ridgeline.eval.results import EpisodeResult, EvalSummary, summarize_suite
 from ridgeline.llm.base import ChatModel
-from ridgeline.tasks import Task, load_tasks
+from ridgeline.tasks import Task
+from ridgeline.tasks.loader import BrokenTask, load_suite
 
 # episode_result, record_verdict, run_jobs: shared with the held-out evaluation of a
 # training run (`ridgeline.agent.results`); still importable from here
 __all__ = ["DEMO_TASK_IDS", "EvalConfig", "EvalRun", "EvalTask", "Job", "episode_agent_config", "episode_result", "finish_run", "make_model",
            "record_verdict", "run_episode", "run_episodes", "run_eval", "run_jobs",
-           "run_meta", "select_tasks"]
+           "run_meta", "select_suite", "select_tasks"]
 
 AgentKind = Literal["llm", "oracle", "null"]
 
@@ -77,7 +81,7 @@ class EvalConfig(BaseModel):
 @dataclass
 class EvalRun:
     results: list[EpisodeResult]
-    summary: Summary
+    summary: EvalSummary
     out_dir: Path
     files: dict[str, Path]
     meta: dict[str, Any]
@@ -97,20 +101,30 @@ def make_model(config: EvalConfig) -> ChatModel:
 
 
 def select_tasks(config: EvalConfig) -> list[Task]:
+    return select_suite(config)[0]
+
+
+def select_suite(config: EvalConfig) -> tuple[list[Task], list[BrokenTask]]:
+    """The tasks to run and the selected task directories that do not load (reported,
+    never run); `task_ids` and `limit` apply to both, in id order."""
     source = "builtin" if config.tasks == "demo" else config.tasks
-    tasks = load_tasks(source, only_valid=config.only_valid, backend=config.backend)
+    suite = load_suite(source, only_valid=config.only_valid, backend=config.backend)
+    tasks, broken = suite.tasks, suite.broken
     if config.tasks == "demo":
-        tasks = [t for t in tasks if t.id in set(DEMO_TASK_IDS)]
+        tasks, broken = [t for t in tasks if t.id in set(DEMO_TASK_IDS)], []
     if config.task_ids:
-        known = {t.id for t in tasks}
+        known = {t.id for t in tasks} | {b.id for b in broken}
         missing = [i for i in config.task_ids if i not in known]
         if missing:
             raise ConfigError(f"unknown task ids: {', '.join(missing)}",
                               hint="see `ridgeline tasks list`")
         tasks = [t for t in tasks if t.id in set(config.task_ids)]
+        broken = [b for b in broken if b.id in set(config.task_ids)]
     if config.limit is not None:
-        tasks = tasks[: config.limit]
-    return tasks
+        first = set(sorted([t.id for t in tasks] + [b.id for b in broken])[: config.limit])
+        tasks = [t for t in tasks if t.id in first][: config.limit]
+        broken = [b for b in broken if b.id in first]
+    return tasks, broken
 
 
 def run_episode(task: Task, sample: int, agent_factory: Callable[[], Any], config: EvalConfig,
@@ -148,7 +162,8 @@ def run_episodes(config: EvalConfig, tasks: list[Any],
                  run_one: Callable[[Any, int], EpisodeResult],
                  out_dir: Path, meta: dict[str, Any],
                  on_start: Callable[[int], None] | None = None,
-                 on_result: Callable[[EpisodeResult], None] | None = None) -> EvalRun:
+                 on_result: Callable[[EpisodeResult], None] | None = None,
+                 broken: Iterable[BrokenTask] = ()) -> EvalRun:
     """Every (task, sample) episode through `run_jobs`, then the report (`finish_run`)."""
     t0 = time.perf_counter()
     jobs = [(t, s) for s in range(config.samples) for t in tasks]
@@ -157,13 +172,14 @@ def run_episodes(config: EvalConfig, tasks: list[Any],
     results, endpoint_error = run_jobs(jobs, lambda job: run_one(job[0], job[1]),
                                        config.concurrency, on_result)
     return finish_run(config, out_dir, results, len(jobs), time.perf_counter() - t0, meta,
-                      endpoint_error)
+                      endpoint_error, broken)
 
 
 def finish_run(config: EvalConfig, out_dir: Path, results: list[EpisodeResult], n_jobs: int,
-               wall_s: float, meta: dict[str, Any], endpoint_error: str | None) -> EvalRun:
+               wall_s: float, meta: dict[str, Any], endpoint_error: str | None,
+               broken: Iterable[BrokenTask] = ()) -> EvalRun:
     """Summarise and write the report; then raise if the endpoint went down."""
-    summary = summarize(results, samples=config.samples, wall_s=wall_s)
+    summary = summarize_suite(results, samples=config.samples, wall_s=wall_s, broken=broken)
     files = write_report(out_dir, results, summary, meta)
     if endpoint_error is not None:
         raise ModelEndpointError(
@@ -177,7 +193,7 @@ def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | No
              model: ChatModel | None = None,
              on_start: Callable[[int], None] | None = None) -> EvalRun:
     """Run every (task, sample) episode with `config.concurrency` sandboxes at once."""
-    tasks = select_tasks(config)
+    tasks, broken = select_suite(config)
     out_dir = config.out_dir()
     traj_dir = out_dir / "trajectories"
     traj_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +211,7 @@ def run_eval(config: EvalConfig, on_result: Callable[[EpisodeResult], None] | No
         return run_episodes(
             config, tasks, lambda task, sample: run_episode(task, sample, agent_factory,
                                                             config, traj_dir)[0],
-            out_dir, run_meta(config, model_label), on_start, on_result)
+            out_dir, run_meta(config, model_label), on_start, on_result, broken)
     finally:
         close = getattr(made, "close", None)
         if callable(close):   # an in-process engine made here: its memory goes with it

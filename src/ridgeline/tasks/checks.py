@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ridgeline.tasks.environment import TaskUnsupported, prepare_environment
+from ridgeline.tasks.loader import BrokenTask
 from ridgeline.tasks.model import Task
 from ridgeline.tasks.solution import apply_solution
 from ridgeline.tasks.verifier import Verdict, VerdictStatus, verdict_from_error, verify
@@ -41,6 +42,7 @@ class TaskCheck:
     reasons: list[str] = field(default_factory=list)
     unsupported: bool = False
     null: Verdict | None = None
+    broken: bool = False        # the task directory does not load (never cached)
     oracle: list[Verdict] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     task_hash: str = ""
@@ -199,6 +201,12 @@ def check_task(task: Task, runs: int = 3, backend: str = "bwrap", *,
     return check
 
 
+def broken_check(task: BrokenTask) -> TaskCheck:
+    """The check of a task directory that does not load: failed, with the reason."""
+    return TaskCheck(task.id, str(task.path), ok=False, reasons=[f"broken: {task.reason}"],
+                     broken=True, checked_at=time.time())
+
+
 def check_tasks(tasks: Iterable[Task], runs: int = 3, backend: str = "bwrap",
                 concurrency: int = 4,
                 on_done: Callable[[TaskCheck], None] | None = None) -> list[TaskCheck]:
@@ -231,5 +239,5 @@ def valid_tasks(tasks: list[Task], backend: str = "bwrap", concurrency: int = 4
     return [t for t in tasks if results[str(t.path)].ok]
 
 
-__all__ = ["CHECK_VERSION", "TaskCheck", "TaskUnsupported", "cache_dir", "cached_check",
-           "check_task", "check_tasks", "task_hash", "valid_tasks"]
+__all__ = ["CHECK_VERSION", "TaskCheck", "TaskUnsupported", "broken_check", "cache_dir",
+           "cached_check", "check_task", "check_tasks", "task_hash", "valid_tasks"]

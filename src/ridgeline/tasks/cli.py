@@ -13,8 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ridgeline.errors import ConfigError
-from ridgeline.tasks.checks import TaskCheck, check_tasks
-from ridgeline.tasks.loader import load_tasks
+from ridgeline.tasks.checks import TaskCheck, broken_check, check_tasks
+from ridgeline.tasks.loader import BrokenTask, load_suite
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Terminal tasks (Terminal-Bench v1 and Harbor layouts).")
@@ -27,24 +27,38 @@ def list_tasks(
                                     "'builtin'"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """List tasks: id, domain, difficulty."""
-    tasks = load_tasks(directory)
+    """List tasks: id, domain, difficulty. A task directory that does not load is listed
+    as broken, with the reason; the others are listed all the same."""
+    suite = load_suite(directory)
+    tasks = suite.tasks
     if as_json:
-        print(json.dumps([{"id": t.id, "domain": t.domain, "difficulty": t.difficulty,
-                           "layout": t.layout.value, "tags": list(t.tags),
-                           "path": str(t.path)} for t in tasks], indent=1))
+        rows = [{"id": t.id, "domain": t.domain, "difficulty": t.difficulty,
+                 "layout": t.layout.value, "tags": list(t.tags), "path": str(t.path),
+                 "broken": False} for t in tasks]
+        rows += [{**b.to_dict(), "broken": True} for b in suite.broken]
+        print(json.dumps(sorted(rows, key=lambda r: r["id"]), indent=1))
         return
-    table = Table(title=f"{len(tasks)} tasks")
+    title = f"{len(tasks)} tasks" + (f", {len(suite.broken)} broken" if suite.broken else "")
+    table = Table(title=title)
     for col in ("id", "domain", "difficulty", "layout"):
         table.add_column(col)
     for t in tasks:
         table.add_row(t.id, t.domain, t.difficulty, t.layout.value)
+    for b in suite.broken:
+        table.add_row(b.id, "-", "-", "[red]broken[/]")
     console.print(table)
+    _print_broken(suite.broken)
+
+
+def _print_broken(broken: list[BrokenTask]) -> None:
+    for b in broken:        # reasons are long: one line each, below the table
+        console.print(f"[red]broken[/] {b.id}: {b.reason}", highlight=False, soft_wrap=True)
 
 
 def _summary(c: TaskCheck, runs: int) -> dict:
     return {"id": c.task_id, "ok": c.ok, "unsupported": c.unsupported,
-            "reasons": c.reasons, "oracle_passes": c.oracle_passes, "runs": runs,
+            "broken": c.broken, "reasons": c.reasons, "oracle_passes": c.oracle_passes,
+            "runs": runs,
             "null_status": c.null.status.value if c.null else None,
             "timings": c.timings, "path": c.path}
 
@@ -60,8 +74,11 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Quality-check tasks: the oracle passes RUNS/RUNS, the untouched environment fails.
-    Failing tasks are flagged with the reason (exit code 1 if any)."""
-    tasks = load_tasks(directory)
+    Failing tasks are flagged with the reason (exit code 1 if any); so are unsupported
+    tasks and task directories that do not load (broken), each with its reason, and
+    the others are checked all the same."""
+    suite = load_suite(directory)
+    tasks = suite.tasks
     progress = Progress(TextColumn("[bold]checking"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.description}"),
                         console=Console(stderr=True), disable=as_json or not sys.stderr.isatty())
@@ -73,11 +90,14 @@ def check(
 
         checks = check_tasks(tasks, runs=runs, backend=backend, concurrency=concurrency,
                              on_done=done)
+    checks = sorted(checks + [broken_check(b) for b in suite.broken],
+                    key=lambda c: c.task_id)
     n_ok = sum(c.ok for c in checks)
     if as_json:
         print(json.dumps({"n_tasks": len(checks), "n_valid": n_ok,
                           "n_invalid": len(checks) - n_ok,
                           "n_unsupported": sum(c.unsupported for c in checks),
+                          "n_broken": sum(c.broken for c in checks),
                           "tasks": [_summary(c, runs) for c in checks]}, indent=1))
     else:
         table = Table(title=f"{n_ok}/{len(checks)} tasks pass the quality checks")
@@ -86,7 +106,8 @@ def check(
         for c in checks:
             t = c.timings
             table.add_row(
-                c.task_id, "[green]yes[/]" if c.ok else "[red]NO[/]",
+                c.task_id, "[green]yes[/]" if c.ok else "[red]broken[/]" if c.broken
+                else "[yellow]unsupported[/]" if c.unsupported else "[red]NO[/]",
                 f"{c.oracle_passes}/{runs}", c.null.status.value if c.null else "-",
                 f"{t.get('setup_s', 0):.2f}", f"{t.get('oracle_s', 0):.2f}",
                 f"{t.get('verify_s', 0):.2f}")

@@ -496,7 +496,8 @@ _INFRA = re.compile(r"runc create failed|OCI runtime|no space left on device|"
 def build_failure(output: str, dockerfile: Path) -> Exception:
     """A failed `podman build` as `BuildRefused` (the task's build cannot work here) or
     `SandboxError` (podman itself failed), naming the Dockerfile line."""
-    steps = re.findall(r"^STEP \d+/\d+: (.*)$", output, re.MULTILINE)
+    # a multi-stage build prefixes each step with its stage: "[2/2] STEP 6/10: ..."
+    steps = re.findall(r"^(?:\[\d+/\d+\] )?STEP \d+/\d+: (.*)$", output, re.MULTILINE)
     step = steps[-1] if steps else None
     line = _instruction_line(step, dockerfile) if step else None
     tail = " | ".join(ln.strip() for ln in output.strip().splitlines()[-4:] if ln.strip())

@@ -21,16 +21,18 @@ are copied as links and so only mean something inside the sandbox.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ridgeline.errors import NotFoundError, TaskError
+from ridgeline.errors import NotFoundError, RidgelineError, TaskError
 from ridgeline.tasks.dockerfile import inside, plan_build
 from ridgeline.tasks.model import Resources, SolutionStep, Task, TaskLayout
 
@@ -42,6 +44,11 @@ V2_FILES = ("task.toml", "instruction.md", "tests", "tests/test.sh", "environmen
             "environment/Dockerfile", "environment/docker-compose.yaml",
             "environment/setup.sh", "solution", "solution/solve.sh", "setup.sh")
 STAGED_DIRS = ("tests", "solution")
+
+#: Why a multi-step Harbor task is refused (until steps run one after another).
+MULTI_STEP_UNSUPPORTED = "multi-step Harbor tasks ([[steps]]) are not supported yet"
+
+log = logging.getLogger(__name__)
 
 # Values Terminal-Bench's compose files interpolate; everything else becomes "".
 COMPOSE_VARS = {"T_BENCH_TEST_DIR": "/tests", "T_BENCH_CONTAINER_LOGS_PATH": "/logs",
@@ -395,12 +402,18 @@ def _with_problems(build, problems: list[str]):
 def _load_v2(d: Path) -> Task:
     _confine(d, V2_FILES)
     spec_path = _require(d / "task.toml", "the task configuration")
-    instruction_path = _require(d / "instruction.md", "the instruction given to the agent")
+    instruction_path = d / "instruction.md"
     data, text = _read_toml(spec_path)
     try:
         spec = _TaskToml.model_validate(data)
     except ValidationError as e:
         raise _validation_error(spec_path, e, text, toml=True) from None
+    steps = data.get("steps")
+    if steps:
+        # its instruction and tests live per step (steps/<name>/): loaded as a task that
+        # says why it cannot run, never as one missing its files
+        return _multi_step(d, spec, steps, instruction_path)
+    instruction_path = _require(instruction_path, "the instruction given to the agent")
     instruction = instruction_path.read_text(encoding="utf-8").strip()
     if not instruction:
         raise TaskError(f"{instruction_path}: is empty", hint="write the task's instruction")
@@ -439,6 +452,40 @@ def _load_v2(d: Path) -> Task:
     )
 
 
+def _multi_step(d: Path, spec: _TaskToml, steps: object, instruction_path: Path) -> Task:
+    """A Harbor task with `[[steps]]`: loaded (so suites list it and checks report it)
+    with the reason it cannot run yet; the instruction shown is the task's or its first
+    step's, read only from inside the task directory."""
+    names = [str(s.get("name", "")) for s in steps if isinstance(s, dict)] \
+        if isinstance(steps, list) else []
+    first = d / "steps" / names[0] / "instruction.md" if names and names[0] else None
+    instruction = ""
+    for path in (instruction_path, first):
+        if path is not None and path.is_file() and inside(path, d):
+            instruction = path.read_text(encoding="utf-8").strip()
+            if instruction:
+                break
+    envv = spec.environment
+    # the environment is not planned: nothing of it runs, and a problem of its
+    # Dockerfile must not hide the reason that matters
+    build = _with_problems(plan_build(None, d), [
+        f"{MULTI_STEP_UNSUPPORTED} ({len(names) or '?'} steps"
+        f"{': ' + ', '.join(names) if names else ''})"])
+    meta = dict(spec.metadata)
+    return Task(
+        id=d.name, path=d, layout=TaskLayout.HARBOR,
+        instruction=instruction or f"(multi-step task: {len(names)} steps)",
+        difficulty=str(meta.get("difficulty", "unknown")).lower(),
+        category=str(meta.get("category", "software-engineering")),
+        tags=tuple(str(t) for t in meta.get("tags") or spec.task.get("keywords") or []),
+        agent_timeout_s=spec.agent.timeout_sec, test_timeout_s=spec.verifier.timeout_sec,
+        resources=Resources(envv.cpus, envv.memory_mb or 2048, envv.storage_mb or 10240,
+                            envv.allow_internet, envv.gpus),
+        build=build, test_script=d / "tests" / "test.sh", tests_dir=d / "tests",
+        metadata={**meta, **spec.task, "steps": names},
+    )
+
+
 def is_task_dir(d: Path) -> bool:
     return (d / "task.yaml").is_file() or (d / "task.toml").is_file()
 
@@ -463,23 +510,97 @@ def builtin_suite_dir() -> Path:
     return Path(__file__).resolve().parent / "builtin"
 
 
-def load_tasks(source: str | Path | None = None, *, only_valid: bool = False,
-               backend: str = "bwrap", concurrency: int = 4) -> list[Task]:
-    """Load a task directory, a directory of tasks, or the built-in suite (`None` or
-    "builtin"), sorted by id. A malformed task (bad YAML, or files leading outside its
-    directory) fails the whole load with a `TaskError` naming it: a suite is never
-    silently partial.
+@dataclass(frozen=True)
+class BrokenTask:
+    """A directory of a suite that looks like a task but does not load, and why."""
 
-    With `only_valid=True` tasks that fail the quality checks are left out: each task's
-    check result is cached by the hash of its files (see `ridgeline.tasks.checks`), and
-    tasks that were never checked are checked now, which runs their oracle and a null
-    agent in sandboxes (seconds per task)."""
+    id: str
+    path: Path
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"id": self.id, "path": str(self.path), "reason": self.reason}
+
+
+@dataclass
+class Suite:
+    """What a suite directory holds: the tasks that load, and the ones that do not."""
+
+    tasks: list[Task]
+    broken: list[BrokenTask]
+
+
+def _looks_like_task(d: Path) -> bool:
+    """A task directory, or what was meant as one (its task file unreadable, a link
+    to nowhere, or only Harbor's instruction.md there)."""
+    return any(os.path.lexists(d / n) for n in ("task.yaml", "task.toml", "instruction.md"))
+
+
+def _why(d: Path, e: Exception) -> str:
+    dangling = [n for n in ("task.yaml", "task.toml", "instruction.md")
+                if os.path.islink(d / n) and not (d / n).exists()]
+    if dangling:
+        return f"{d / dangling[0]} is a link to nothing ({os.readlink(d / dangling[0])})"
+    if isinstance(e, RidgelineError):
+        return e.message
+    if isinstance(e, UnicodeDecodeError):
+        return f"a task file is not UTF-8 text ({e})"
+    return f"{type(e).__name__}: {e}"
+
+
+def load_suite(source: str | Path | None = None, *, only_valid: bool = False,
+               backend: str = "bwrap", concurrency: int = 4) -> Suite:
+    """Like `load_tasks`, but a task directory of the suite that does not load (bad
+    YAML/TOML, missing files, files leading outside it) is set aside as a `BrokenTask`
+    with the reason, and the rest load: one bad task of someone else's collection never
+    stops `tasks list`, `tasks check` or `eval` for the others. A single task directory
+    given as `source` still raises."""
+    root = _suite_root(source)
+    if is_task_dir(root) or (root / "instruction.md").is_file():
+        tasks, broken = [load_task(root)], []
+    else:
+        dirs = sorted(p for p in root.iterdir()
+                      if p.is_dir() and not p.name.startswith((".", "_"))
+                      and _looks_like_task(p))
+        if not dirs:
+            raise NotFoundError(f"no tasks under {root}", hint="a task directory has "
+                                "task.yaml (Terminal-Bench v1) or task.toml (Harbor)")
+        tasks, broken = [], []
+        for p in dirs:
+            try:
+                tasks.append(load_task(p))
+            except Exception as e:  # noqa: BLE001 - any failure of one task is its own
+                # the caller reports it (Suite.broken); logged for the record only
+                broken.append(BrokenTask(p.name, p, _why(p, e)))
+                log.info("skipping task %s: %s", p.name, broken[-1].reason)
+    if only_valid:
+        from ridgeline.tasks.checks import valid_tasks
+        tasks = valid_tasks(tasks, backend=backend, concurrency=concurrency)
+    return Suite(tasks, broken)
+
+
+def _suite_root(source: str | Path | None) -> Path:
     if source is None or str(source) == "builtin":
         root = builtin_suite_dir()
     else:
         root = Path(source).expanduser()
     if not root.is_dir():
         raise NotFoundError(f"task directory not found: {root}", hint="check the path")
+    return root
+
+
+def load_tasks(source: str | Path | None = None, *, only_valid: bool = False,
+               backend: str = "bwrap", concurrency: int = 4) -> list[Task]:
+    """Load a task directory, a directory of tasks, or the built-in suite (`None` or
+    "builtin"), sorted by id. A malformed task (bad YAML, or files leading outside its
+    directory) fails the whole load with a `TaskError` naming it: a suite is never
+    silently partial (`load_suite` sets such tasks aside and says why instead).
+
+    With `only_valid=True` tasks that fail the quality checks are left out: each task's
+    check result is cached by the hash of its files (see `ridgeline.tasks.checks`), and
+    tasks that were never checked are checked now, which runs their oracle and a null
+    agent in sandboxes (seconds per task)."""
+    root = _suite_root(source)
     if is_task_dir(root) or (root / "instruction.md").is_file():
         tasks = [load_task(root)]
     else:

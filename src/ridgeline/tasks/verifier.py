@@ -19,11 +19,15 @@ replaced its runner) is a failure. On Harbor tasks a reward of 1 must agree with
 report.
 
 `passed`/`failed` are the agent's result. `infra_error` (sandbox crash, missing test
-script, test timeout, no test results, missing reward file) and `unsupported` (the test
-script needs what this machine cannot provide) are not: their `reward` is None, never 0,
-so they never become a training signal. What the agent controls can never make one: the
-modes of its trees are reset, its home replaced, and a workspace it filled past the
-task's disk quota, or tests killed for a limit, are its failure.
+script, test timeout, no test results, missing reward file, a pytest that ran no test:
+a usage error, an unloadable conftest or plugin, nothing collected, pytest missing) and
+`unsupported` (the test script needs what this machine cannot provide) are not: their
+`reward` is None, never 0, so they never become a training signal. A Harbor reward file
+counts only when the tests ran: one a test.sh wrote after its pytest died of a usage
+error is not read. What the agent controls can never make one: the modes of its trees
+are reset, its home replaced, and a workspace it filled past the task's disk quota, or
+tests killed for a limit, are its failure. (Every pytest may write `--ctrf FILE`:
+ridgeline_ctrf.py is loaded into each.)
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import logging
 import math
 import os
+import re
 import select
 import socket
 import stat
@@ -61,6 +66,37 @@ MAX_REPORT_BYTES = 16 * 1024 * 1024
 FULL_SLACK_BYTES = 1024 * 1024
 REPORT_FD_ENV = "RIDGELINE_REPORT_FD"
 PYTEST_HEADER = "test session starts"
+#: Plugins of the harness every pytest in a verification loads; ridgeline_ctrf serves
+#: `--ctrf` when no real pytest-json-ctrf is there (it comes last, after the task's own).
+HARNESS_PLUGINS = ("ridgeline_report", "ridgeline_ctrf")
+#: pytest's exit codes of a run that ran no test through no doing of the code under test
+#: (pytest.ExitCode); 2 (interrupted: what the tests imported may call pytest.exit) is
+#: not one of them.
+NO_RUN_EXITS = {3: ("pytest_internal_error", "pytest failed with an internal error"),
+                4: ("pytest_usage_error", "pytest stopped on a usage error"),
+                5: ("no_tests_collected", "pytest collected no tests")}
+#: What pytest prints when it stops before running any test, and what it means; the
+#: first pattern that matches names the reason (its line is the detail).
+NO_RUN_LINES = [
+    (re.compile(r"^(?:\S*/)?(?:pytest|py\.test|__main__\.py): error: .+$", re.M),
+     "pytest_usage_error", "pytest stopped on a usage error"),
+    (re.compile(r"ImportError while loading conftest .+$", re.M),
+     "pytest_usage_error", "pytest could not load a conftest"),
+    (re.compile(r"Error importing plugin .+$", re.M),
+     "pytest_usage_error", "pytest could not load a plugin"),
+    (re.compile(r"^ERROR: (?:file or directory not found|not found|module or package not "
+                r"found): .+$", re.M),
+     "pytest_usage_error", "pytest was given tests that do not exist"),
+    (re.compile(r"^ERROR: usage: .+$", re.M),
+     "pytest_usage_error", "pytest stopped on a usage error"),
+    (re.compile(r"\b(?:pytest|py\.test|uvx?)(?:: line \d+)?: (?:command )?not found.*$|"
+                r"No module named '?pytest'?$", re.M),
+     "test_command_not_found", "the test runner is not installed"),
+    (re.compile(r"^INTERNALERROR> .+$", re.M),
+     "pytest_internal_error", "pytest failed with an internal error"),
+    (re.compile(r"^=* ?no tests ran in [\d.]+s.*$", re.M),
+     "no_tests_collected", "pytest collected no tests"),
+]
 log = logging.getLogger(__name__)
 
 
@@ -223,6 +259,7 @@ class Session:
     tests: list[TestResult] = field(default_factory=list)
     finished: bool = False
     announced: int = -1         # the number of tests its `finish` record says it sent
+    exit_status: int | None = None  # pytest's exit code, from its `finish` record
     corrupt: str = ""
 
     @property
@@ -258,8 +295,9 @@ def sessions_of(records: list[dict]) -> list[Session]:
                 sess.corrupt = "an unreadable test record"
         elif kind == "finish":
             sess.finished = True
-            n = rec.get("n")
+            n, x = rec.get("n"), rec.get("x")
             sess.announced = n if isinstance(n, int) else -1
+            sess.exit_status = x if isinstance(x, int) else None
         else:
             sess.corrupt = f"an unknown record {kind!r}"
     return list(out.values())
@@ -420,16 +458,27 @@ def _agents_failure(reason: str, detail: str, t0: float, output: str = "",
                    output[-OUTPUT_TAIL:])
 
 
+def _plugin_env(task: Task, sb: TaskSandbox, harness: tuple[str, ...]) -> dict[str, str]:
+    """PYTEST_PLUGINS and PYTHONPATH that load `harness` (modules of HARNESS_MOUNT) into
+    every pytest, however it starts (`uvx pytest`, a plain `pytest --ctrf FILE`): the
+    reporter first, the task's own plugins next, the CTRF stand-in last (it steps aside
+    when a real pytest-json-ctrf registered --ctrf before it)."""
+    env = {**sb.spec.env, **task.verifier_env}
+    plugins = [p.strip() for p in env.get("PYTEST_PLUGINS", "").split(",") if p.strip()]
+    first = [p for p in harness if p == "ridgeline_report"]
+    last = [p for p in harness if p not in first and p not in plugins]
+    return {"PYTEST_PLUGINS": ",".join(first + [p for p in plugins if p not in first]
+                                       + last),
+            "PYTHONPATH": ":".join(p for p in (HARNESS_MOUNT, env.get("PYTHONPATH"))
+                                   if p)}
+
+
 def verifier_env(task: Task, sb: TaskSandbox, report_fd: int, nonce: str) -> dict[str, str]:
     env = {"TEST_DIR": TESTS_PATH, **task.verifier_env}
-    path = env.get("PYTHONPATH") or sb.spec.env.get("PYTHONPATH")
-    plugins = env.get("PYTEST_PLUGINS") or sb.spec.env.get("PYTEST_PLUGINS")
     env.update({
         "RIDGELINE_VERIFY": nonce,
         REPORT_FD_ENV: str(report_fd),
-        # every pytest on the host's interpreter loads the reporter, however it starts
-        "PYTEST_PLUGINS": ",".join(p for p in ("ridgeline_report", plugins) if p),
-        "PYTHONPATH": ":".join(p for p in (HARNESS_MOUNT, path) if p),
+        **_plugin_env(task, sb, HARNESS_PLUGINS),
         "PYTHONNOUSERSITE": "1",
     })
     return env
@@ -516,13 +565,40 @@ def _verify_without_channel(task: Task, sandbox: TaskSandbox, cmd: list[str],
                             limit: float, t0: float) -> Verdict:
     """Backends that cannot pass a descriptor (docker exec): graded from pytest's
     printed summary, which the code under test can forge (docs/security.md)."""
-    env = {"TEST_DIR": TESTS_PATH, **task.verifier_env, "PYTHONNOUSERSITE": "1"}
+    env = {"TEST_DIR": TESTS_PATH, **task.verifier_env, "PYTHONNOUSERSITE": "1",
+           **_plugin_env(task, sandbox, ("ridgeline_ctrf",))}
     try:
         res = sandbox.run(cmd, timeout=limit, env=env, cwd=task.workdir)
         stop_all(sandbox, task)
     except (OSError, SandboxError) as e:
         return _broken(sandbox, f"sandbox failed while testing: {e}", t0, "sandbox_error")
     return _grade(task, sandbox, res, None, False, limit, t0)
+
+
+def no_test_run(output: str, sessions: list[Session] | None) -> tuple[str, str] | None:
+    """(reason, detail) when the test script's pytest ran no test for a cause of its
+    own (a usage error, an unloadable conftest or plugin, nothing collected, pytest not
+    installed), else None. Call only when no test result came back. `sessions` are the
+    runners' complete reports (None: no report channel, the output is all there is):
+    when a runner reported, its exit code decides; a pytest that printed a session it
+    did not report is tampered with, never a reason of ours."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", output)
+    found = None
+    for pattern, reason, what in NO_RUN_LINES:
+        if (m := pattern.search(text)) is not None:
+            found = (reason, f"{what}: {m.group(0).strip()[:300]}")
+            break
+    if sessions:
+        exits = [s.exit_status for s in sessions]
+        code = next((x for x in exits if x in NO_RUN_EXITS), None)
+        if code is None:
+            return None     # interrupted, or ended as the tests' code made it end
+        reason, what = NO_RUN_EXITS[code]
+        line = f": {found[1].split(': ', 1)[1]}" if found and found[0] == reason else ""
+        return reason, f"{what} (exit code {code}){line}"
+    if sessions is not None and PYTEST_HEADER in text:
+        return None
+    return found
 
 
 def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None,
@@ -570,7 +646,16 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None
                                    "the agent's files", t0, output, results)
         return None
 
+    # A pytest that ran no test decides nothing: neither the reward the script wrote
+    # after it (its `$?` is pytest's usage error, not the agent's work) nor a failure.
+    no_run = None if results else no_test_run(output, sessions if channel else None)
     if task.layout is TaskLayout.HARBOR:
+        if no_run is not None or (offline and not results and not sessions):
+            if (verdict := explained_absence("no test ran")) is not None:
+                return verdict
+        if no_run is not None:
+            return infra_error(no_run[0], f"{no_run[1]}; no test ran, so the reward file "
+                               f"was not read (exit code {res.exit_code})", t0, output)
         try:
             reward = _read_reward(sandbox)
         except hostfs.UnsafeEntryError as e:
@@ -599,6 +684,9 @@ def _grade(task: Task, sandbox: TaskSandbox, res, sessions: list[Session] | None
     if not graded:
         if (verdict := explained_absence("no test results")) is not None:
             return verdict
+        if no_run is not None:
+            return infra_error(no_run[0], f"{no_run[1]} (exit code {res.exit_code})", t0,
+                               output)
         if channel and PYTEST_HEADER in output:
             # Every pytest the harness starts reports; one that printed a session and
             # did not was disabled or replaced by something the tests reached (the

@@ -1,0 +1,120 @@
+"""Suites of other people's tasks (issue 28): a task directory that does not load is
+reported with its reason and skipped, never stopping `tasks list` or `tasks check` for
+the rest; multi-step Harbor tasks are refused with a reason that says so."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ridgeline.errors import TaskError
+from ridgeline.tasks import load_task
+from ridgeline.tasks.cli import app
+from ridgeline.tasks.loader import MULTI_STEP_UNSUPPORTED, load_suite
+
+FIXTURES = Path(__file__).parent / "fixtures"
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RIDGELINE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def multi_step_task(d: Path) -> Path:
+    """A Harbor task in the multi-step layout: no instruction.md or tests/ at its root."""
+    (d / "steps" / "01-setup" / "tests").mkdir(parents=True)
+    (d / "steps" / "02-extend").mkdir(parents=True)
+    (d / "environment").mkdir()
+    (d / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
+    (d / "task.toml").write_text('version = "1.0"\nmulti_step_reward_strategy = "mean"\n\n'
+                                 '[[steps]]\nname = "01-setup"\n\n'
+                                 '[[steps]]\nname = "02-extend"\n')
+    (d / "steps" / "01-setup" / "instruction.md").write_text("Create /app/a.txt.\n")
+    (d / "steps" / "01-setup" / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")
+    (d / "steps" / "02-extend" / "instruction.md").write_text("Create /app/b.txt.\n")
+    return d
+
+
+def make_suite(root: Path) -> Path:
+    """Two good tasks beside five that are broken in the ways collections are."""
+    for name in ("tb1-hello-world", "harbor-hello"):
+        shutil.copytree(FIXTURES / name, root / name)
+    bad_yaml = root / "bad-yaml"
+    shutil.copytree(FIXTURES / "tb1-hello-world", bad_yaml)
+    (bad_yaml / "task.yaml").write_text("instruction: [unclosed\n")
+    bad_toml = root / "bad-toml"
+    shutil.copytree(FIXTURES / "harbor-hello", bad_toml)
+    (bad_toml / "task.toml").write_text("version = \n")
+    no_tests = root / "no-run-tests"
+    shutil.copytree(FIXTURES / "tb1-hello-world", no_tests)
+    (no_tests / "run-tests.sh").unlink()
+    dangling = root / "dangling-task-file"
+    dangling.mkdir()
+    (dangling / "task.yaml").symlink_to(root / "nowhere.yaml")
+    not_utf8 = root / "not-utf8"
+    shutil.copytree(FIXTURES / "harbor-hello", not_utf8)
+    (not_utf8 / "instruction.md").write_bytes(b"\xff\xfe\x00bad")
+    (root / "notes").mkdir()            # not a task at all: ignored, not broken
+    return root
+
+
+BROKEN = {"bad-yaml": "invalid YAML", "bad-toml": "invalid TOML",
+          "no-run-tests": "run-tests.sh", "dangling-task-file": "link to nothing",
+          "not-utf8": "not UTF-8"}
+
+
+def test_load_suite_sets_broken_tasks_aside_with_their_reason(tmp_path):
+    suite = load_suite(make_suite(tmp_path))
+    assert [t.id for t in suite.tasks] == ["harbor-hello", "tb1-hello-world"]
+    reasons = {b.id: b.reason for b in suite.broken}
+    assert sorted(reasons) == sorted(BROKEN)
+    for task_id, word in BROKEN.items():
+        assert word in reasons[task_id], reasons[task_id]
+    # one task directory given on its own still fails loudly
+    with pytest.raises(TaskError, match="invalid YAML"):
+        load_suite(tmp_path / "bad-yaml")
+
+
+def test_tasks_list_reports_broken_tasks_and_lists_the_rest(tmp_path):
+    root = make_suite(tmp_path)
+    r = runner.invoke(app, ["list", str(root), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in json.loads(r.output)}
+    assert not rows["harbor-hello"]["broken"] and not rows["tb1-hello-world"]["broken"]
+    assert {i for i, row in rows.items() if row["broken"]} == set(BROKEN)
+    assert "invalid YAML" in rows["bad-yaml"]["reason"]
+    r = runner.invoke(app, ["list", str(root)])
+    assert r.exit_code == 0, r.output
+    assert "2 tasks, 5 broken" in r.output and "broken bad-toml:" in r.output
+
+
+def test_multi_step_harbor_task_is_unsupported_with_a_clear_reason(tmp_path):
+    task = load_task(multi_step_task(tmp_path / "multi"))
+    assert MULTI_STEP_UNSUPPORTED in task.unsupported_reason
+    assert "01-setup, 02-extend" in task.unsupported_reason
+    assert task.instruction == "Create /app/a.txt."
+
+
+def test_tasks_check_rows_for_good_unsupported_and_broken_tasks(tmp_path):
+    root = tmp_path / "suite"
+    shutil.copytree(FIXTURES / "harbor-hello", root / "harbor-hello")
+    multi_step_task(root / "multi")
+    (root / "bad-yaml").mkdir()
+    (root / "bad-yaml" / "task.yaml").write_text("instruction: [unclosed\n")
+    r = runner.invoke(app, ["check", str(root), "--runs", "1", "--json"])
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.output)
+    assert (out["n_tasks"], out["n_valid"], out["n_unsupported"], out["n_broken"]) == \
+        (3, 1, 1, 1)
+    rows = {row["id"]: row for row in out["tasks"]}
+    assert rows["harbor-hello"]["ok"]
+    assert rows["multi"]["unsupported"] and "[[steps]]" in rows["multi"]["reasons"][0]
+    assert rows["bad-yaml"]["broken"] and "invalid YAML" in rows["bad-yaml"]["reasons"][0]
+    r = runner.invoke(app, ["check", str(root), "--runs", "1"])
+    assert r.exit_code == 1
+    assert "bad-yaml: broken:" in r.output and "not supported yet" in r.output

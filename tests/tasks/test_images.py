@@ -307,3 +307,66 @@ def test_an_absolute_copy_source_is_read_from_the_context_root(tmp_path):
     steps, _ = plan_build(df, tmp_path).steps({"PATH": "/usr/bin"})
     copy = next(s for s in steps if isinstance(s, CopyStep))
     assert list(copy.sources) == [tmp_path / "data.txt"]
+
+
+SERVER = """\
+import os
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        ok = self.path == "/secret"
+        self.send_response(200 if ok else 404)
+        self.end_headers()
+        self.wfile.write(os.environ["SECRET"].encode() if ok else b"?")
+
+HTTPServer(("0.0.0.0", 8080), H).serve_forever()
+"""
+
+
+def _sidecar_task(d: Path) -> Path:
+    """A Harbor task whose compose file adds an API server the tests and agent reach
+    by its service name."""
+    for sub in ("environment/api", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text('version = "1.0"\n[metadata]\ndifficulty = "easy"\n'
+                                 '[verifier]\ntimeout_sec = 120\n[agent]\ntimeout_sec = 120\n')
+    (d / "instruction.md").write_text("Fetch http://api:8080/secret into /app/secret.txt.\n")
+    (d / "environment/Dockerfile").write_text(
+        "FROM python:3.12-slim\nRUN pip install --no-cache-dir pytest==8.4.1\nWORKDIR /app\n")
+    (d / "environment/docker-compose.yaml").write_text(
+        "services:\n  main:\n    build: .\n  api:\n    build: ./api\n    expose: [\"8080\"]\n"
+        "    environment:\n      SECRET: copper-42\n")
+    (d / "environment/api/Dockerfile").write_text(
+        "FROM python:3.12-slim\nWORKDIR /srv\nCOPY server.py /srv/server.py\n"
+        'CMD ["python3", "/srv/server.py"]\n')
+    (d / "environment/api/server.py").write_text(SERVER)
+    (d / "solution/solve.sh").write_text(
+        "#!/bin/bash\npython3 -c \"import urllib.request; open('/app/secret.txt', 'w')"
+        ".write(urllib.request.urlopen('http://api:8080/secret').read().decode())\"\n")
+    (d / "tests/test.sh").write_text(
+        "#!/bin/bash\ncd /app\npytest /tests/test_outputs.py -rA && echo 1 > "
+        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    (d / "tests/test_outputs.py").write_text(
+        "import pathlib, urllib.request\n\ndef test_secret():\n"
+        "    live = urllib.request.urlopen('http://api:8080/secret', timeout=5).read()\n"
+        "    assert pathlib.Path('/app/secret.txt').read_text() == live.decode() == "
+        "'copper-42'\n")
+    return d
+
+
+def test_a_compose_sidecar_is_reached_by_its_service_name(tmp_path):
+    _images_or_skip()
+    task = load_task(_sidecar_task(tmp_path / "sidecar-task"))
+    assert [c.name for c in task.sidecars] == ["api"] and task.sidecars[0].ports == (8080,)
+    assert "need the image mode" in task.unsupported_reason_in(images=False)
+    null, _ = _episode(task, oracle=False)
+    assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
+    oracle, _ = _episode(task, oracle=True)
+    assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+    with prepare_environment(task, mode="image") as sb:
+        assert set(sb.sidecars) == {"api"}
+        net = sb.network.path
+        with pytest.raises(Exception, match="cannot fork"):
+            sb.fork(2)
+    assert not net.exists()   # the sidecars and their network end with the task

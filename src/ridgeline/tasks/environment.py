@@ -401,16 +401,13 @@ def start_sidecars(task: Task, staging: Path) -> tuple[PrivateNetwork, dict[str,
 
 def _start_sidecar(task: Task, car: Sidecar, net: PrivateNetwork, hosts: Path) -> Sandbox:
     where = f"compose service {car.name!r}"
-    if car.dockerfile is not None:
-        try:
-            image = builder().build(car.dockerfile, car.context)
-        except BuildRefused as e:
-            raise TaskUnsupported(task.id, f"{where}: {e}") from e
-        except SandboxError as e:
-            raise EnvironmentSetupError(task.id, f"{where}: {e.message}") from e
-    else:
-        raise TaskUnsupported(task.id, f"{where}: a prebuilt image ({car.image}) cannot be "
-                              "pulled here; only services with a build are supported")
+    try:
+        image = (builder().build(car.dockerfile, car.context) if car.dockerfile is not None
+                 else builder().local(car.image or ""))
+    except BuildRefused as e:
+        raise TaskUnsupported(task.id, f"{where}: {e}") from e
+    except SandboxError as e:
+        raise EnvironmentSetupError(task.id, f"{where}: {e.message}") from e
     argv = [*(car.entrypoint if car.entrypoint is not None else image.config.entrypoint),
             *(car.command if car.command is not None else image.config.cmd)]
     if not argv:

@@ -454,6 +454,19 @@ class ImageBuilder:
         self._built[ref] = image
         return image
 
+    def local(self, ref: str) -> BuiltImage:
+        """A mapped base image (`python:3.12` -> ours) as a runnable image: for compose
+        services that name an image instead of a build."""
+        if (why := self.unavailable_reason()) is not None:
+            raise ImagesUnavailable(why)
+        local = map_base(ref)
+        if local is None:
+            raise BuildRefused(f"image {ref!r} has no local equivalent (map it with "
+                               f"{MAP_ENV})")
+        iid = self.ensure_base(local)
+        rootfs = Path(self._podman("image", "mount", local).stdout.strip())
+        return BuiltImage(local, iid, rootfs, self.config(local), 0.0, True)
+
     def _build_task(self, ref: str, text: str, dockerfile: Path, context: Path,
                     no_cache: bool = False) -> None:
         fd, path = tempfile.mkstemp(prefix="ridgeline-", suffix=".Dockerfile")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ridgeline.errors import NotFoundError, RidgelineError, TaskError
 from ridgeline.tasks.dockerfile import inside, plan_build
-from ridgeline.tasks.model import Resources, SolutionStep, Task, TaskLayout
+from ridgeline.tasks.model import Resources, Sidecar, SolutionStep, Task, TaskLayout
 
 # The files each layout reads or copies into a sandbox (relative to the task directory),
 # and the directories whose direct children are copied following links.
@@ -288,37 +289,85 @@ def _compose_path(compose: Path, text: str, loc: tuple, value: str, base: Path,
 # --- the two layouts ------------------------------------------------------------------
 
 def _compose_build(compose: Path, task_dir: Path
-                   ) -> tuple[Path | None, Path, str | None, dict[str, str], list[str]]:
-    """(Dockerfile, context, image, environment, problems) of a single-service compose;
-    its build context and Dockerfile must be inside `task_dir`."""
+                   ) -> tuple[Path | None, Path, str | None, dict[str, str], list[str],
+                              str, tuple[Sidecar, ...]]:
+    """(Dockerfile, context, image, environment, problems, service name, sidecars) of a
+    compose file: the task's own service (`client`, `main`, else the first) and every
+    other service as a sidecar. Build contexts and Dockerfiles must be inside
+    `task_dir`."""
     data, text = _read_yaml(compose)
     services = data.get("services") if isinstance(data, dict) else None
     if not isinstance(services, dict) or not services:
         raise TaskError(f"{compose}: line {_yaml_line(text, ('services',)) or 1}: field "
                         f"'services': expected a mapping of services")
     problems = []
-    if len(services) > 1:
+    if len(services) > 1:   # host_problems too: the image mode runs sidecars
         problems.append(f"{compose.name} defines {len(services)} services "
-                        f"({', '.join(services)}); multi-container tasks are not supported")
+                        f"({', '.join(services)}); multi-container tasks need the image "
+                        f"mode (RIDGELINE_TASK_ENV=image)")
     name = next((n for n in ("client", "main") if n in services), next(iter(services)))
-    svc = services[name] or {}
+    dockerfile, context, image, env = _compose_service(compose, text, task_dir, name,
+                                                       services[name] or {}, main=True)
+    sidecars = []
+    for other, svc in services.items():
+        if other == name:
+            continue
+        svc = svc or {}
+        if not isinstance(svc, dict):
+            raise TaskError(f"{compose}: service {other!r}: expected a mapping")
+        sdf, sctx, simg, senv = _compose_service(compose, text, task_dir, other, svc)
+        sidecars.append(Sidecar(other, sdf, sctx, simg, senv,
+                                _words(svc.get("entrypoint")), _words(svc.get("command")),
+                                _ports(svc)))
+    return dockerfile, context, image, env, problems, name, tuple(sidecars)
 
-    def interp(value: str) -> str:
-        return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}?",
-                      lambda m: COMPOSE_VARS.get(m.group(1), m.group(2) or ""), value)
 
+def _interp(value: str) -> str:
+    return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}?",
+                  lambda m: COMPOSE_VARS.get(m.group(1), m.group(2) or ""), value)
+
+
+def _words(value: object) -> tuple[str, ...] | None:
+    """A compose `command`/`entrypoint`: a list as is, a string split as a shell would."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return tuple(_interp(str(v)) for v in value)
+    return tuple(shlex.split(_interp(str(value))))
+
+
+def _ports(svc: dict) -> tuple[int, ...]:
+    """The container ports a service declares (`expose`, or the container side of
+    `ports`): the sidecar is ready when they accept connections."""
+    out: list[int] = []
+    for item in [*(svc.get("expose") or []), *(svc.get("ports") or [])]:
+        text = str(item.get("target", "")) if isinstance(item, dict) else str(item)
+        port = text.split("/")[0].rsplit(":", 1)[-1]
+        if port.isdigit():
+            out.append(int(port))
+    return tuple(dict.fromkeys(out))
+
+
+def _compose_service(compose: Path, text: str, task_dir: Path, name: str, svc: dict,
+                     main: bool = False
+                     ) -> tuple[Path | None, Path, str | None, dict[str, str]]:
+    """(Dockerfile, context, image, environment) of one service. The task's own service
+    may name neither a build nor an image (Harbor builds it from environment/Dockerfile):
+    then both are None and the caller takes the Dockerfile beside the compose file."""
     env: dict[str, str] = {}
     raw_env = svc.get("environment") or {}
     items = raw_env.items() if isinstance(raw_env, dict) else (
         (e.partition("=")[0], e.partition("=")[2]) for e in raw_env)
     for k, v in items:
-        env[str(k)] = interp(str(v if v is not None else ""))
+        env[str(k)] = _interp(str(v if v is not None else ""))
     build = svc.get("build")
     image = svc.get("image")
     if build is None:
         if not image:
+            if main and (compose.parent / "Dockerfile").is_file():
+                return None, compose.parent, None, env
             raise TaskError(f"{compose}: service {name!r} has neither 'build' nor 'image'")
-        return None, compose.parent, interp(str(image)), env, problems
+        return None, compose.parent, _interp(str(image)), env
     loc = ("services", name, "build")
     if isinstance(build, str):
         raw_context, raw_dockerfile, context_loc = build, "Dockerfile", loc
@@ -326,12 +375,11 @@ def _compose_build(compose: Path, task_dir: Path
         raw_context = str(build.get("context", "."))
         raw_dockerfile = str(build.get("dockerfile", "Dockerfile"))
         context_loc = (*loc, "context")
-    context = _compose_path(compose, text, context_loc, interp(raw_context),
+    context = _compose_path(compose, text, context_loc, _interp(raw_context),
                             compose.parent, task_dir)
-    dockerfile = _compose_path(compose, text, (*loc, "dockerfile"), interp(raw_dockerfile),
+    dockerfile = _compose_path(compose, text, (*loc, "dockerfile"), _interp(raw_dockerfile),
                                context, task_dir)
-    return _require(dockerfile, "the image the compose file builds"), context, None, env, \
-        problems
+    return _require(dockerfile, "the image the compose file builds"), context, None, env
 
 
 def _load_v1(d: Path) -> Task:
@@ -368,15 +416,19 @@ def _load_v1(d: Path) -> Task:
     env: dict[str, str] = {}
     problems: list[str] = []
     dockerfile, context, image = None, d, None
-    if (d / "Dockerfile").is_file():
+    service, sidecars = "client", ()
+    compose = next((c for c in (d / "docker-compose.yaml", d / "docker-compose.yml")
+                    if c.is_file()), None)
+    if compose is not None:
+        dockerfile, context, image, env, problems, service, sidecars = _compose_build(
+            compose, d)
+        if dockerfile is None and image is None:
+            dockerfile = d / "Dockerfile"
+    elif (d / "Dockerfile").is_file():
         dockerfile = d / "Dockerfile"
-    elif (d / "docker-compose.yaml").is_file() or (d / "docker-compose.yml").is_file():
-        compose = d / "docker-compose.yaml"
-        compose = compose if compose.is_file() else d / "docker-compose.yml"
-        dockerfile, context, image, env, problems = _compose_build(compose, d)
     build = plan_build(dockerfile, context, base_image=image)
     if problems:
-        build = _with_problems(build, problems)
+        build = _with_problems(build, problems, host_only=bool(sidecars))
     res = spec.resources
     return Task(
         id=d.name, path=d, layout=TaskLayout.TB_V1, instruction=spec.text.strip(),
@@ -391,12 +443,16 @@ def _load_v1(d: Path) -> Task:
         parser_name=spec.parser_name, verifier_env={k: v for k, v in env.items()
                                                     if k != "TEST_DIR"},
         metadata={k: v for k, v in data.items() if k not in ("instruction", "descriptions")},
+        sidecars=sidecars, service_name=service,
     )
 
 
-def _with_problems(build, problems: list[str]):
+def _with_problems(build, problems: list[str], host_only: bool = False):
+    """`problems` added to the build's; `host_only` ones do not stop the image mode."""
     from dataclasses import replace
-    return replace(build, problems=tuple(build.problems) + tuple(problems))
+    return replace(build, problems=tuple(build.problems) + tuple(problems),
+                   host_problems=tuple(build.host_problems) + (tuple(problems) if host_only
+                                                               else ()))
 
 
 def _load_v2(d: Path) -> Task:
@@ -425,14 +481,19 @@ def _load_v2(d: Path) -> Task:
     storage = envv.storage_mb or (_size_mb(envv.storage, spec_path, "environment.storage")
                                   if envv.storage else 10240)
     dockerfile, context, image, cenv, problems = None, env_dir, envv.docker_image, {}, []
-    if (env_dir / "Dockerfile").is_file() and not envv.docker_image:
+    service, sidecars = "main", ()
+    compose = next((c for c in (env_dir / "docker-compose.yaml",
+                                env_dir / "docker-compose.yml") if c.is_file()), None)
+    if compose is not None and not envv.docker_image:
+        dockerfile, context, image, cenv, problems, service, sidecars = _compose_build(
+            compose, d)
+        if dockerfile is None and image is None:
+            dockerfile = env_dir / "Dockerfile"
+    elif (env_dir / "Dockerfile").is_file() and not envv.docker_image:
         dockerfile = env_dir / "Dockerfile"
-    elif (env_dir / "docker-compose.yaml").is_file() and not envv.docker_image:
-        dockerfile, context, image, cenv, problems = _compose_build(
-            env_dir / "docker-compose.yaml", d)
     build = plan_build(dockerfile, context if context.exists() else d, base_image=image)
     if problems:
-        build = _with_problems(build, problems)
+        build = _with_problems(build, problems, host_only=bool(sidecars))
     meta = dict(spec.metadata)
     tags = meta.get("tags") or spec.task.get("keywords") or []
     solve = d / "solution" / "solve.sh"
@@ -449,6 +510,7 @@ def _load_v2(d: Path) -> Task:
         solution_dir=d / "solution" if solve.is_file() else None,
         setup_script=setup, verifier_env={**cenv, **spec.verifier.env},
         solution_env=dict(spec.solution.env), metadata={**meta, **spec.task},
+        sidecars=sidecars, service_name=service,
     )
 
 

@@ -7,7 +7,7 @@ STAMP     := $(VENV)/.ridgeline-installed
 # the slowest tests in every run, so one that grows past the budget is seen
 PYTEST_ARGS ?= --durations=25
 
-.PHONY: demo test test-all bench install system-deps clean
+.PHONY: demo test test-all bench install system-deps images clean
 
 install: $(STAMP)
 
@@ -51,10 +51,15 @@ demo: $(STAMP)
 	  $(VENV)/bin/ridgeline eval-compare runs/demo runs/demo-trained --label base --label trained; \
 	else echo "no trained run at $(TRAINED): train one (benchmarks/rl_learning.py, ridgeline sft/train) or set TRAINED=RUN_DIR to see it beside the base model"; fi
 
-test: $(STAMP)
+# The local base images task Dockerfiles are built on (tasks/images.py): made once per
+# machine from the Debian mirror (~30 s), a lookup afterwards.
+images: $(STAMP)
+	@$(VENV)/bin/ridgeline tasks images
+
+test: $(STAMP) images
 	$(VENV)/bin/pytest -m "not slow and not bench" -q $(PYTEST_ARGS)
 
-test-all: $(STAMP)
+test-all: $(STAMP) images
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 clean:

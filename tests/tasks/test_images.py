@@ -32,6 +32,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
     ("debian:bookworm-slim", DEBIAN_IMAGE),
     ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624", DEBIAN_IMAGE),
     ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", PYTHON_IMAGE),
+    ("public.ecr.aws/docker/library/python:3.11-slim", PYTHON_IMAGE),
+    ("ghcr.io/astral-sh/uv:0.8.15", "localhost/ridgeline/uv:0.8.15"),
+    ("buildpack-deps:jammy", "localhost/ridgeline/buildpack-deps:bookworm"),
+    ("eclipse-temurin:17.0.12_7-jdk-jammy", "localhost/ridgeline/jdk:17"),
+    ("eclipse-temurin:21-jdk", None),
     ("node:20", None),
     ("nvidia/cuda:12.4-devel", None),
 ])

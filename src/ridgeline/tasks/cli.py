@@ -1,5 +1,5 @@
-"""`ridgeline tasks list|check|families|generate`: see what a task directory holds, quality-check
-it, and generate tasks from the built-in families."""
+"""`ridgeline tasks list|check|images|families|generate`: see what a task directory holds,
+quality-check it, build its images, and generate tasks from the built-in families."""
 
 from __future__ import annotations
 
@@ -118,6 +118,55 @@ def check(
                               soft_wrap=True)
     if n_ok < len(checks):
         raise typer.Exit(1)
+
+
+@app.command("images")
+def images(
+    directory: str = typer.Argument("", help="also build the images of these tasks (a "
+                                    "task or a directory of tasks)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Build the local base images task Dockerfiles are mapped onto (once per machine;
+    `make install` runs this), and optionally every task's own image. Exit code 1 if a
+    base image cannot be built; a task that cannot be built is reported, not fatal."""
+    import time
+
+    from ridgeline.tasks.images import DEBIAN_IMAGE, PYTHON_IMAGE, BuildRefused, builder
+    b = builder()
+    if (why := b.unavailable_reason()) is not None:
+        console.print(f"[red]task images cannot be built here:[/red] {why}")
+        raise typer.Exit(1)
+    rows: list[dict] = []
+    for ref in (DEBIAN_IMAGE, PYTHON_IMAGE):
+        t0 = time.perf_counter()
+        rows.append({"image": ref, "id": b.ensure_base(ref)[:12],
+                     "seconds": round(time.perf_counter() - t0, 1), "status": "ready"})
+    if directory:
+        suite = load_suite(directory)
+        for task in suite.tasks:
+            if task.build.source is None:
+                continue
+            row = {"image": task.id, "id": "", "seconds": 0.0, "status": ""}
+            try:
+                img = b.build(task.build.source, task.build.context)
+                row.update(id=img.image_id[:12], seconds=round(img.build_s, 1),
+                           status="cached" if img.cached else "built")
+            except BuildRefused as e:
+                row["status"] = f"unsupported: {e}"
+            except Exception as e:  # noqa: BLE001 - one task never stops the rest
+                row["status"] = f"failed: {e}"
+            rows.append(row)
+        rows += [{"image": str(bt.path), "id": "", "seconds": 0.0,
+                  "status": f"broken: {bt.reason}"} for bt in suite.broken]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="task images")
+    for col in ("image", "id", "seconds", "status"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r["image"]), r["id"], f"{r['seconds']:.1f}", r["status"])
+    console.print(table)
 
 
 @app.command("families")

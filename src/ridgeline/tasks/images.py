@@ -56,6 +56,9 @@ from ridgeline.tasks.dockerfile import HEREDOC, Instruction, expand, parse_docke
 
 DEBIAN_IMAGE = "localhost/ridgeline/debian:bookworm"
 PYTHON_IMAGE = "localhost/ridgeline/python:bookworm"
+BUILDPACK_IMAGE = "localhost/ridgeline/buildpack-deps:bookworm"
+JDK17_IMAGE = "localhost/ridgeline/jdk:17"
+UV_IMAGE = "localhost/ridgeline/uv"   # :<version>, from PyPI's uv
 #: Glob patterns over a normalised image reference (registry docker.io and library/
 #: dropped) -> local image. Python tags map to Debian's python3 (3.11): an approximation
 #: recorded in docs/architecture.md.
@@ -66,7 +69,13 @@ DEFAULT_MAP: tuple[tuple[str, str], ...] = (
     ("ghcr.io/laude-institute/t-bench/python-*", PYTHON_IMAGE),
     ("ghcr.io/laude-institute/t-bench/ubuntu-*", DEBIAN_IMAGE),
     ("ghcr.io/laude-institute/t-bench/debian-*", DEBIAN_IMAGE),
+    ("buildpack-deps", BUILDPACK_IMAGE), ("buildpack-deps:*", BUILDPACK_IMAGE),
+    # Debian's OpenJDK 17 for the Temurin 17 JDK images
+    ("eclipse-temurin:17*jdk*", JDK17_IMAGE), ("openjdk:17*", JDK17_IMAGE),
 )
+#: `COPY --from=ghcr.io/astral-sh/uv:0.8.15 /uv /uvx /bin/` (uv's own install idiom):
+#: an image holding PyPI's uv of that version at /uv and /uvx, on the python image.
+UV_REF = re.compile(r"^ghcr\.io/astral-sh/uv(?::(\d+(?:\.\d+){0,2}|latest))?$")
 MAP_ENV = "RIDGELINE_IMAGE_MAP"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 #: The runtime environment's CA variables, so pip, requests, curl and uv trust the same
@@ -81,6 +90,20 @@ BUILD_TIMEOUT_S = 1800.0
 #: These VMs refuse RLIMIT_NPROC above ~32K in a container (EPERM from runc) although
 #: the hard limit is higher; podman's default asks for 1M.
 NPROC_LIMIT = 32768
+BUILDPACK_RECIPE = f"""FROM {DEBIAN_IMAGE}
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential curl \\
+    wget git procps python3 python3-pip python3-venv unzip xz-utils \\
+    && rm -rf /var/lib/apt/lists/*
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
+"""
+JDK17_RECIPE = f"""FROM {DEBIAN_IMAGE}
+RUN apt-get update && apt-get install -y --no-install-recommends openjdk-17-jdk-headless \\
+    && rm -rf /var/lib/apt/lists/*
+ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
+"""
+UV_RECIPE = """FROM {python}
+RUN pip install --no-cache-dir {spec} && cp "$(command -v uv)" /uv && cp "$(command -v uvx)" /uvx
+"""
 PYTHON_RECIPE = f"""FROM {DEBIAN_IMAGE}
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-pip \\
     python3-venv python-is-python3 && rm -rf /var/lib/apt/lists/*
@@ -139,7 +162,8 @@ def cache_dir() -> Path:
 def normalise_ref(ref: str) -> str:
     """`docker.io/library/python:3.13` -> `python:3.13`; other registries kept."""
     ref = ref.split("@", 1)[0]
-    for prefix in ("docker.io/library/", "docker.io/", "index.docker.io/library/"):
+    for prefix in ("docker.io/library/", "docker.io/", "index.docker.io/library/",
+                   "public.ecr.aws/docker/library/"):   # ECR's mirror of Docker Hub
         if ref.startswith(prefix):
             return ref[len(prefix):]
     return ref
@@ -169,6 +193,8 @@ def map_base(ref: str, mapping: list[tuple[str, str]] | None = None) -> str | No
     norm = normalise_ref(ref)
     if norm.startswith("localhost/"):
         return norm
+    if (m := UV_REF.match(norm)) is not None:
+        return f"{UV_IMAGE}:{m.group(1) or 'latest'}"
     for pattern, local in (mapping if mapping is not None else image_map()):
         if fnmatch.fnmatchcase(norm, pattern):
             return local
@@ -374,9 +400,16 @@ class ImageBuilder:
                 return iid
             if ref == DEBIAN_IMAGE:
                 self._build_debian()
-            elif ref == PYTHON_IMAGE:
+            elif ref in (PYTHON_IMAGE, BUILDPACK_IMAGE, JDK17_IMAGE):
                 self.ensure_base(DEBIAN_IMAGE)
-                self._build_recipe(ref, PYTHON_RECIPE)
+                self._build_recipe(ref, {PYTHON_IMAGE: PYTHON_RECIPE,
+                                         BUILDPACK_IMAGE: BUILDPACK_RECIPE,
+                                         JDK17_IMAGE: JDK17_RECIPE}[ref])
+            elif ref.startswith(UV_IMAGE + ":"):
+                version = ref.rsplit(":", 1)[1]
+                self.ensure_base(PYTHON_IMAGE)
+                spec = "uv" if version == "latest" else f"uv=={version}"
+                self._build_recipe(ref, UV_RECIPE.format(python=PYTHON_IMAGE, spec=spec))
             else:
                 raise BuildRefused(f"local image {ref!r} does not exist (build or load "
                                    f"it with podman first)")

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from ridgeline.errors import TaskError
 from ridgeline.tasks import load_task
 from ridgeline.tasks.cli import app
-from ridgeline.tasks.loader import MULTI_STEP_UNSUPPORTED, load_suite
+from ridgeline.tasks.loader import load_suite
 
 FIXTURES = Path(__file__).parent / "fixtures"
 runner = CliRunner()
@@ -25,18 +25,28 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("RIDGELINE_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def multi_step_task(d: Path) -> Path:
-    """A Harbor task in the multi-step layout: no instruction.md or tests/ at its root."""
-    (d / "steps" / "01-setup" / "tests").mkdir(parents=True)
-    (d / "steps" / "02-extend").mkdir(parents=True)
+def multi_step_task(d: Path, complete: bool = True) -> Path:
+    """A Harbor task in the multi-step layout: no instruction.md or tests/ at its root;
+    step 2 builds on what step 1 left. Incomplete: step 2 has no tests."""
+    for step in ("01-setup", "02-extend"):
+        (d / "steps" / step / "tests").mkdir(parents=True)
+        (d / "steps" / step / "solution").mkdir(parents=True)
     (d / "environment").mkdir()
     (d / "environment" / "Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
-    (d / "task.toml").write_text('version = "1.0"\nmulti_step_reward_strategy = "mean"\n\n'
+    (d / "task.toml").write_text('version = "1.0"\n\n'
                                  '[[steps]]\nname = "01-setup"\n\n'
-                                 '[[steps]]\nname = "02-extend"\n')
-    (d / "steps" / "01-setup" / "instruction.md").write_text("Create /app/a.txt.\n")
-    (d / "steps" / "01-setup" / "tests" / "test.sh").write_text("#!/bin/bash\nexit 0\n")
-    (d / "steps" / "02-extend" / "instruction.md").write_text("Create /app/b.txt.\n")
+                                 '[[steps]]\nname = "02-extend"\nmin_reward = 1.0\n'
+                                 '[steps.verifier]\ntimeout_sec = 60\n')
+    for step, files in (("01-setup", ["a"]), ("02-extend", ["a", "b"])):
+        sd = d / "steps" / step
+        (sd / "instruction.md").write_text(f"Create /app/{files[-1]}.txt.\n")
+        (sd / "solution" / "solve.sh").write_text(f"#!/bin/bash\ntouch /app/{files[-1]}.txt\n")
+        checks = "".join(f"    assert os.path.exists('/app/{f}.txt')\n" for f in files)
+        (sd / "tests" / "test_step.py").write_text(f"import os\n\ndef test_files():\n{checks}")
+        if complete or step == "01-setup":
+            (sd / "tests" / "test.sh").write_text(
+                "#!/bin/bash\ncd /app\npython3 -m pytest /tests/test_step.py -rA && echo 1 > "
+                "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
     return d
 
 
@@ -93,28 +103,46 @@ def test_tasks_list_reports_broken_tasks_and_lists_the_rest(tmp_path):
     assert "2 tasks, 5 broken" in r.output and "broken bad-toml:" in r.output
 
 
-def test_multi_step_harbor_task_is_unsupported_with_a_clear_reason(tmp_path):
+def test_a_multi_step_harbor_task_runs_step_by_step(tmp_path):
+    from ridgeline.tasks import apply_solution, prepare_environment
+    from ridgeline.tasks.checks import check_task
+    from ridgeline.tasks.steps import run_steps
     task = load_task(multi_step_task(tmp_path / "multi"))
-    assert MULTI_STEP_UNSUPPORTED in task.unsupported_reason
-    assert "01-setup, 02-extend" in task.unsupported_reason
-    assert task.instruction == "Create /app/a.txt."
+    assert [s.name for s in task.steps] == ["01-setup", "02-extend"]
+    assert task.instruction == "Create /app/a.txt." and task.unsupported_reason is None
+    assert task.steps[1].test_timeout_s == 60
+    check = check_task(task, runs=1, save=False)
+    assert check.ok, check.reasons
+    assert "steps 2/2 run, 2 passed" in check.oracle[0].detail
+    assert "steps 1/2 run, 0 passed" in check.null.detail
+    # An agent that does step 1 only: half the task, and step 2 is what failed.
+    with prepare_environment(task) as sb:
+        v = run_steps(task, sb, lambda view, box: view.metadata["step"] == "01-setup"
+                      and apply_solution(view, box))
+    assert v.status.value == "failed" and v.reward == 0.5
+    assert "02-extend: failed" in v.detail
+
+
+def test_an_incomplete_multi_step_task_is_broken_with_its_reason(tmp_path):
+    with pytest.raises(TaskError, match="step '02-extend'"):
+        load_task(multi_step_task(tmp_path / "multi", complete=False))
 
 
 def test_tasks_check_rows_for_good_unsupported_and_broken_tasks(tmp_path):
     root = tmp_path / "suite"
     shutil.copytree(FIXTURES / "harbor-hello", root / "harbor-hello")
-    multi_step_task(root / "multi")
+    multi_step_task(root / "multi", complete=False)
     (root / "bad-yaml").mkdir()
     (root / "bad-yaml" / "task.yaml").write_text("instruction: [unclosed\n")
     r = runner.invoke(app, ["check", str(root), "--runs", "1", "--json"])
     assert r.exit_code == 1, r.output
     out = json.loads(r.output)
     assert (out["n_tasks"], out["n_valid"], out["n_unsupported"], out["n_broken"]) == \
-        (3, 1, 1, 1)
+        (3, 1, 0, 2)
     rows = {row["id"]: row for row in out["tasks"]}
     assert rows["harbor-hello"]["ok"]
-    assert rows["multi"]["unsupported"] and "[[steps]]" in rows["multi"]["reasons"][0]
+    assert rows["multi"]["broken"] and "step '02-extend'" in rows["multi"]["reasons"][0]
     assert rows["bad-yaml"]["broken"] and "invalid YAML" in rows["bad-yaml"]["reasons"][0]
     r = runner.invoke(app, ["check", str(root), "--runs", "1"])
     assert r.exit_code == 1
-    assert "bad-yaml: broken:" in r.output and "not supported yet" in r.output
+    assert "bad-yaml: broken:" in r.output and "02-extend" in r.output

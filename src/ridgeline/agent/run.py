@@ -16,7 +16,8 @@ from ridgeline.agent.trajectory import AgentResult
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import ChatModel
 from ridgeline.sandbox.base import Sandbox
-from ridgeline.tasks import Task, Verdict, prepare_environment, verdict_from_error, verify
+from ridgeline.tasks import Task, Verdict, prepare_environment, verdict_from_error
+from ridgeline.tasks.steps import run_steps
 
 SCRIPTED_AGENTS = {"oracle": OracleAgent, "null": NullAgent}
 
@@ -76,8 +77,17 @@ def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
     result: AgentResult | None = None
     try:
         with prepare_environment(task, backend=backend, env=env) as sb:
-            result = make_agent(agent, config).run(task, sb, trajectory_path)
-            verdict = verify(task, sb)
+            runner = make_agent(agent, config)
+
+            def act(view: Task, box) -> None:   # a multi-step task: one run per step
+                nonlocal result
+                path = trajectory_path
+                if task.steps and path is not None:
+                    path = Path(path).with_name(f"{Path(path).stem}.{view.metadata['step']}"
+                                                f"{Path(path).suffix}")
+                result = runner.run(view, box, path)
+
+            verdict = run_steps(task, sb, act)
         error = None
     except (RidgelineError, OSError) as e:  # unsupported task, set-up, sandbox, endpoint
         verdict, error = verdict_from_error(e, time.perf_counter() - t0), e

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ridgeline.tasks.environment import TaskUnsupported, prepare_environment
+from ridgeline.tasks.environment import TaskSandbox, TaskUnsupported, prepare_environment
 from ridgeline.tasks.loader import BrokenTask
 from ridgeline.tasks.model import Task
 from ridgeline.tasks.solution import apply_solution
+from ridgeline.tasks.steps import run_steps
 from ridgeline.tasks.verifier import Verdict, VerdictStatus, verdict_from_error, verify
 
 log = logging.getLogger(__name__)
@@ -136,14 +137,19 @@ def _episode(task: Task, backend: str, oracle: bool) -> tuple[Verdict, dict[str,
     try:
         with prepare_environment(task, backend) as sb:
             times["setup_s"] = time.perf_counter() - t0
-            if oracle:
+
+            def act(view: Task, box: TaskSandbox) -> None:   # each step's oracle in turn
+                nonlocal note
+                if not oracle:
+                    return
                 t1 = time.perf_counter()
-                res = apply_solution(task, sb)
-                times["oracle_s"] = time.perf_counter() - t1
-                if not res.ok:
+                res = apply_solution(view, box)
+                times["oracle_s"] = times.get("oracle_s", 0.0) + time.perf_counter() - t1
+                if not res.ok and not note:
                     note = (f"oracle solution exited with {res.exit_code}"
                             + (" (timed out)" if res.timed_out else ""))
-            verdict = verify(task, sb)
+
+            verdict = run_steps(task, sb, act)
             times["verify_s"] = verdict.duration_s
     except Exception as e:     # every failure becomes a verdict, never a crash
         verdict = verdict_from_error(e, time.perf_counter() - t0)

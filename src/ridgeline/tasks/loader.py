@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ridgeline.errors import NotFoundError, RidgelineError, TaskError
 from ridgeline.tasks.dockerfile import inside, plan_build
-from ridgeline.tasks.model import Resources, Sidecar, SolutionStep, Task, TaskLayout
+from ridgeline.tasks.model import (Resources, Sidecar, SolutionStep, Task, TaskLayout,
+                                    TaskStep)
 
 # The files each layout reads or copies into a sandbox (relative to the task directory),
 # and the directories whose direct children are copied following links.
@@ -47,7 +48,6 @@ V2_FILES = ("task.toml", "instruction.md", "tests", "tests/test.sh", "environmen
 STAGED_DIRS = ("tests", "solution")
 
 #: Why a multi-step Harbor task is refused (until steps run one after another).
-MULTI_STEP_UNSUPPORTED = "multi-step Harbor tasks ([[steps]]) are not supported yet"
 
 log = logging.getLogger(__name__)
 
@@ -464,16 +464,19 @@ def _load_v2(d: Path) -> Task:
         spec = _TaskToml.model_validate(data)
     except ValidationError as e:
         raise _validation_error(spec_path, e, text, toml=True) from None
-    steps = data.get("steps")
-    if steps:
-        # its instruction and tests live per step (steps/<name>/): loaded as a task that
-        # says why it cannot run, never as one missing its files
-        return _multi_step(d, spec, steps, instruction_path)
-    instruction_path = _require(instruction_path, "the instruction given to the agent")
-    instruction = instruction_path.read_text(encoding="utf-8").strip()
-    if not instruction:
-        raise TaskError(f"{instruction_path}: is empty", hint="write the task's instruction")
-    test_script = _require(d / "tests" / "test.sh", "the verifier script")
+    task_steps: tuple[TaskStep, ...] = ()
+    if data.get("steps"):
+        # each step's instruction, tests and oracle live in steps/<name>/
+        task_steps = _load_steps(d, spec_path, data["steps"], spec)
+        first = task_steps[0]
+        instruction, test_script = first.instruction, first.test_script
+    else:
+        instruction_path = _require(instruction_path, "the instruction given to the agent")
+        instruction = instruction_path.read_text(encoding="utf-8").strip()
+        if not instruction:
+            raise TaskError(f"{instruction_path}: is empty",
+                            hint="write the task's instruction")
+        test_script = _require(d / "tests" / "test.sh", "the verifier script")
     env_dir = d / "environment"
     envv = spec.environment
     memory = envv.memory_mb or (_size_mb(envv.memory, spec_path, "environment.memory")
@@ -497,6 +500,11 @@ def _load_v2(d: Path) -> Task:
     meta = dict(spec.metadata)
     tags = meta.get("tags") or spec.task.get("keywords") or []
     solve = d / "solution" / "solve.sh"
+    tests_dir, solve_dir = d / "tests", d / "solution"
+    if task_steps:
+        tests_dir, solve = task_steps[0].tests_dir, task_steps[0].solution_script
+        solve_dir = task_steps[0].solution_dir
+    solve_ok = solve is not None and solve.is_file()
     setup = next((p for p in (env_dir / "setup.sh", d / "setup.sh") if p.is_file()), None)
     return Task(
         id=d.name, path=d, layout=TaskLayout.HARBOR, instruction=instruction,
@@ -505,47 +513,54 @@ def _load_v2(d: Path) -> Task:
         tags=tuple(str(t) for t in tags), agent_timeout_s=spec.agent.timeout_sec,
         test_timeout_s=spec.verifier.timeout_sec,
         resources=Resources(envv.cpus, memory, storage, envv.allow_internet, envv.gpus),
-        build=build, test_script=test_script, tests_dir=d / "tests",
-        solution_script=solve if solve.is_file() else None,
-        solution_dir=d / "solution" if solve.is_file() else None,
+        build=build, test_script=test_script, tests_dir=tests_dir,
+        solution_script=solve if solve_ok else None,
+        solution_dir=solve_dir if solve_ok else None,
         setup_script=setup, verifier_env={**cenv, **spec.verifier.env},
         solution_env=dict(spec.solution.env), metadata={**meta, **spec.task},
-        sidecars=sidecars, service_name=service,
+        sidecars=sidecars, service_name=service, steps=task_steps,
     )
 
 
-def _multi_step(d: Path, spec: _TaskToml, steps: object, instruction_path: Path) -> Task:
-    """A Harbor task with `[[steps]]`: loaded (so suites list it and checks report it)
-    with the reason it cannot run yet; the instruction shown is the task's or its first
-    step's, read only from inside the task directory."""
-    names = [str(s.get("name", "")) for s in steps if isinstance(s, dict)] \
-        if isinstance(steps, list) else []
-    first = d / "steps" / names[0] / "instruction.md" if names and names[0] else None
-    instruction = ""
-    for path in (instruction_path, first):
-        if path is not None and path.is_file() and inside(path, d):
-            instruction = path.read_text(encoding="utf-8").strip()
-            if instruction:
-                break
-    envv = spec.environment
-    # the environment is not planned: nothing of it runs, and a problem of its
-    # Dockerfile must not hide the reason that matters
-    build = _with_problems(plan_build(None, d), [
-        f"{MULTI_STEP_UNSUPPORTED} ({len(names) or '?'} steps"
-        f"{': ' + ', '.join(names) if names else ''})"])
-    meta = dict(spec.metadata)
-    return Task(
-        id=d.name, path=d, layout=TaskLayout.HARBOR,
-        instruction=instruction or f"(multi-step task: {len(names)} steps)",
-        difficulty=str(meta.get("difficulty", "unknown")).lower(),
-        category=str(meta.get("category", "software-engineering")),
-        tags=tuple(str(t) for t in meta.get("tags") or spec.task.get("keywords") or []),
-        agent_timeout_s=spec.agent.timeout_sec, test_timeout_s=spec.verifier.timeout_sec,
-        resources=Resources(envv.cpus, envv.memory_mb or 2048, envv.storage_mb or 10240,
-                            envv.allow_internet, envv.gpus),
-        build=build, test_script=d / "tests" / "test.sh", tests_dir=d / "tests",
-        metadata={**meta, **spec.task, "steps": names},
-    )
+def _load_steps(d: Path, spec_path: Path, raw: object, spec: _TaskToml
+                ) -> tuple[TaskStep, ...]:
+    """`[[steps]]` of a Harbor task: each step's files in steps/<name>/ (instruction.md,
+    tests/test.sh, solution/solve.sh), timeouts from its own tables, else the task's."""
+    if not isinstance(raw, list) or not all(isinstance(s, dict) for s in raw):
+        raise TaskError(f"{spec_path}: 'steps' must be an array of tables ([[steps]])")
+    out = []
+    for i, st in enumerate(raw):
+        name = str(st.get("name") or "")
+        if not name or "/" in name or name in (".", ".."):
+            raise TaskError(f"{spec_path}: step {i + 1} has no usable name ({name!r})",
+                            hint="name each [[steps]] after its folder in steps/")
+        sd = d / "steps" / name
+        if not inside(sd, d):
+            raise TaskError(f"task {d.name!r}: steps/{name} leads outside the task directory")
+        instruction_path = _require(sd / "instruction.md", f"step {name!r}'s instruction")
+        instruction = instruction_path.read_text(encoding="utf-8").strip()
+        if not instruction:
+            raise TaskError(f"{instruction_path}: is empty", hint="write the instruction")
+        test_script = _require(sd / "tests" / "test.sh", f"step {name!r}'s verifier script")
+        for p in (instruction_path, test_script, sd / "tests", sd / "solution"):
+            if os.path.lexists(p) and not inside(p, d):
+                raise TaskError(f"task {d.name!r}: {p.relative_to(d)} leads outside the "
+                                f"task directory")
+        solve = sd / "solution" / "solve.sh"
+        agent = st.get("agent") if isinstance(st.get("agent"), dict) else {}
+        verifier = st.get("verifier") if isinstance(st.get("verifier"), dict) else {}
+        try:
+            min_reward = float(st.get("min_reward", 1.0))
+        except (TypeError, ValueError):
+            raise TaskError(f"{spec_path}: step {name!r}: min_reward must be a number"
+                            ) from None
+        out.append(TaskStep(
+            name, instruction, test_script, sd / "tests",
+            solve if solve.is_file() and inside(solve, d) else None,
+            sd / "solution" if solve.is_file() and inside(solve, d) else None,
+            float(agent.get("timeout_sec", spec.agent.timeout_sec)),
+            float(verifier.get("timeout_sec", spec.verifier.timeout_sec)), min_reward))
+    return tuple(out)
 
 
 def is_task_dir(d: Path) -> bool:

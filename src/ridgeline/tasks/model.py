@@ -54,6 +54,23 @@ class Sidecar:
 
 
 @dataclass(frozen=True)
+class TaskStep:
+    """One step of a multi-step Harbor task (`[[steps]]`, files in steps/<name>/): its
+    own instruction, tests and oracle, run after the steps before it in the same
+    environment; the task goes on only if its reward reaches `min_reward`."""
+
+    name: str
+    instruction: str
+    test_script: Path
+    tests_dir: Path
+    solution_script: Path | None = None
+    solution_dir: Path | None = None
+    agent_timeout_s: float = 600.0
+    test_timeout_s: float = 600.0
+    min_reward: float = 1.0
+
+
+@dataclass(frozen=True)
 class Task:
     id: str
     path: Path
@@ -79,6 +96,20 @@ class Task:
     metadata: dict[str, object] = field(default_factory=dict)
     sidecars: tuple[Sidecar, ...] = ()  # compose services beside the task's (image mode)
     service_name: str = "client"        # the task's own compose service
+    steps: tuple[TaskStep, ...] = ()    # multi-step Harbor tasks, in order
+
+    def step_views(self) -> list["Task"]:
+        """The task as each of its steps sees it (its instruction, tests, oracle and
+        timeouts; the same directory, environment and id), or [self] without steps."""
+        from dataclasses import replace
+        if not self.steps:
+            return [self]
+        return [replace(self, instruction=s.instruction, test_script=s.test_script,
+                        tests_dir=s.tests_dir, solution_script=s.solution_script,
+                        solution_dir=s.solution_dir, solution_steps=None,
+                        agent_timeout_s=s.agent_timeout_s, test_timeout_s=s.test_timeout_s,
+                        metadata={**self.metadata, "step": s.name}, steps=())
+                for s in self.steps]
 
     def __hash__(self) -> int:      # the dict fields are not hashable; a task is its dir
         return hash((self.layout, str(self.path)))

@@ -64,6 +64,9 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     lines.append(f"Model: `{meta.get('model', '-')}` · samples per task: {meta.get('samples', 1)} · "
                  f"concurrency: {meta.get('concurrency', 1)} · wall time: {summary.wall_s:.1f} s · "
                  f"date: {meta.get('date', '')}")
+    if meta.get("task_environment"):
+        lines.append(f"Task environments: {meta['task_environment']} (backend "
+                     f"{meta.get('backend', '?')})")
     if "temperature" in meta:
         lines.append(f"Sampling: temperature {meta['temperature']}, top_p {meta['top_p']}, "
                      f"seed {meta['seed']}, max_tokens {meta['max_tokens']}")

@@ -155,7 +155,20 @@ def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
             "temperature": sampling.temperature, "top_p": sampling.top_p,
             "seed": sampling.seed, "max_tokens": sampling.max_tokens,
             "samples": config.samples, "concurrency": config.concurrency,
-            "backend": config.backend, "date": _dt.datetime.now().isoformat(timespec="seconds")}
+            "backend": config.backend, "task_environment": task_environment(config.backend),
+            "date": _dt.datetime.now().isoformat(timespec="seconds")}
+
+
+def task_environment(backend: str) -> str:
+    """How Dockerfile tasks are made in this run, for the report: `image` (built by
+    podman) or `host` (the host-root fallback, with why)."""
+    from ridgeline.tasks.images import builder, environment_mode, uses_images
+    mode = environment_mode()
+    if backend == "bwrap" and uses_images(mode):
+        return "image"
+    why = "asked for" if mode == "host" else (
+        builder().unavailable_reason() or f"backend {backend}")
+    return f"host (fallback: {why})"
 
 
 def run_episodes(config: EvalConfig, tasks: list[Any],

@@ -466,3 +466,67 @@ def test_code_under_test_locking_the_workdir_is_a_failure():
         assert sb.run("pwd").ok          # usable after verification
     assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
                                                     verdict.output)
+
+
+# -- the agent's workspace stops pytest: never an infrastructure error --------------------
+
+#: What the agent leaves where the tests are collected, and what pytest then says.
+STOPPERS = {
+    "pytest.ini": ("[pytest]\naddopts = --no-such-option\n", "--no-such-option"),
+    "conftest.py": ("raise RuntimeError('the agent stops pytest here')\n",
+                    "conftest"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STOPPERS))
+def test_agent_config_that_stops_pytest_is_a_failure(tmp_path, name):
+    """A test script that collects the tests in the workdir (the agent's /app) reads the
+    agent's pytest.ini and conftest.py there. (Tests collected from /tests cannot be
+    reached: the verifier restages that read-only mount.) pytest stopping on them is
+    the agent's failure: the same tests run in a fresh environment of the task."""
+    d = tmp_path / "in-workdir"
+    shutil.copytree(FIXTURES / "tb1-hello-world", d)
+    (d / "run-tests.sh").write_text("#!/bin/bash\ncp $TEST_DIR/test_outputs.py /app/ && "
+                                    "cd /app && pytest test_outputs.py -rA\n")
+    task = load_task(d)
+    text, shown = STOPPERS[name]
+    sb, planted = _run_attack(task, _write(f"/app/{name}", text)
+                              + "cd /app && echo 'def test_x(): pass' > t_probe.py && "
+                                "pytest t_probe.py; echo rc=$?; rm t_probe.py")
+    with sb:
+        # positive control: in the agent's own environment pytest stops on the file
+        said = planted.stdout + planted.stderr
+        assert "rc=4" in said and shown in said, said
+        verdict = verify(task, sb)
+    assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
+                                                    verdict.output)
+    assert verdict.reason == "tests_did_not_run" and verdict.reward == 0.0
+    assert "pytest_usage_error" in verdict.detail and shown in verdict.output
+
+
+def test_program_printing_pytest_errors_is_a_failure(tmp_path):
+    """A test script that runs the agent's program before pytest: the program prints a
+    pytest usage error and ends the script (here by flooding its output), so pytest
+    never runs. Printed text is not the task's fault: without the program the tests
+    run."""
+    d = tmp_path / "prep-first"
+    shutil.copytree(FIXTURES / "tb1-hello-world", d)
+    script = (d / "run-tests.sh").read_text().replace(
+        "uv run pytest", "python3 /app/prep.py\nuv run pytest")
+    (d / "run-tests.sh").write_text(script)
+    task = load_task(d)
+    prep = textwrap.dedent("""\
+        import sys
+        print("ERROR: usage: pytest [options] [file_or_dir] [file_or_dir] [...]")
+        print("pytest: error: unrecognized arguments: --forged", flush=True)
+        while True:
+            sys.stderr.write("x" * 65536)
+        """)
+    sb, planted = _run_attack(task, _write("/app/prep.py", prep) + "echo planted")
+    with sb:
+        assert "planted" in planted.stdout
+        verdict = verify(task, sb)
+    assert verdict.status is VerdictStatus.FAILED, (verdict.reason, verdict.detail,
+                                                    verdict.output)
+    assert verdict.reason == "tests_did_not_run" and verdict.reward == 0.0
+    assert "--forged" in verdict.detail            # the forgery was what was read

@@ -178,3 +178,34 @@ def test_ctrf_stand_in_steps_aside_for_a_real_plugin(tmp_path):
     r = _pytest(tmp_path, "-p", "real_ctrf", "--ctrf", str(tmp_path / "ctrf.json"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads((tmp_path / "ctrf.json").read_text()) == {"writer": "real"}
+
+
+# -- the control: a run that ran no test, repeated without the agent's changes -----------
+
+def test_broken_task_stays_an_infra_error_after_its_control(tmp_path):
+    """The task's own test script stops pytest: a fresh environment without the agent's
+    changes runs no test either, so the cause is the task, not the agent."""
+    task = tb1_task(tmp_path, "pytest --no-such-option $TEST_DIR/test_outputs.py -rA")
+    v = episode(task, oracle=False)
+    assert v.status is VerdictStatus.INFRA_ERROR, (v.detail, v.output)
+    assert v.reason == "pytest_usage_error" and v.reward is None
+    assert "also without the agent's changes" in v.detail, v.detail
+
+
+def test_control_runs_once_per_task(tmp_path, monkeypatch):
+    """Two episodes of one broken task: the control's fresh environment is made once."""
+    from ridgeline.tasks import verifier
+    made = []
+    real = verifier.prepare_environment
+
+    def counting(task, *args, **kwargs):
+        made.append((task.path, kwargs.get("mode"), kwargs.get("backend")))
+        return real(task, *args, **kwargs)
+
+    monkeypatch.setattr(verifier, "prepare_environment", counting)
+    task = harbor_task(tmp_path, "pytest --no-such-option /tests/test_outputs.py -rA")
+    for _ in range(2):
+        v = episode(task, oracle=False)
+        assert v.status is VerdictStatus.INFRA_ERROR and v.reward is None, v.detail
+        assert "also without the agent's changes" in v.detail, v.detail
+    assert made == [(task.path, "host", "bwrap")]

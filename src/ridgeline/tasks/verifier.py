@@ -24,7 +24,11 @@ a usage error, an unloadable conftest or plugin, nothing collected, pytest missi
 `unsupported` (the test script needs what this machine cannot provide) are not: their
 `reward` is None, never 0, so they never become a training signal. A Harbor reward file
 counts only when the tests ran: one a test.sh wrote after its pytest died of a usage
-error is not read. What the agent controls can never make one: the modes of its trees
+error is not read. The agent's workspace can stop pytest too (a `pytest.ini` or
+`conftest.py` of its own where the tests are collected, a program that prints pytest's
+errors): a run that ran no test stands as ours only if the same tests run no test in a
+fresh environment of the task as well (a control, `verify`); else it is the agent's
+failure. What the agent controls can never make one: the modes of its trees
 are reset, its home replaced, and a workspace it filled past the task's disk quota, or
 tests killed for a limit, are its failure. (Every pytest may write `--ctrf FILE`:
 ridgeline_ctrf.py is loaded into each.)
@@ -51,7 +55,7 @@ from ridgeline.errors import RidgelineError, SandboxError, TaskError
 from ridgeline.sandbox import hostfs
 from ridgeline.tasks.environment import (
     HOME_PATH, LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported,
-    stage_copy,
+    prepare_environment, stage_copy,
 )
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK
 from ridgeline.tasks.model import Task, TaskLayout
@@ -97,6 +101,15 @@ NO_RUN_LINES = [
     (re.compile(r"^=* ?no tests ran in [\d.]+s.*$", re.M),
      "no_tests_collected", "pytest collected no tests"),
 ]
+#: The reasons of a verdict that says the tests' pytest ran no test (see `no_test_run`);
+#: with "unsupported" (the offline tools could not provide what the tests need) these
+#: are the verdicts a control run checks (`_checked_by_control`).
+NO_RUN_REASONS = frozenset({r for r, _ in NO_RUN_EXITS.values()}
+                           | {r for _, r, _ in NO_RUN_LINES}
+                           # what a program of the agent's that the test script runs can
+                           # also cause: a hang, a flood of output, a missing or garbled
+                           # reward
+                           | {"test_timeout", "no_test_results", "no_reward", "bad_reward"})
 log = logging.getLogger(__name__)
 
 
@@ -485,12 +498,29 @@ def verifier_env(task: Task, sb: TaskSandbox, report_fd: int, nonce: str) -> dic
 
 
 def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Verdict:
-    """Run the task's tests in `sandbox` (from `prepare_environment(task)`) and grade."""
+    """Run the task's tests in `sandbox` (from `prepare_environment(task)`) and grade.
+
+    A run in which no test ran (`NO_RUN_REASONS`, or tools the offline machine lacks) is
+    never the agent's way out of a failure: the workspace the tests run from is the
+    agent's, and a `pytest.ini`, `conftest.py` or program of its own there can stop
+    pytest or print its errors. The same tests then run in a fresh environment of the
+    task without the agent's changes (a control, once per task, environment mode and
+    backend in this process): if they run there, the agent's changes stopped them, its
+    failure; if they do not, the cause is the task or this machine (infra_error or
+    unsupported, as before)."""
     t0 = time.perf_counter()
     if not isinstance(sandbox, TaskSandbox) or sandbox.task.path != task.path:
         raise TaskError(f"verify({task.id!r}) needs the sandbox made by "
                         f"prepare_environment() for that task",
                         hint="call prepare_environment(task) and pass its result")
+    verdict = _verify(task, sandbox, timeout, t0)
+    if not _checked_by_control(verdict):
+        return verdict
+    return _judge_by_control(task, sandbox, timeout, verdict, t0)
+
+
+def _verify(task: Task, sandbox: TaskSandbox, timeout: float | None, t0: float) -> Verdict:
+    """The verification itself, never with a control run (a control calls this)."""
     try:
         stop_all(sandbox, task)     # nothing of the agent's may run beside the tests
     except Exception as e:     # a sandbox that cannot restart is a broken one
@@ -550,6 +580,108 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         channel.finish()
     return _grade(task, sandbox, res, sessions_of(channel.records), channel.overflow, limit,
                   t0)
+
+
+# -- the control: a run that ran no test, repeated without the agent's changes ----------
+
+@dataclass(frozen=True)
+class _Control:
+    """What the task's tests did in a fresh environment of the task (no agent, no
+    solution): `ran` (they ran: graded passed or failed), `no_run` (they ran no test
+    either), `inconclusive` (another infrastructure error) or `setup_failed` (the
+    environment could not be made). Never holds anything of an agent's sandbox."""
+
+    outcome: str
+    reason: str | None
+    detail: str
+
+
+_controls: dict[tuple[str, str, str], _Control] = {}
+_controls_lock = threading.Lock()
+_control_locks: dict[tuple[str, str, str], threading.Lock] = {}
+
+
+def clear_control_cache() -> None:
+    """Forget the control runs made so far in this process (a task changed on disk)."""
+    with _controls_lock:
+        _controls.clear()
+
+
+def _checked_by_control(v: Verdict) -> bool:
+    """Whether `v` says that no test ran for a cause that is not the agent's (by the
+    classification of `_grade`): such a verdict stands only if a control agrees."""
+    return ((v.status is VerdictStatus.INFRA_ERROR and v.reason in NO_RUN_REASONS)
+            or (v.status is VerdictStatus.UNSUPPORTED and v.reason == "unsupported"))
+
+
+def _control_key(task: Task, sandbox: TaskSandbox) -> tuple[str, str, str]:
+    backend = str(getattr(sandbox.inner, "backend", None) or "bwrap")
+    mode = "image" if sandbox.image is not None else "host"
+    return str(task.path), mode, backend
+
+
+def _run_control(task: Task, mode: str, backend: str, timeout: float | None) -> _Control:
+    """Prepare a fresh environment of `task` and verify it as it is (no control of its
+    own: `_verify`, not `verify`)."""
+    try:
+        with prepare_environment(task, backend=backend, mode=mode) as fresh:
+            v = _verify(task, fresh, timeout, time.perf_counter())
+    except (TaskUnsupported, EnvironmentSetupError, SandboxError) as e:
+        err = verdict_from_error(e)
+        return _Control("setup_failed", err.reason, err.detail)
+    if v.status.scored:
+        return _Control("ran", v.reason, v.detail)
+    if _checked_by_control(v):
+        return _Control("no_run", v.reason, v.detail)
+    return _Control("inconclusive", v.reason, v.detail)
+
+
+def _control(task: Task, sandbox: TaskSandbox, timeout: float | None) -> _Control:
+    """The control of `task` in the environment mode and backend of `sandbox`, run once
+    per process (concurrent episodes of one task wait for the first). A control that
+    could not be set up is not kept: that may pass."""
+    key = _control_key(task, sandbox)
+    with _controls_lock:
+        lock = _control_locks.setdefault(key, threading.Lock())
+    with lock:
+        with _controls_lock:
+            cached = _controls.get(key)
+        if cached is not None:
+            return cached
+        result = _run_control(task, key[1], key[2], timeout)
+        if result.outcome != "setup_failed":
+            with _controls_lock:
+                _controls[key] = result
+        return result
+
+
+def _judge_by_control(task: Task, sandbox: TaskSandbox, timeout: float | None,
+                      verdict: Verdict, t0: float) -> Verdict:
+    """`verdict` (no test ran) against the control: the agent's failure if the tests
+    run without its changes, else `verdict` with what the control showed."""
+    try:
+        ctl = _control(task, sandbox, timeout)
+    except Exception as e:  # harness trouble (logged): the verdict stays ours
+        log.warning("control run of %s failed", task.id, exc_info=True)
+        ctl = _Control("setup_failed", "harness_crash", f"{type(e).__name__}: {e}")
+    what = f"{verdict.reason}: {verdict.detail}"
+    if ctl.outcome == "ran":
+        return _agents_failure(
+            "tests_did_not_run", f"no test ran ({what}), but the tests do run in a fresh "
+            f"environment of the task without the agent's changes ({ctl.detail}): the "
+            f"agent's changes stopped them", t0, verdict.output, verdict.tests)
+    if ctl.outcome == "no_run":
+        note = (f"the same happened also without the agent's changes, in a fresh "
+                f"environment of the task ({ctl.reason}: {ctl.detail})")
+    elif ctl.outcome == "inconclusive":
+        note = (f"a control run in a fresh environment of the task, without the agent's "
+                f"changes, did not grade either ({ctl.reason}: {ctl.detail})")
+    else:
+        note = (f"the control run without the agent's changes could not be set up "
+                f"({ctl.reason}: {ctl.detail}): harness trouble")
+    verdict.detail = f"{verdict.detail}; {note}"
+    verdict.duration_s = time.perf_counter() - t0
+    return verdict
 
 
 def _passes_fds(sandbox: TaskSandbox) -> bool:

@@ -146,3 +146,13 @@ def test_tasks_check_rows_for_good_unsupported_and_broken_tasks(tmp_path):
     r = runner.invoke(app, ["check", str(root), "--runs", "1"])
     assert r.exit_code == 1
     assert "bad-yaml: broken:" in r.output and "02-extend" in r.output
+
+
+def test_the_oracle_on_a_task_without_a_solution_is_unsupported(tmp_path):
+    from ridgeline.agent.run import run_task_episode
+    d = tmp_path / "no-solution"
+    shutil.copytree(FIXTURES / "tb1-hello-world", d)
+    (d / "solution.sh").unlink()
+    ep = run_task_episode(load_task(d), "oracle")
+    assert ep.verdict.status.value == "unsupported"
+    assert "no oracle solution" in ep.verdict.detail

@@ -16,7 +16,8 @@ from ridgeline.agent.trajectory import AgentResult
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import ChatModel
 from ridgeline.sandbox.base import Sandbox
-from ridgeline.tasks import Task, Verdict, prepare_environment, verdict_from_error
+from ridgeline.tasks import (Task, Verdict, VerdictStatus, prepare_environment,
+                             verdict_from_error)
 from ridgeline.tasks.steps import run_steps
 
 SCRIPTED_AGENTS = {"oracle": OracleAgent, "null": NullAgent}
@@ -75,9 +76,14 @@ def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
     sandbox or endpoint problems: they become the verdict (never a reward)."""
     t0 = time.perf_counter()
     result: AgentResult | None = None
+    runner = make_agent(agent, config)
+    if isinstance(runner, OracleAgent) and not all(v.has_solution for v in task.step_views()):
+        # nothing to play: the task cannot be graded with the oracle (never a failure)
+        verdict = Verdict(VerdictStatus.UNSUPPORTED, reason="unsupported",
+                          detail="the task has no oracle solution to run")
+        return TaskEpisode(verdict, None, None, time.perf_counter() - t0)
     try:
         with prepare_environment(task, backend=backend, env=env) as sb:
-            runner = make_agent(agent, config)
 
             def act(view: Task, box) -> None:   # a multi-step task: one run per step
                 nonlocal result

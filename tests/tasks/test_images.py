@@ -155,7 +155,7 @@ RUN groupadd dev && useradd -m -g dev alice && echo greeting=hello > /etc/greeti
 COPY --from=tools /stage-tool /usr/local/bin/stage-tool
 COPY helper.sh /usr/local/bin/helper
 WORKDIR /app
-RUN echo seed > /app/seed.txt
+RUN echo seed > /app/seed.txt && mkdir /data && echo raw > /data/in.txt
 ENV GREETING_FILE=/etc/greeting.conf
 ENTRYPOINT ["/bin/bash", "-l"]
 """
@@ -176,6 +176,7 @@ def test_the_image_is_what_the_dockerfile_built():
 
 def test_the_agent_did_the_task():
     assert pathlib.Path("/app/answer.txt").read_text().split() == ["alice"]
+    assert pathlib.Path("/data/in.txt").read_text() == "raw\\nseen\\n"   # a tree the build made
 """
 
 
@@ -194,7 +195,8 @@ def image_task(tmp_path_factory):
     (d / "run-tests.sh").write_text("#!/bin/bash\ncd /app\npytest $TEST_DIR/test_outputs.py -rA\n")
     # apt-get at run time: the package is installed (the image's dpkg says so), so it
     # succeeds offline, as under Docker.
-    (d / "solution.sh").write_text("#!/bin/bash\napt-get install -y jq\nls /home > /app/answer.txt\n")
+    (d / "solution.sh").write_text("#!/bin/bash\napt-get install -y jq\nls /home > /app/answer.txt\n"
+                                   "echo seen >> /data/in.txt\n")
     (d / "tests" / "test_outputs.py").write_text(TESTS)
     return load_task(d)
 
@@ -245,6 +247,8 @@ def test_the_sandbox_on_a_built_image_keeps_its_isolation(image_task):
             for target in ("/etc/probe", "/usr/local/bin/probe", "/probe", "/home/alice/x"):
                 assert sb.run(f"echo x > {target}").exit_code != 0, target
             assert sb.run("echo x > /app/probe && cat /app/seed.txt").stdout == "seed\n"
+            # HOME (/root, which the image has too) is the task's writable home.
+            assert sb.run("mkdir -p /root/.local/bin && touch /root/.local/bin/env").ok
             # Setuid files of the image give nothing: its trees are mounted nosuid.
             mounts = sb.run(r"grep -E ' /(usr|bin|etc) ' /proc/self/mountinfo").stdout
             assert mounts.count("nosuid") >= 2 and "ro," in mounts, mounts
@@ -291,10 +295,14 @@ def test_an_rl_group_forks_one_prepared_task_environment(image_task):
         assert sb.run("echo step-one > /app/progress.txt").ok   # an agent step so far
         kids = sb.fork(3)
         try:
-            for k in kids:
+            for i, k in enumerate(kids):
                 assert k.image is sb.image
                 assert k.run("cat /app/progress.txt /app/seed.txt").stdout == "step-one\nseed\n"
                 assert k.logs_host_dir != sb.logs_host_dir
+                assert k.run(f"echo fork{i} >> /data/in.txt").ok   # its own copy of /data
+            assert kids[2].run("cat /data/in.txt").stdout == "raw\nfork2\n"
+            assert sb.run("cat /data/in.txt").stdout == "raw\n"
+            assert kids[0].run("echo raw > /data/in.txt").ok   # as the task began
             apply_solution(image_task, kids[0])
             assert verify(image_task, kids[0]).status is VerdictStatus.PASSED
             assert verify(image_task, kids[1]).status is VerdictStatus.FAILED

@@ -204,9 +204,13 @@ def build_root_args(spec: SandboxSpec, workspace_dir: Path, empty_dir: Path,
         args += ["--perms", "1777", *size, "--tmpfs", "/var/tmp"]
     for target, source, writable in targets:
         args += ["--bind" if writable else "--ro-bind", source, target]
-    # Read-only only now: mount points above had to be created first.
+    # Read-only only now: mount points above had to be created first. An exploded
+    # directory that is itself a mount target is covered by that mount, which decides
+    # (a remount there would make a writable home read-only).
+    mounted = {"/" + "/".join(_parts(t)) for t, _, _ in targets}
     for path in sorted(exploded, key=lambda p: -len(_parts(p))):
-        args += ["--remount-ro", path]
+        if "/" + "/".join(_parts(path)) not in mounted:
+            args += ["--remount-ro", path]
     args += ["--remount-ro", "/"]
     return args
 

@@ -43,6 +43,7 @@ from pathlib import Path, PurePosixPath
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
+from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
 from ridgeline.sandbox.network import PrivateNetwork, hosts_file
 from ridgeline.sandbox.network import joined as network_joined
@@ -170,16 +171,11 @@ class TaskSandbox:
         if self.sidecars:
             raise SandboxError(f"task {self.task.id!r}: cannot fork an environment with "
                                "compose sidecars (the forks would share them)")
-        if self.extra_dirs:
-            raise SandboxError(f"task {self.task.id!r}: cannot fork an environment with "
-                               "writable trees outside its workspace (host-root mode "
-                               "COPY destinations)", hint="use the image mode "
-                               "(RIDGELINE_TASK_ENV=image), where the image holds them")
         fork = getattr(self.inner, "fork", None)
         if fork is None:
             raise SandboxError(f"the {self.inner.backend} backend cannot fork sandboxes",
                                hint="use the bwrap backend")
-        stagings, specs = [], []
+        stagings, specs, extras = [], [], []
         old = {str(self.staging / sub): sub for sub in ("tests", "solution", "logs", "home")}
         try:
             for _ in range(n):
@@ -187,8 +183,19 @@ class TaskSandbox:
                 stagings.append(staging)
                 for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home"):
                     (staging / sub).mkdir(parents=True)
+                # writable trees beside the workspace (/data ...): a copy each, made as
+                # snapshots are (the parent may be writing them)
+                trees = {}
+                for i, (target, host) in enumerate(self.extra_dirs.items()):
+                    base = forks.ForkBase.freeze(host, staging / f"extra-{i}",
+                                                 self.spec.limits.disk_bytes)
+                    trees[str(host.resolve())] = base.tree
                 mounts = [m.model_copy(update={"source": staging / old[str(m.source)]})
-                          if str(m.source) in old else m for m in self.spec.mounts]
+                          if str(m.source) in old else
+                          m.model_copy(update={"source": trees[str(m.source.resolve())]})
+                          if m.writable and str(m.source.resolve()) in trees else m
+                          for m in self.spec.mounts]
+                extras.append({t: trees[str(h.resolve())] for t, h in self.extra_dirs.items()})
                 specs.append(self.spec.model_copy(update={"mounts": mounts,
                                                           "workspace_from": None}))
             inners = fork(n, specs)
@@ -197,11 +204,12 @@ class TaskSandbox:
                 hostfs.discard_tree(staging, "task staging directory")
             raise
         out = []
-        for inner, staging in zip(inners, stagings):
-            sb = TaskSandbox(self.task, inner, staging, self.tools, {})
+        for inner, staging, extra in zip(inners, stagings, extras):
+            sb = TaskSandbox(self.task, inner, staging, self.tools, extra)
             if sb.owner is not None:
-                for sub in ("logs", "home"):
-                    chown_tree(staging / sub, *sb.owner)
+                for tree in ["logs", "home", *(str(h.relative_to(staging))
+                                               for h in extra.values())]:
+                    chown_tree(staging / tree, *sb.owner)
             sb.image = self.image
             out.append(sb)
         return out
@@ -300,8 +308,8 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         if image is not None:
             if task.sidecars:
                 net, sidecars = start_sidecars(task, staging)
-            inner, extra, steps = _create_on_image(task, image, tools, staging, env,
-                                                   net), {}, []
+            inner, extra = _create_on_image(task, image, tools, staging, env, net)
+            steps = []
         else:
             inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
     except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
@@ -343,14 +351,40 @@ def image_workdir(task: Task, image: BuiltImage) -> str:
     return image.config.workdir if image.config.workdir not in ("", "/") else task.workdir
 
 
+#: Top-level directories of a Debian/Ubuntu root: the system's, read-only in the
+#: sandbox. Any other (a task's /data, /workspace ...) was made by the task's build.
+SYSTEM_TOP = frozenset({"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64",
+                        "libx32", "media", "mnt", "opt", "proc", "root", "run", "sbin",
+                        "srv", "sys", "tmp", "usr", "var"})
+
+
+def task_trees(image: BuiltImage, workdir: str) -> list[str]:
+    """The top-level directories the task's build made beside the system's (and beside
+    the workspace): writable copies of them are the task's, as under Docker."""
+    ws_top = workdir.strip("/").split("/", 1)[0]
+    out = []
+    for name in sorted(os.listdir(image.rootfs)):
+        p = image.rootfs / name
+        if name not in SYSTEM_TOP and name != ws_top and p.is_dir() and not p.is_symlink():
+            out.append("/" + name)
+    return out
+
+
 def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging: Path,
                      env: dict[str, str] | None, net: PrivateNetwork | None = None
-                     ) -> Sandbox:
+                     ) -> tuple[Sandbox, dict[str, Path]]:
     """A bwrap sandbox whose root is the built image (read-only), whose workspace is a
-    writable copy of the image's WORKDIR, with the harness's staging mounts."""
+    writable copy of the image's WORKDIR, with writable copies of the other trees the
+    build made (`task_trees`) and the harness's staging mounts."""
     for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
         (staging / sub).mkdir(parents=True)
     workdir = image_workdir(task, image)
+    extra: dict[str, Path] = {}
+    for i, tree in enumerate(task_trees(image, workdir)):
+        extra[tree] = staging / "extra" / str(i)
+        # the image is the host's (built from the task's files), not a sandbox's: a
+        # plain copy, links kept as links
+        shutil.copytree(image.rootfs / tree.lstrip("/"), extra[tree], symlinks=True)
     seed = image.rootfs / workdir.lstrip("/")
     base = runtime_env(task, tools)
     # The image's own tools first, the offline stand-ins (uv, curl ...) for what a test
@@ -363,6 +397,7 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
               Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
               Mount(source=staging / "home", target=base["HOME"], writable=True),
               *interpreter_mounts(tools)]
+    mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
     if net is not None:   # compose: the sidecars are reached by their service names
         mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
@@ -370,7 +405,7 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
                        env={**run_env, **(env or {})}, tools_root=image.rootfs,
                        limits=sandbox_limits(task), network=NetworkPolicy.NONE,
                        network_namespace=net.path if net is not None else None)
-    return _create_sandbox(spec, "bwrap")
+    return _create_sandbox(spec, "bwrap"), extra
 
 
 SIDECAR_READY_S = 60.0

@@ -52,6 +52,7 @@ from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
                                     ImagesUnavailable, builder, uses_images)
+from ridgeline.tasks import wheelhouse
 from ridgeline.tasks.model import Sidecar, Task
 
 MiB = 1024 * 1024
@@ -267,6 +268,16 @@ class TaskSandbox:
         return getattr(self.inner, name)
 
 
+def test_wheels(task: Task) -> tuple[list[Mount], dict[str, str]]:
+    """The wheelhouse of what the task's test scripts install (wheelhouse.py), mounted
+    read-only for the offline uv/pip, or nothing."""
+    wheels = wheelhouse.prefetch(task)
+    if wheels is None:
+        return [], {}
+    return ([Mount(source=wheels, target=wheelhouse.MOUNT, writable=False)],
+            {wheelhouse.ENV: wheelhouse.MOUNT})
+
+
 def sandbox_limits(task: Task) -> Limits:
     """Task resources and timeouts as sandbox limits. CPU count has no equivalent (the
     sandbox limits CPU time, not cores); storage bounds both any one file and the disk
@@ -398,6 +409,9 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
               Mount(source=staging / "home", target=base["HOME"], writable=True),
               *interpreter_mounts(tools)]
     mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
+    wheel_mounts, wheel_env = test_wheels(task)
+    mounts += wheel_mounts
+    run_env.update(wheel_env)
     if net is not None:   # compose: the sidecars are reached by their service names
         mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
@@ -523,8 +537,10 @@ def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: s
               Mount(source=staging / "home", target=home, writable=True),
               *interpreter_mounts(tools),
               *(Mount(source=h, target=d, writable=True) for d, h in extra.items())]
+    wheel_mounts, wheel_env = test_wheels(task)
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
-                       mounts=mounts, env={**image_env, **(env or {})},
+                       mounts=mounts + wheel_mounts,
+                       env={**image_env, **wheel_env, **(env or {})},
                        limits=sandbox_limits(task), network=NetworkPolicy.NONE)
     return _create_sandbox(spec, backend), extra, steps
 

@@ -59,6 +59,9 @@ PYTHON_IMAGE = "localhost/ridgeline/python:bookworm"
 BUILDPACK_IMAGE = "localhost/ridgeline/buildpack-deps:bookworm"
 JDK17_IMAGE = "localhost/ridgeline/jdk:17"
 UV_IMAGE = "localhost/ridgeline/uv"   # :<version>, from PyPI's uv
+#: Terminal-Bench's own base images: tmux and asciinema (its harness's), WORKDIR /app
+TB_DEBIAN_IMAGE = "localhost/ridgeline/t-bench-debian:bookworm"
+TB_PYTHON_IMAGE = "localhost/ridgeline/t-bench-python:bookworm"
 #: Glob patterns over a normalised image reference (registry docker.io and library/
 #: dropped) -> local image. Python tags map to Debian's python3 (3.11): an approximation
 #: recorded in docs/architecture.md.
@@ -66,9 +69,9 @@ DEFAULT_MAP: tuple[tuple[str, str], ...] = (
     ("debian", DEBIAN_IMAGE), ("debian:*", DEBIAN_IMAGE),
     ("ubuntu", DEBIAN_IMAGE), ("ubuntu:*", DEBIAN_IMAGE),
     ("python", PYTHON_IMAGE), ("python:*", PYTHON_IMAGE),
-    ("ghcr.io/laude-institute/t-bench/python-*", PYTHON_IMAGE),
-    ("ghcr.io/laude-institute/t-bench/ubuntu-*", DEBIAN_IMAGE),
-    ("ghcr.io/laude-institute/t-bench/debian-*", DEBIAN_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/python-*", TB_PYTHON_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-*", TB_DEBIAN_IMAGE),
+    ("ghcr.io/laude-institute/t-bench/debian-*", TB_DEBIAN_IMAGE),
     ("buildpack-deps", BUILDPACK_IMAGE), ("buildpack-deps:*", BUILDPACK_IMAGE),
     # Debian's OpenJDK 17 for the Temurin 17 JDK images
     ("eclipse-temurin:17*jdk*", JDK17_IMAGE), ("openjdk:17*", JDK17_IMAGE),
@@ -100,6 +103,11 @@ JDK17_RECIPE = f"""FROM {DEBIAN_IMAGE}
 RUN apt-get update && apt-get install -y --no-install-recommends openjdk-17-jdk-headless \\
     && rm -rf /var/lib/apt/lists/*
 ENV JAVA_HOME=/usr/lib/jvm/java-17-openjdk-amd64
+"""
+TB_RECIPE = """FROM {base}
+RUN apt-get update && apt-get install -y --no-install-recommends tmux asciinema \\
+    && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
 """
 UV_RECIPE = """FROM {python}
 RUN pip install --no-cache-dir {spec} && cp "$(command -v uv)" /uv && cp "$(command -v uvx)" /uvx
@@ -405,6 +413,10 @@ class ImageBuilder:
                 self._build_recipe(ref, {PYTHON_IMAGE: PYTHON_RECIPE,
                                          BUILDPACK_IMAGE: BUILDPACK_RECIPE,
                                          JDK17_IMAGE: JDK17_RECIPE}[ref])
+            elif ref in (TB_DEBIAN_IMAGE, TB_PYTHON_IMAGE):
+                base = DEBIAN_IMAGE if ref == TB_DEBIAN_IMAGE else PYTHON_IMAGE
+                self.ensure_base(base)
+                self._build_recipe(ref, TB_RECIPE.format(base=base))
             elif ref.startswith(UV_IMAGE + ":"):
                 version = ref.rsplit(":", 1)[1]
                 self.ensure_base(PYTHON_IMAGE)

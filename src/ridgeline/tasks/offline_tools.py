@@ -29,6 +29,8 @@ Supported:
   verifier's reporter (``ridgeline_report.py``); ``uv venv`` replaces whatever is at its
   path, and a venv this verification did not make (the agent's ``/app/.venv``, a
   pre-populated ``.tbench-testing-venv``) is never used to run the tests.
+* ``RIDGELINE_WHEELS`` (set where the harness fetched what the task's test scripts
+  install, tasks/wheelhouse.py): a wheelhouse every install also looks in.
 * Image build only (Dockerfile ``RUN``): ``pip``/``pip3``/``python -m pip install``
   check requirements against the host; ``rm`` skips image cache directories
   (``/var/lib/apt/lists`` ...) that only exist in Docker images.
@@ -308,6 +310,10 @@ def install(args: list[str], venv: Path | None, system_ok: bool = False) -> int:
             reqs.append(a)
     if not reqs:
         return refuse("nothing to install (no requirements given)", 2)
+    # what the harness fetched for this task's test scripts before they ran
+    wheels = os.environ.get("RIDGELINE_WHEELS")
+    if wheels and os.path.isdir(wheels) and wheels not in links:
+        links.append(wheels)
     site = [str(venv_site(venv))] if venv is not None else []
     have = installed(site)
     to_pip, missing, satisfied = [], [], []

@@ -201,6 +201,35 @@ def goal_met(t: dict[str, dict[str, Any]]) -> bool:
     return (t["oracle"]["pass_rate_eligible"] or 0.0) >= 0.9 and t["null"]["n_passed"] == 0
 
 
+def markdown_table(paths: list[Path]) -> str:
+    """One row per task: its collection, layout and eligibility, then each run's oracle
+    and null outcome (a failure's reason shortened)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    heads = [f"{r.get('environment', {}).get('resolved') or r.get('task_env', '?')}"
+             for r in runs]
+    lines = ["| task | layout | eligible | " + " | ".join(
+        f"oracle ({h}) | null ({h})" for h in heads) + " |",
+        "|---|---|---|" + "---|---|" * len(runs)]
+
+    def cell(out: dict | None) -> str:
+        if out is None:
+            return "-"
+        status = out.get("status", "?")
+        if status == "passed":
+            return "passed"
+        why = (out.get("detail") or out.get("reason") or "").replace("|", "/")
+        return f"{status}: {why[:70]}"
+    for row in runs[-1]["tasks"]:
+        others = [{t["task"]: t for t in r["tasks"]}.get(row["task"]) for r in runs]
+        cols = []
+        for o in others:
+            agents = (o or {}).get("agents", {})
+            cols += [cell(agents.get("oracle")), cell(agents.get("null"))]
+        lines.append(f"| {row['task']} | {row['layout']} | "
+                     f"{'yes' if row.get('eligible') else 'no'} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--tasks", type=Path, required=True,
@@ -217,7 +246,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the eval runs write results/trajectories (default runs/external-...)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON object here")
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--markdown", nargs="+", type=Path, metavar="RESULT.json",
+                    help="print the per-task table of these result files (columns in "
+                         "order, e.g. a host-mode run then an image-mode run) and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown_table(args.markdown))
+        return 0
     log = progress_log(args.json)
 
     root = args.tasks.expanduser().resolve()

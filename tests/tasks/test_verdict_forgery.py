@@ -383,16 +383,21 @@ def test_filling_the_disk_quota_is_the_agents_failure(tmp_path, also):
     assert verdict.reward is not None and verdict.reward < 1
 
 
-def test_forged_output_before_pytest_is_not_a_report(tmp_path):
-    """A test script that runs the agent's program before pytest: the program prints
-    a whole pytest session and kills the script, so pytest never runs. Printed text is
-    not a report: the agent failed (it used to pass)."""
+def _prep_first_task(tmp_path):
+    """tb1-hello-world whose test script runs the agent's /app/prep.py before pytest."""
     d = tmp_path / "prep-first"
     shutil.copytree(FIXTURES / "tb1-hello-world", d)
     script = (d / "run-tests.sh").read_text().replace(
         "uv run pytest", "python3 /app/prep.py\nuv run pytest")
     (d / "run-tests.sh").write_text(script)
-    task = load_task(d)
+    return load_task(d)
+
+
+def test_forged_output_before_pytest_is_not_a_report(tmp_path):
+    """A test script that runs the agent's program before pytest: the program prints
+    a whole pytest session and kills the script, so pytest never runs. Printed text is
+    not a report: the agent failed (it used to pass)."""
+    task = _prep_first_task(tmp_path)
     prep = textwrap.dedent(f"""\
         import os
         print("=" * 29, "test session starts", "=" * 30)
@@ -509,12 +514,7 @@ def test_program_printing_pytest_errors_is_a_failure(tmp_path):
     pytest usage error and ends the script (here by flooding its output), so pytest
     never runs. Printed text is not the task's fault: without the program the tests
     run."""
-    d = tmp_path / "prep-first"
-    shutil.copytree(FIXTURES / "tb1-hello-world", d)
-    script = (d / "run-tests.sh").read_text().replace(
-        "uv run pytest", "python3 /app/prep.py\nuv run pytest")
-    (d / "run-tests.sh").write_text(script)
-    task = load_task(d)
+    task = _prep_first_task(tmp_path)
     prep = textwrap.dedent("""\
         import sys
         print("ERROR: usage: pytest [options] [file_or_dir] [file_or_dir] [...]")

@@ -46,7 +46,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 from ridgeline.errors import ConfigError, SandboxError
 from ridgeline.sandbox import fork as forks
@@ -87,7 +87,6 @@ LOADER_VARS = frozenset({"GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAI
                          "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"})
 
 T = TypeVar("T")
-CLONE_NEWNET = 0x40000000
 
 
 class _Launcher:
@@ -191,25 +190,6 @@ class _Launcher:
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-@contextlib.contextmanager
-def _fresh_netns() -> Iterator[None]:
-    """Run the block with the current thread in a new, empty network namespace (its
-    loopback down); children started meanwhile keep it. Needs root."""
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _libc.unshare(CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
-        try:
-            yield
-        finally:
-            if _libc.setns(own, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns back to the host network: {os.strerror(err)}")
-    finally:
-        os.close(own)
 
 
 def _find(tool: str, package: str, explicit: str | None = None) -> str:
@@ -448,7 +428,7 @@ class BwrapSandbox(HostSandbox):
                     if self._launcher.staged is not None:
                         self._launcher.staged.ensure()
                     netns = (network.joined(shared) if shared is not None else
-                             _fresh_netns() if own_netns else contextlib.nullcontext())
+                             network.fresh() if own_netns else contextlib.nullcontext())
                     with netns:
                         return subprocess.Popen(argv, stdin=subprocess.PIPE,
                                                 stdout=subprocess.PIPE, stderr=log,

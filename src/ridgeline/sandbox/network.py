@@ -101,14 +101,12 @@ def hosts_file(directory: Path, names: list[str]) -> Path:
 
 
 @contextlib.contextmanager
-def joined(path: Path):
-    """Run the block with the current thread in the network namespace at `path`."""
+def _switched(enter):
+    """Run the block with the current thread in the network namespace `enter()` moves
+    it to (children started meanwhile keep it), then back in its own."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if _libc.setns(target, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {path}: {os.strerror(err)}")
+        enter()
         try:
             yield
         finally:
@@ -116,5 +114,29 @@ def joined(path: Path):
                 err = ctypes.get_errno()
                 raise OSError(err, f"setns back to the host network: {os.strerror(err)}")
     finally:
-        os.close(target)
         os.close(own)
+
+
+def fresh():
+    """A new, empty network namespace (its loopback down) for the block. Needs root."""
+    def enter() -> None:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"unshare(CLONE_NEWNET): {os.strerror(err)}")
+    return _switched(enter)
+
+
+@contextlib.contextmanager
+def joined(path: Path):
+    """The network namespace at `path` (a PrivateNetwork's) for the block."""
+    target = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def enter() -> None:
+        if _libc.setns(target, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {path}: {os.strerror(err)}")
+    try:
+        with _switched(enter):
+            yield
+    finally:
+        os.close(target)

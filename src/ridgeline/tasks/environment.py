@@ -373,10 +373,14 @@ def task_trees(image: BuiltImage, workdir: str) -> list[str]:
     """The top-level directories the task's build made beside the system's (and beside
     the workspace): writable copies of them are the task's, as under Docker."""
     ws_top = workdir.strip("/").split("/", 1)[0]
+    # the harness's own mounts take those paths (a Harbor image often makes /logs)
+    harness = {p.strip("/") for p in (TESTS_PATH, SOLUTION_PATH, LOGS_PATH, HARNESS_MOUNT,
+                                      wheelhouse.MOUNT)}
     out = []
     for name in sorted(os.listdir(image.rootfs)):
         p = image.rootfs / name
-        if name not in SYSTEM_TOP and name != ws_top and p.is_dir() and not p.is_symlink():
+        if name not in SYSTEM_TOP | harness and name != ws_top and p.is_dir() \
+                and not p.is_symlink():
             out.append("/" + name)
     return out
 
@@ -406,8 +410,9 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
               Mount(source=staging / "tests", target=TESTS_PATH, writable=False),
               Mount(source=staging / "solution", target=SOLUTION_PATH, writable=False),
               Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
-              Mount(source=staging / "home", target=base["HOME"], writable=True),
               *interpreter_mounts(tools)]
+    if workdir != base["HOME"]:   # an image whose WORKDIR is /root: the workspace is HOME
+        mounts.append(Mount(source=staging / "home", target=base["HOME"], writable=True))
     mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
     wheel_mounts, wheel_env = test_wheels(task)
     mounts += wheel_mounts

@@ -385,3 +385,14 @@ def test_a_compose_sidecar_is_reached_by_its_service_name(tmp_path):
         with pytest.raises(Exception, match="cannot fork"):
             sb.fork(2)
     assert not net.exists()   # the sidecars and their network end with the task
+
+
+def test_task_trees_are_what_the_build_made_beside_the_system_and_the_harness(tmp_path):
+    from ridgeline.tasks.environment import task_trees
+    from ridgeline.tasks.images import BuiltImage, ImageConfig
+    for name in ("bin", "usr", "etc", "var", "data", "logs", "tests", "app", "workspace"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "link").symlink_to("data")
+    image = BuiltImage("ref", "id", tmp_path, ImageConfig(), 0.0, True)
+    assert task_trees(image, "/app") == ["/data", "/workspace"]
+    assert task_trees(image, "/workspace/src") == ["/app", "/data"]

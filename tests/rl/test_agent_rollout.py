@@ -269,9 +269,9 @@ def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
     # reward variance (the health probe runs inside the real verifier first).
     import dataclasses
 
-    import ridgeline.agent.run as agent_run
+    import ridgeline.tasks.steps as task_steps   # where an episode's verdict is made
 
-    real_verify, graded = agent_run.verify, itertools.count()
+    real_verify, graded = task_steps.verify, itertools.count()
 
     def verify(task, sb):
         v = real_verify(task, sb)
@@ -279,7 +279,7 @@ def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
             v = dataclasses.replace(v, status=type(v.status)("passed"), reward=1.0)
         return v
 
-    monkeypatch.setattr(agent_run, "verify", verify)
+    monkeypatch.setattr(task_steps, "verify", verify)
     trained: list = []
     real_of = rl_loop.TokenBatch.of
 
@@ -306,3 +306,38 @@ def test_broken_sandboxes_never_reach_a_gradient(tiny, tok, monkeypatch):
     assert trained and all(reward[id(ep)] is not None for ep in trained)
     bad = {id(r.sample) for r in unhealthy}
     assert not any(id(ep) in bad for ep in trained)         # none reached the gradient
+
+
+def test_a_group_prepares_its_task_once_and_forks_it(tiny, tok, monkeypatch):
+    """The group's environments are one prepared environment forked copy-on-write:
+    the task is set up once per group, each episode acts in its own fork."""
+    import ridgeline.rl.agent_rollout as agent_rollout
+    from ridgeline.tasks.environment import TaskSandbox
+
+    _, llm = tiny
+    prepared: list[TaskSandbox] = []
+    real_prepare = agent_rollout.prepare_environment
+
+    def counting_prepare(task, **kw):
+        sb = real_prepare(task, **kw)
+        prepared.append(sb)
+        return sb
+
+    forked: list[TaskSandbox] = []
+    real_fork = TaskSandbox.fork
+
+    def counting_fork(self, n):
+        kids = real_fork(self, n)
+        forked.extend(kids)
+        return kids
+
+    monkeypatch.setattr(agent_rollout, "prepare_environment", counting_prepare)
+    monkeypatch.setattr(TaskSandbox, "fork", counting_fork)
+    rollout = AgentRollout(EngineClient(llm), tok, AgentConfig(step_limit=1),
+                           Sampling(temperature=1.0, max_tokens=8))
+    group = rollout(hello_task(), [1, 2, 3])
+    assert len(prepared) == 1 and len(forked) == 3
+    assert all(k.closed for k in forked) and prepared[0].closed
+    assert len(group.outcomes) == 3 and all(o.verdict in ("passed", "failed")
+                                            for o in group.outcomes), \
+        [(o.verdict, o.detail) for o in group.outcomes]

@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import ridgeline.agent.run as agent_run
+import ridgeline.tasks.steps as task_steps
 from ridgeline.agent import AgentConfig, Trajectory
 from ridgeline.eval.compare import compare
 from ridgeline.eval.results import EpisodeResult, summarize
@@ -64,14 +64,14 @@ def held_out_tasks():
 def test_the_held_out_eval_is_evals_results_and_trajectories_under_the_run_dir(
         tmp_path, monkeypatch):
     # uppercase-text's grading fails as infrastructure: never a pass nor a fail
-    real_verify = agent_run.verify
+    real_verify = task_steps.verify   # where an episode's verdict is made
 
     def verify(task, sb):
         if task.id == "uppercase-text":
             return Verdict(VerdictStatus.INFRA_ERROR, detail="injected", reason="sandbox_error")
         return real_verify(task, sb)
 
-    monkeypatch.setattr(agent_run, "verify", verify)
+    monkeypatch.setattr(task_steps, "verify", verify)
     tok = chatml_tokenizer()
     gen = ScriptedGenerator(tok, version=3)
     rollout = AgentRollout(gen, tok, AgentConfig(step_limit=3),

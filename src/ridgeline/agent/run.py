@@ -16,7 +16,7 @@ from ridgeline.agent.trajectory import AgentResult
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.llm.base import ChatModel
 from ridgeline.sandbox.base import Sandbox
-from ridgeline.tasks import (Task, Verdict, VerdictStatus, prepare_environment,
+from ridgeline.tasks import (Task, TaskSandbox, Verdict, VerdictStatus, prepare_environment,
                              verdict_from_error)
 from ridgeline.tasks.steps import run_steps
 
@@ -71,19 +71,25 @@ class TaskEpisode:
 def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
                      config: AgentConfig | None = None, *, backend: str = "bwrap",
                      trajectory_path: str | Path | None = None,
-                     env: dict[str, Any] | None = None) -> TaskEpisode:
+                     env: dict[str, Any] | None = None,
+                     prepared: TaskSandbox | None = None) -> TaskEpisode:
     """Prepare the task's environment, let the agent act, verify. Never raises for task,
-    sandbox or endpoint problems: they become the verdict (never a reward)."""
+    sandbox or endpoint problems: they become the verdict (never a reward). `prepared`
+    is an environment made already (a fork of a prepared one: an RL group's); it is
+    closed with the episode."""
     t0 = time.perf_counter()
     result: AgentResult | None = None
     runner = make_agent(agent, config)
     if isinstance(runner, OracleAgent) and not all(v.has_solution for v in task.step_views()):
         # nothing to play: the task cannot be graded with the oracle (never a failure)
+        if prepared is not None:
+            prepared.close()
         verdict = Verdict(VerdictStatus.UNSUPPORTED, reason="unsupported",
                           detail="the task has no oracle solution to run")
         return TaskEpisode(verdict, None, None, time.perf_counter() - t0)
     try:
-        with prepare_environment(task, backend=backend, env=env) as sb:
+        with prepared if prepared is not None else \
+                prepare_environment(task, backend=backend, env=env) as sb:
 
             def act(view: Task, box) -> None:   # a multi-step task: one run per step
                 nonlocal result

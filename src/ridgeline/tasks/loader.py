@@ -117,6 +117,9 @@ class _HarborVerifier(BaseModel):
     model_config = ConfigDict(extra="allow")
     timeout_sec: float = Field(600.0, gt=0)
     env: dict[str, str] = Field(default_factory=dict)
+    # "separate": the tests run in an image of their own (tests/Dockerfile), given the
+    # task's declared `artifacts`; "shared" (Harbor's default): in the agent's
+    environment_mode: str = "shared"
 
 
 class _HarborAgent(BaseModel):
@@ -497,6 +500,11 @@ def _load_v2(d: Path) -> Task:
     build = plan_build(dockerfile, context if context.exists() else d, base_image=image)
     if problems:
         build = _with_problems(build, problems, host_only=bool(sidecars))
+    if spec.verifier.environment_mode != "shared":
+        build = _with_problems(build, [
+            f"a verifier environment of its own (verifier.environment_mode = "
+            f"{spec.verifier.environment_mode!r}: tests/Dockerfile, given the task's "
+            f"artifacts) is not supported yet"])
     meta = dict(spec.metadata)
     tags = meta.get("tags") or spec.task.get("keywords") or []
     solve = d / "solution" / "solve.sh"

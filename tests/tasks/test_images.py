@@ -396,3 +396,37 @@ def test_task_trees_are_what_the_build_made_beside_the_system_and_the_harness(tm
     image = BuiltImage("ref", "id", tmp_path, ImageConfig(), 0.0, True)
     assert task_trees(image, "/app") == ["/data", "/workspace"]
     assert task_trees(image, "/workspace/src") == ["/app", "/data"]
+
+
+def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):
+    """Harbor's verifier.environment_mode = "separate": the tests run in their own
+    image (with pytest, which the agent's lacks), given the declared artifacts only."""
+    _images_or_skip()
+    d = tmp_path / "separate"
+    for sub in ("environment", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text(
+        'version = "1.0"\nartifacts = ["/root/results/answer.txt"]\n'
+        '[verifier]\ntimeout_sec = 120\nenvironment_mode = "separate"\n'
+        '[agent]\ntimeout_sec = 120\n')
+    (d / "instruction.md").write_text("Write 42 to /root/results/answer.txt.\n")
+    (d / "environment/Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
+    (d / "tests/Dockerfile").write_text(
+        "FROM python:3.12-slim\nRUN pip install --no-cache-dir pytest==8.4.1\n")
+    (d / "solution/solve.sh").write_text(
+        "#!/bin/bash\nmkdir -p /root/results\necho 42 > /root/results/answer.txt\n"
+        "echo agent-only > /app/note.txt\n")
+    (d / "tests/test.sh").write_text(
+        "#!/bin/bash\npytest /tests/test_outputs.py -rA && echo 1 > "
+        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    (d / "tests/test_outputs.py").write_text(
+        "import os, pathlib\n\ndef test_answer():\n"
+        "    assert pathlib.Path('/root/results/answer.txt').read_text() == '42\\n'\n"
+        "    assert not os.path.exists('/app/note.txt')   # only the artifacts come over\n")
+    task = load_task(d)
+    assert task.artifacts == ("/root/results/answer.txt",)
+    assert "needs the image mode" in task.unsupported_reason_in(images=False)
+    null, _ = _episode(task, oracle=False)
+    assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
+    oracle, _ = _episode(task, oracle=True)
+    assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)

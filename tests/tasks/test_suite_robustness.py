@@ -158,11 +158,12 @@ def test_the_oracle_on_a_task_without_a_solution_is_unsupported(tmp_path):
     assert "no oracle solution" in ep.verdict.detail
 
 
-def test_a_separate_verifier_environment_is_unsupported_with_its_reason(tmp_path):
+def test_a_separate_verifier_environment_without_its_image_is_broken(tmp_path):
     d = tmp_path / "separate"
     shutil.copytree(FIXTURES / "harbor-hello", d)
     (d / "task.toml").write_text((d / "task.toml").read_text().replace(
         "[verifier]", '[verifier]\nenvironment_mode = "separate"'))
-    assert "[verifier]" in (d / "task.toml").read_text()
-    reason = load_task(d).unsupported_reason
-    assert reason is not None and "verifier environment of its own" in reason
+    with pytest.raises(TaskError, match="the verifier's image"):
+        load_task(d)
+    (d / "tests" / "Dockerfile").write_text("FROM python:3.12\n")
+    assert "needs the image mode" in load_task(d).unsupported_reason_in(images=False)

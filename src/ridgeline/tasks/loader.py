@@ -500,11 +500,21 @@ def _load_v2(d: Path) -> Task:
     build = plan_build(dockerfile, context if context.exists() else d, base_image=image)
     if problems:
         build = _with_problems(build, problems, host_only=bool(sidecars))
-    if spec.verifier.environment_mode != "shared":
-        build = _with_problems(build, [
-            f"a verifier environment of its own (verifier.environment_mode = "
-            f"{spec.verifier.environment_mode!r}: tests/Dockerfile, given the task's "
-            f"artifacts) is not supported yet"])
+    verifier_dockerfile, artifacts = None, ()
+    if spec.verifier.environment_mode == "separate":
+        verifier_dockerfile = _require(d / "tests" / "Dockerfile", "the verifier's image "
+                                       "(verifier.environment_mode = 'separate')")
+        raw_artifacts = data.get("artifacts") or []
+        if not isinstance(raw_artifacts, list) or not all(
+                isinstance(a, str) and a.startswith("/") for a in raw_artifacts):
+            raise TaskError(f"{spec_path}: 'artifacts' must be a list of absolute paths")
+        artifacts = tuple(raw_artifacts)
+        build = _with_problems(build, ["a verifier environment of its own (verifier."
+                                       "environment_mode = 'separate') needs the image "
+                                       "mode (RIDGELINE_TASK_ENV=image)"], host_only=True)
+    elif spec.verifier.environment_mode != "shared":
+        build = _with_problems(build, [f"verifier.environment_mode = "
+                                       f"{spec.verifier.environment_mode!r} is not known"])
     meta = dict(spec.metadata)
     tags = meta.get("tags") or spec.task.get("keywords") or []
     solve = d / "solution" / "solve.sh"
@@ -527,6 +537,7 @@ def _load_v2(d: Path) -> Task:
         setup_script=setup, verifier_env={**cenv, **spec.verifier.env},
         solution_env=dict(spec.solution.env), metadata={**meta, **spec.task},
         sidecars=sidecars, service_name=service, steps=task_steps,
+        verifier_dockerfile=verifier_dockerfile, artifacts=artifacts,
     )
 
 

@@ -97,6 +97,10 @@ class Task:
     sidecars: tuple[Sidecar, ...] = ()  # compose services beside the task's (image mode)
     service_name: str = "client"        # the task's own compose service
     steps: tuple[TaskStep, ...] = ()    # multi-step Harbor tasks, in order
+    #: Harbor's separate verifier environment: the tests' own image (tests/Dockerfile),
+    #: given the task's `artifacts` (absolute paths) from the agent's environment
+    verifier_dockerfile: Path | None = None
+    artifacts: tuple[str, ...] = ()
 
     def step_views(self) -> list["Task"]:
         """The task as each of its steps sees it (its instruction, tests, oracle and

@@ -47,6 +47,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path  # noqa: F401 - annotations
@@ -513,14 +514,37 @@ def verify(task: Task, sandbox: TaskSandbox, timeout: float | None = None) -> Ve
         raise TaskError(f"verify({task.id!r}) needs the sandbox made by "
                         f"prepare_environment() for that task",
                         hint="call prepare_environment(task) and pass its result")
-    verdict = _verify(task, sandbox, timeout, t0)
+    verdict = _verify_task(task, sandbox, timeout, t0)
     if not _checked_by_control(verdict):
         return verdict
     return _judge_by_control(task, sandbox, timeout, verdict, t0)
 
 
-def _verify(task: Task, sandbox: TaskSandbox, timeout: float | None, t0: float) -> Verdict:
-    """The verification itself, never with a control run (a control calls this)."""
+def _verify_task(task: Task, sandbox: TaskSandbox, timeout: float | None,
+                 t0: float) -> Verdict:
+    """In the agent's environment, or in the tests' own (Harbor's separate verifier
+    environment, tasks/artifacts.py); never with a control run (a control calls this)."""
+    if task.verifier_dockerfile is None:
+        return _verify(task, sandbox, timeout, t0)
+    from ridgeline.tasks import artifacts
+    try:
+        stop_all(sandbox, task)
+        data = artifacts.collect(task, sandbox)
+    except (OSError, SandboxError) as e:
+        return _broken(sandbox, f"could not take the artifacts for the verifier: {e}", t0)
+    vtask = artifacts.verifier_task(task)
+    try:
+        vsb = prepare_environment(vtask, mode="image")
+    except Exception as e:  # noqa: BLE001 - unsupported or infrastructure, never a score
+        return verdict_from_error(e, time.perf_counter() - t0)
+    with vsb:
+        return _verify(vtask, vsb, timeout, t0, after_reset=lambda sb: artifacts.place(sb, data))
+
+
+def _verify(task: Task, sandbox: TaskSandbox, timeout: float | None, t0: float,
+            after_reset: Callable[[TaskSandbox], None] | None = None) -> Verdict:
+    """The verification itself. `after_reset` puts what the tests are given (a separate
+    verifier's artifacts) once the sandbox's trees are reset for them."""
     try:
         stop_all(sandbox, task)     # nothing of the agent's may run beside the tests
     except Exception as e:     # a sandbox that cannot restart is a broken one
@@ -532,6 +556,12 @@ def _verify(task: Task, sandbox: TaskSandbox, timeout: float | None, t0: float) 
     except (OSError, SandboxError) as e:   # a tree gone from under the sandbox
         return _broken(sandbox, f"could not reset the sandbox's trees for the tests: {e}",
                        t0)
+    if after_reset is not None:
+        try:
+            after_reset(sandbox)
+        except (OSError, SandboxError) as e:
+            return infra_error("staging_failed", f"preparing the tests' inputs failed: {e}",
+                               t0)
     try:
         health = sandbox.health()
     except Exception as e:      # a sandbox that cannot even answer is broken
@@ -625,7 +655,7 @@ def _run_control(task: Task, mode: str, backend: str, timeout: float | None) -> 
     own: `_verify`, not `verify`)."""
     try:
         with prepare_environment(task, backend=backend, mode=mode) as fresh:
-            v = _verify(task, fresh, timeout, time.perf_counter())
+            v = _verify_task(task, fresh, timeout, time.perf_counter())
     except (TaskUnsupported, EnvironmentSetupError, SandboxError) as e:
         err = verdict_from_error(e)
         return _Control("setup_failed", err.reason, err.detail)

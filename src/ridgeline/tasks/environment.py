@@ -42,17 +42,17 @@ from pathlib import Path, PurePosixPath
 
 from ridgeline.errors import SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
-from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox import fork as forks
+from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
 from ridgeline.sandbox.network import PrivateNetwork, hosts_file
 from ridgeline.sandbox.network import joined as network_joined
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
+from ridgeline.tasks import wheelhouse
 from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
                                     ImagesUnavailable, builder, uses_images)
-from ridgeline.tasks import wheelhouse
 from ridgeline.tasks.model import Sidecar, Task
 
 MiB = 1024 * 1024
@@ -268,7 +268,7 @@ class TaskSandbox:
         return getattr(self.inner, name)
 
 
-def test_wheels(task: Task) -> tuple[list[Mount], dict[str, str]]:
+def wheel_mounts_for(task: Task) -> tuple[list[Mount], dict[str, str]]:
     """The wheelhouse of what the task's test scripts install (wheelhouse.py), mounted
     read-only for the offline uv/pip, or nothing."""
     wheels = wheelhouse.prefetch(task)
@@ -414,7 +414,7 @@ def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging
     if workdir != base["HOME"]:   # an image whose WORKDIR is /root: the workspace is HOME
         mounts.append(Mount(source=staging / "home", target=base["HOME"], writable=True))
     mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
-    wheel_mounts, wheel_env = test_wheels(task)
+    wheel_mounts, wheel_env = wheel_mounts_for(task)
     mounts += wheel_mounts
     run_env.update(wheel_env)
     if net is not None:   # compose: the sidecars are reached by their service names
@@ -542,7 +542,7 @@ def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: s
               Mount(source=staging / "home", target=home, writable=True),
               *interpreter_mounts(tools),
               *(Mount(source=h, target=d, writable=True) for d, h in extra.items())]
-    wheel_mounts, wheel_env = test_wheels(task)
+    wheel_mounts, wheel_env = wheel_mounts_for(task)
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
                        mounts=mounts + wheel_mounts,
                        env={**image_env, **wheel_env, **(env or {})},

@@ -388,7 +388,7 @@ def test_a_compose_sidecar_is_reached_by_its_service_name(tmp_path):
 
 
 def test_task_trees_are_what_the_build_made_beside_the_system_and_the_harness(tmp_path):
-    from ridgeline.tasks.environment import task_trees
+    from ridgeline.tasks.image_environment import task_trees
     from ridgeline.tasks.images import BuiltImage, ImageConfig
     for name in ("bin", "usr", "etc", "var", "data", "logs", "tests", "app", "workspace"):
         (tmp_path / name).mkdir()

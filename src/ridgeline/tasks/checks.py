@@ -27,7 +27,7 @@ from ridgeline.tasks.loader import BrokenTask
 from ridgeline.tasks.model import Task
 from ridgeline.tasks.solution import apply_solution
 from ridgeline.tasks.steps import run_steps
-from ridgeline.tasks.verifier import Verdict, VerdictStatus, verdict_from_error, verify
+from ridgeline.tasks.verifier import Verdict, VerdictStatus, verdict_from_error
 
 log = logging.getLogger(__name__)
 

@@ -45,15 +45,13 @@ from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
-from ridgeline.sandbox.network import PrivateNetwork, hosts_file
-from ridgeline.sandbox.network import joined as network_joined
+from ridgeline.sandbox.network import PrivateNetwork
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks import wheelhouse
-from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
-                                    ImagesUnavailable, builder, uses_images)
-from ridgeline.tasks.model import Sidecar, Task
+from ridgeline.tasks.images import BuiltImage, uses_images
+from ridgeline.tasks.model import Task
 
 MiB = 1024 * 1024
 BUILD_STEP_TIMEOUT_S = 300.0
@@ -252,7 +250,7 @@ class TaskSandbox:
             self.inner.close()
         finally:
             try:
-                close_group(self.sidecars, self.network)
+                _close_group(self.sidecars, self.network)
             finally:
                 # /logs and /root are the agent's (any depth): deleted off the caller's
                 # path, a failure logged, never raised.
@@ -266,6 +264,11 @@ class TaskSandbox:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def _close_group(sidecars: dict[str, Sandbox], net: PrivateNetwork | None) -> None:
+    from ridgeline.tasks.sidecars import close_group
+    close_group(sidecars, net)
 
 
 def wheel_mounts_for(task: Task) -> tuple[list[Mount], dict[str, str]]:
@@ -305,9 +308,10 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     Raises `TaskUnsupported` or `EnvironmentSetupError`; nothing is left behind then."""
     image = None
     if task.build.source is not None and backend == "bwrap" and uses_images(mode):
+        from ridgeline.tasks import image_environment as on_image
         if (reason := task.unsupported_reason_in(images=True)) is not None:
             raise TaskUnsupported(task.id, reason)
-        image = _build_image(task)
+        image = on_image.build_image(task)
     elif (reason := task.unsupported_reason_in(images=False)) is not None:
         raise TaskUnsupported(task.id, reason)
     t0 = time.perf_counter()
@@ -318,13 +322,14 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     try:
         if image is not None:
             if task.sidecars:
+                from ridgeline.tasks.sidecars import start_sidecars
                 net, sidecars = start_sidecars(task, staging)
-            inner, extra = _create_on_image(task, image, tools, staging, env, net)
+            inner, extra = on_image.create_on_image(task, image, tools, staging, env, net)
             steps = []
         else:
             inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
     except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
-        close_group(sidecars, net)
+        _close_group(sidecars, net)
         hostfs.discard_tree(staging, "task staging directory")
         raise
     sb = TaskSandbox(task, inner, staging, tools, extra)
@@ -342,183 +347,6 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     sb.setup_s = time.perf_counter() - t0
     sb.image = image
     return sb
-
-
-def _build_image(task: Task) -> BuiltImage:
-    assert task.build.source is not None
-    try:
-        return builder().build(task.build.source, task.build.context)
-    except BuildRefused as e:
-        raise TaskUnsupported(task.id, str(e)) from e
-    except ImagesUnavailable as e:
-        raise TaskUnsupported(task.id, f"task images cannot be built here: {e.message}"
-                              ) from e
-    except SandboxError as e:
-        raise EnvironmentSetupError(task.id, f"building the image: {e.message}") from e
-
-
-def image_workdir(task: Task, image: BuiltImage) -> str:
-    """Where commands start: the image's WORKDIR, else the task's default (/app)."""
-    return image.config.workdir if image.config.workdir not in ("", "/") else task.workdir
-
-
-#: Top-level directories of a Debian/Ubuntu root: the system's, read-only in the
-#: sandbox. Any other (a task's /data, /workspace ...) was made by the task's build.
-SYSTEM_TOP = frozenset({"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64",
-                        "libx32", "media", "mnt", "opt", "proc", "root", "run", "sbin",
-                        "srv", "sys", "tmp", "usr", "var"})
-
-
-def task_trees(image: BuiltImage, workdir: str) -> list[str]:
-    """The top-level directories the task's build made beside the system's (and beside
-    the workspace): writable copies of them are the task's, as under Docker."""
-    ws_top = workdir.strip("/").split("/", 1)[0]
-    # the harness's own mounts take those paths (a Harbor image often makes /logs)
-    harness = {p.strip("/") for p in (TESTS_PATH, SOLUTION_PATH, LOGS_PATH, HARNESS_MOUNT,
-                                      wheelhouse.MOUNT)}
-    out = []
-    for name in sorted(os.listdir(image.rootfs)):
-        p = image.rootfs / name
-        if name not in SYSTEM_TOP | harness and name != ws_top and p.is_dir() \
-                and not p.is_symlink():
-            out.append("/" + name)
-    return out
-
-
-def _create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging: Path,
-                     env: dict[str, str] | None, net: PrivateNetwork | None = None
-                     ) -> tuple[Sandbox, dict[str, Path]]:
-    """A bwrap sandbox whose root is the built image (read-only), whose workspace is a
-    writable copy of the image's WORKDIR, with writable copies of the other trees the
-    build made (`task_trees`) and the harness's staging mounts."""
-    for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
-        (staging / sub).mkdir(parents=True)
-    workdir = image_workdir(task, image)
-    extra: dict[str, Path] = {}
-    for i, tree in enumerate(task_trees(image, workdir)):
-        extra[tree] = staging / "extra" / str(i)
-        # the image is the host's (built from the task's files), not a sandbox's: a
-        # plain copy, links kept as links
-        shutil.copytree(image.rootfs / tree.lstrip("/"), extra[tree], symlinks=True)
-    seed = image.rootfs / workdir.lstrip("/")
-    base = runtime_env(task, tools)
-    # The image's own tools first, the offline stand-ins (uv, curl ...) for what a test
-    # script would download; never the host's Python (the agent sees the image's).
-    image_path = image.config.env.get("PATH", IMAGE_PATH)
-    run_env = {**image.config.env, **CA_ENV, **base, "PATH": f"{tools.bin}:{image_path}"}
-    mounts = [Mount(source=tools.host_dir, target=HARNESS_MOUNT, writable=False),
-              Mount(source=staging / "tests", target=TESTS_PATH, writable=False),
-              Mount(source=staging / "solution", target=SOLUTION_PATH, writable=False),
-              Mount(source=staging / "logs", target=LOGS_PATH, writable=True),
-              *interpreter_mounts(tools)]
-    if workdir != base["HOME"]:   # an image whose WORKDIR is /root: the workspace is HOME
-        mounts.append(Mount(source=staging / "home", target=base["HOME"], writable=True))
-    mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
-    wheel_mounts, wheel_env = wheel_mounts_for(task)
-    mounts += wheel_mounts
-    run_env.update(wheel_env)
-    if net is not None:   # compose: the sidecars are reached by their service names
-        mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
-    spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
-                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
-                       env={**run_env, **(env or {})}, tools_root=image.rootfs,
-                       limits=sandbox_limits(task), network=NetworkPolicy.NONE,
-                       network_namespace=net.path if net is not None else None)
-    return _create_sandbox(spec, "bwrap"), extra
-
-
-SIDECAR_READY_S = 60.0
-
-
-def start_sidecars(task: Task, staging: Path) -> tuple[PrivateNetwork, dict[str, Sandbox]]:
-    """Build and start the task's compose sidecars in a private network of their own
-    (sandbox/network.py), each a bwrap sandbox on its image running its entrypoint and
-    command in the background; wait until the ports they declare accept connections.
-    The caller closes what this returns (close_group), also when this raises."""
-    net = PrivateNetwork()
-    hosts = hosts_file(staging, [task.service_name, *(c.name for c in task.sidecars)])
-    started: dict[str, Sandbox] = {}
-    try:
-        for car in task.sidecars:
-            started[car.name] = _start_sidecar(task, car, net, hosts)
-        ports = [p for c in task.sidecars for p in c.ports]
-        if ports and not wait_for_ports(net.path, ports, SIDECAR_READY_S):
-            logs = {n: sb.run("tail -c 400 /tmp/.sidecar.log").stdout for n, sb in
-                    started.items()}
-            raise EnvironmentSetupError(task.id, f"compose sidecars did not listen on "
-                                        f"{ports} within {SIDECAR_READY_S:.0f} s: {logs}")
-    except BaseException:
-        close_group(started, net)
-        raise
-    return net, started
-
-
-def _start_sidecar(task: Task, car: Sidecar, net: PrivateNetwork, hosts: Path) -> Sandbox:
-    where = f"compose service {car.name!r}"
-    try:
-        image = (builder().build(car.dockerfile, car.context) if car.dockerfile is not None
-                 else builder().local(car.image or ""))
-    except BuildRefused as e:
-        raise TaskUnsupported(task.id, f"{where}: {e}") from e
-    except SandboxError as e:
-        raise EnvironmentSetupError(task.id, f"{where}: {e.message}") from e
-    argv = [*(car.entrypoint if car.entrypoint is not None else image.config.entrypoint),
-            *(car.command if car.command is not None else image.config.cmd)]
-    if not argv:
-        raise TaskUnsupported(task.id, f"{where}: no entrypoint or command to run")
-    workdir = image.config.workdir if image.config.workdir not in ("", "/") else "/srv"
-    seed = image.rootfs / workdir.lstrip("/")
-    spec = SandboxSpec(workspace_path=workdir, tools_root=image.rootfs,
-                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
-                       env={**image.config.env, **CA_ENV, "HOME": "/tmp", **car.env},
-                       mounts=[Mount(source=hosts, target="/etc/hosts", writable=False)],
-                       limits=sandbox_limits(task), network_namespace=net.path)
-    sb = _create_sandbox(spec, "bwrap")
-    try:
-        res = sb.run(["sh", "-c", 'nohup "$@" >/tmp/.sidecar.log 2>&1 </dev/null &',
-                      "sh", *argv], timeout=30)
-        if not res.ok:
-            raise EnvironmentSetupError(task.id, f"{where}: could not start {argv}: "
-                                        f"{_failure_reason(res)}")
-    except BaseException:
-        sb.close()
-        raise
-    return sb
-
-
-def wait_for_ports(netns: Path, ports: list[int], timeout: float) -> bool:
-    """Whether every port accepts a connection on the shared loopback within `timeout`
-    (checked from a thread that joins the private network)."""
-    import socket
-    import threading
-    ok: list[bool] = []
-
-    def probe() -> None:
-        deadline = time.monotonic() + timeout
-        with network_joined(netns):
-            pending = set(ports)
-            while pending and time.monotonic() < deadline:
-                for p in list(pending):
-                    with contextlib.suppress(OSError), \
-                            socket.create_connection(("127.0.0.1", p), timeout=0.5):
-                        pending.discard(p)
-                if pending:
-                    time.sleep(0.1)
-            ok.append(not pending)
-
-    t = threading.Thread(target=probe, name="ridgeline-sidecar-ready")
-    t.start()
-    t.join()
-    return bool(ok and ok[0])
-
-
-def close_group(sidecars: dict[str, Sandbox], net: PrivateNetwork | None) -> None:
-    for sb in sidecars.values():
-        with contextlib.suppress(Exception):
-            sb.close()
-    sidecars.clear()
-    if net is not None:
-        net.close()
 
 
 def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: str,

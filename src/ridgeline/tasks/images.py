@@ -191,7 +191,7 @@ def image_map() -> list[tuple[str, str]]:
         table = data.get("map", {})
         if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
             raise ConfigError(f"{MAP_ENV}={path}: [map] must map patterns to image names",
-                              hint=f'e.g. "node:*" = "localhost/my/node:20"')
+                              hint='e.g. "node:*" = "localhost/my/node:20"')
         user = list(table.items())
     return user + list(DEFAULT_MAP)
 

@@ -430,3 +430,23 @@ def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):
     assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
     oracle, _ = _episode(task, oracle=True)
     assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+
+
+def test_idle_images_are_unmounted_beyond_a_few(image_task):
+    """Each mount in the host's namespace is copied into every new sandbox's: images no
+    sandbox runs on are unmounted, but for the latest MAX_IDLE_MOUNTS."""
+    from ridgeline.tasks.images import MAX_IDLE_MOUNTS
+    names = ["tb1-hello-world", "tb1-fix-script", "harbor-word-count",
+             "harbor-partial-reward", "tb1-csv-summary"]
+    b = builder()
+    with prepare_environment(image_task, mode="image") as held:
+        for name in names:
+            with prepare_environment(load_task(FIXTURES / name), mode="image") as sb:
+                assert sb.run("true").ok
+        mounted = {r for r in b._mounted}
+        assert held.image.ref in mounted                       # in use: kept
+        assert len(mounted - {held.image.ref}) <= MAX_IDLE_MOUNTS
+        assert held.run("cat /app/seed.txt").stdout == "seed\n"
+    # an unmounted image is mounted again when a task needs it
+    with prepare_environment(load_task(FIXTURES / names[0]), mode="image") as sb:
+        assert sb.run("true").ok

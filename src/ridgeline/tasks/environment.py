@@ -161,6 +161,13 @@ class TaskSandbox:
                 return host / rel
         return None
 
+    def use_image(self, image: BuiltImage | None) -> None:
+        """This sandbox runs on `image` (kept mounted until it closes)."""
+        self.image = image
+        if image is not None:
+            from ridgeline.tasks.images import builder
+            builder().acquire(image)
+
     def fork(self, n: int) -> list["TaskSandbox"]:
         """`n` task sandboxes that start from this one's state: the same image (or host
         root) and a copy-on-write fork of the workspace as it is now (the task's setup
@@ -209,7 +216,7 @@ class TaskSandbox:
                 for tree in ["logs", "home", *(str(h.relative_to(staging))
                                                for h in extra.values())]:
                     chown_tree(staging / tree, *sb.owner)
-            sb.image = self.image
+            sb.use_image(self.image)
             out.append(sb)
         return out
 
@@ -251,6 +258,9 @@ class TaskSandbox:
         finally:
             try:
                 _close_group(self.sidecars, self.network)
+                if self.image is not None:
+                    from ridgeline.tasks.images import builder
+                    builder().release(self.image)
             finally:
                 # /logs and /root are the agent's (any depth): deleted off the caller's
                 # path, a failure logged, never raised.
@@ -334,6 +344,7 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         raise
     sb = TaskSandbox(task, inner, staging, tools, extra)
     sb.sidecars, sb.network = sidecars, net
+    sb.use_image(image)
     try:
         if sb.owner is not None:  # the writable staging trees are the sandbox user's
             for sub in ("logs", "home", "extra"):
@@ -345,7 +356,6 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         sb.close()
         raise
     sb.setup_s = time.perf_counter() - t0
-    sb.image = image
     return sb
 
 

@@ -450,3 +450,18 @@ def test_idle_images_are_unmounted_beyond_a_few(image_task):
     # an unmounted image is mounted again when a task needs it
     with prepare_environment(load_task(FIXTURES / names[0]), mode="image") as sb:
         assert sb.run("true").ok
+
+
+def test_auto_falls_back_to_the_host_root_mode_where_no_image_can_be_built(monkeypatch):
+    from ridgeline.tasks.images import ImageBuilder, ImagesUnavailable
+
+    def no_mirror(self, *a, **kw):
+        raise ImagesUnavailable("mmdebstrap could not build the Debian base image")
+
+    monkeypatch.setattr(ImageBuilder, "build", no_mirror)
+    monkeypatch.setattr(ImageBuilder, "unavailable_reason", lambda self: None)
+    task = load_task(FIXTURES / "tb1-hello-world")
+    with prepare_environment(task, mode="auto") as sb:
+        assert sb.image is None and sb.run("true").ok      # the host-root mode
+    with pytest.raises(TaskUnsupported, match="cannot be built here"):
+        prepare_environment(task, mode="image")

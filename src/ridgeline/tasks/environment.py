@@ -50,7 +50,7 @@ from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks import wheelhouse
-from ridgeline.tasks.images import BuiltImage, uses_images
+from ridgeline.tasks.images import BuiltImage, environment_mode, uses_images
 from ridgeline.tasks.model import Task
 
 MiB = 1024 * 1024
@@ -321,8 +321,8 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
         from ridgeline.tasks import image_environment as on_image
         if (reason := task.unsupported_reason_in(images=True)) is not None:
             raise TaskUnsupported(task.id, reason)
-        image = on_image.build_image(task)
-    elif (reason := task.unsupported_reason_in(images=False)) is not None:
+        image = on_image.build_image(task, fallback=(mode or environment_mode()) == "auto")
+    if image is None and (reason := task.unsupported_reason_in(images=False)) is not None:
         raise TaskUnsupported(task.id, reason)
     t0 = time.perf_counter()
     tools = harness_tools()

@@ -4,6 +4,7 @@ writable copies of the other trees the build made and the harness's staging moun
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,13 +23,21 @@ from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage
                                     ImagesUnavailable, builder)
 from ridgeline.tasks.model import Task
 
-def build_image(task: Task) -> BuiltImage:
+log = logging.getLogger(__name__)
+
+def build_image(task: Task, fallback: bool = False) -> BuiltImage | None:
+    """The task's image; with `fallback` (mode auto), None where this machine cannot
+    build images at all (no base image: no mirror), so the host-root mode runs it."""
     assert task.build.source is not None
     try:
         return builder().build(task.build.source, task.build.context)
     except BuildRefused as e:
         raise TaskUnsupported(task.id, str(e)) from e
     except ImagesUnavailable as e:
+        if fallback:
+            log.warning("task %s: images cannot be built here (%s); the host-root mode "
+                        "runs it", task.id, e.message)
+            return None
         raise TaskUnsupported(task.id, f"task images cannot be built here: {e.message}"
                               ) from e
     except SandboxError as e:

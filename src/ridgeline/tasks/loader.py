@@ -425,8 +425,9 @@ def _load_v1(d: Path) -> Task:
     if compose is not None:
         dockerfile, context, image, env, problems, service, sidecars = _compose_build(
             compose, d)
-        if dockerfile is None and image is None:
-            dockerfile = d / "Dockerfile"
+        if dockerfile is None and (image is None or (d / "Dockerfile").is_file()):
+            # the task's own Dockerfile, as before compose files were read for sidecars
+            dockerfile, context, image = d / "Dockerfile", d, None
     elif (d / "Dockerfile").is_file():
         dockerfile = d / "Dockerfile"
     build = plan_build(dockerfile, context, base_image=image)

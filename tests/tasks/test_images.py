@@ -465,3 +465,22 @@ def test_auto_falls_back_to_the_host_root_mode_where_no_image_can_be_built(monke
         assert sb.image is None and sb.run("true").ok      # the host-root mode
     with pytest.raises(TaskUnsupported, match="cannot be built here"):
         prepare_environment(task, mode="image")
+
+
+def test_a_build_step_cannot_reach_the_hosts_loopback(tmp_path):
+    """Builds reach the package registries through podman's own network, never the
+    host's: a task's RUN cannot talk to services bound to the host's 127.0.0.1."""
+    _images_or_skip()
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        (tmp_path / "Dockerfile").write_text(
+            "FROM python:3.12-slim\n"
+            f"RUN python3 -c \"import socket; s = socket.socket(); s.settimeout(3); "
+            f"print(s.connect_ex(('127.0.0.1', {port})))\" > /probe.txt\n")
+        image = ImageBuilder().build(tmp_path / "Dockerfile", tmp_path, no_cache=True)
+        assert (image.rootfs / "probe.txt").read_text().strip() != "0"   # not connected
+    finally:
+        srv.close()

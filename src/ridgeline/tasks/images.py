@@ -21,8 +21,10 @@ layers, and needs no daemon. What Ridgeline adds:
   the registries do not have or a build that needs the open internet is
   `TaskUnsupported` with the Dockerfile line; podman itself failing is an
   `EnvironmentSetupError` (infrastructure).
-* **Network during builds only**: `podman build --network=host` reaches what this
-  machine reaches (the package registries); the sandbox that runs the image has none.
+* **Network during builds only**: a build's steps run in podman's own network (NAT to
+  what this machine reaches: the package registries), never the host's, so a task's
+  `RUN` cannot reach services on the host's loopback; the sandbox that runs the image
+  has no network at all.
 
 The image's root is `podman image mount`ed (a read-only overlay; nothing is copied)
 under /var/lib/containers, which only root may enter, so the image's setuid files are
@@ -467,7 +469,7 @@ class ImageBuilder:
     def _build_recipe(self, ref: str, recipe: str) -> None:
         with tempfile.TemporaryDirectory(prefix="ridgeline-recipe-") as tmp:
             (Path(tmp) / "Dockerfile").write_text(recipe)
-            res = self._podman("build", "--pull=never", "--network=host", *self._ulimits(),
+            res = self._podman("build", "--pull=never", *self._ulimits(),
                                "-t", ref, tmp, timeout=BUILD_TIMEOUT_S, check=False)
             if res.returncode != 0:
                 raise ImagesUnavailable(f"building {ref} failed: "
@@ -564,7 +566,7 @@ class ImageBuilder:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
-            res = self._podman("build", "--pull=never", "--network=host",
+            res = self._podman("build", "--pull=never",
                                "--no-cache" if no_cache else "--layers",
                                *self._ulimits(), "-f", path, "-t", ref, str(context),
                                timeout=BUILD_TIMEOUT_S, check=False)

@@ -148,8 +148,9 @@ def prefetch(task: Task) -> Path | None:
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=root))
         try:
+            # wheels only: an sdist's build backend would run the task's code on the host
             res = subprocess.run([sys.executable, "-m", "pip", "download", "-q",
-                                  "--prefer-binary", "--disable-pip-version-check",
+                                  "--only-binary=:all:", "--disable-pip-version-check",
                                   "-d", str(tmp), *specs], capture_output=True, text=True,
                                  timeout=DOWNLOAD_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from dataclasses import replace
 
 from ridgeline.errors import SandboxError
@@ -39,9 +40,11 @@ def collect(task: Task, sandbox: TaskSandbox) -> bytes:
     if not task.artifacts:
         return b""
     rel = [a.lstrip("/") for a in task.artifacts]
+    # a name the agent cannot have planted anything at (its processes are stopped)
+    name = f".ridgeline-artifacts-{secrets.token_hex(8)}.tar"
     res = sandbox.run(["tar", "-c", "--ignore-failed-read", "-f",
-                       f"{LOGS_PATH}/agent/{ARCHIVE}", "-C", "/", *rel], timeout=120)
-    host = sandbox.logs_host_dir / "agent" / ARCHIVE
+                       f"{LOGS_PATH}/agent/{name}", "-C", "/", *rel], timeout=120)
+    host = sandbox.logs_host_dir / "agent" / name
     try:
         fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -398,17 +398,16 @@ def test_task_trees_are_what_the_build_made_beside_the_system_and_the_harness(tm
     assert task_trees(image, "/workspace/src") == ["/app", "/data"]
 
 
-def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):
-    """Harbor's verifier.environment_mode = "separate": the tests run in their own
-    image (with pytest, which the agent's lacks), given the declared artifacts only."""
-    _images_or_skip()
-    d = tmp_path / "separate"
+def _separate_verifier_task(d: Path, storage: str = "",
+                            artifact: str = "/root/results/answer.txt") -> Path:
+    """Harbor's verifier.environment_mode = "separate": the tests run in their own image
+    (with pytest, which the agent's lacks), given the declared artifacts only."""
     for sub in ("environment", "tests", "solution"):
         (d / sub).mkdir(parents=True)
     (d / "task.toml").write_text(
-        'version = "1.0"\nartifacts = ["/root/results/answer.txt"]\n'
+        f'version = "1.0"\nartifacts = ["{artifact}"]\n'
         '[verifier]\ntimeout_sec = 120\nenvironment_mode = "separate"\n'
-        '[agent]\ntimeout_sec = 120\n')
+        f'[agent]\ntimeout_sec = 120\n[environment]\n{storage}\n')
     (d / "instruction.md").write_text("Write 42 to /root/results/answer.txt.\n")
     (d / "environment/Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
     (d / "tests/Dockerfile").write_text(
@@ -423,13 +422,30 @@ def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):
         "import os, pathlib\n\ndef test_answer():\n"
         "    assert pathlib.Path('/root/results/answer.txt').read_text() == '42\\n'\n"
         "    assert not os.path.exists('/app/note.txt')   # only the artifacts come over\n")
-    task = load_task(d)
+    return d
+
+
+def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):
+    _images_or_skip()
+    task = load_task(_separate_verifier_task(tmp_path / "separate"))
     assert task.artifacts == ("/root/results/answer.txt",)
     assert "needs the image mode" in task.unsupported_reason_in(images=False)
     null, _ = _episode(task, oracle=False)
     assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
     oracle, _ = _episode(task, oracle=True)
     assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+
+
+def test_artifacts_larger_than_the_tasks_storage_are_the_agents_failure(tmp_path):
+    _images_or_skip()
+    task = load_task(_separate_verifier_task(tmp_path / "big", storage="storage_mb = 4",
+                                             artifact="/root/results"))
+    with prepare_environment(task, mode="image") as sb:
+        # sparse files: 18 MB to archive, no blocks on the agent's (4 MB) disk
+        assert sb.run("mkdir -p /root/results && for i in 1 2 3 4 5 6; do truncate -s 3M "
+                      "/root/results/part$i; done").ok
+        v = verify(task, sb)
+    assert v.status is VerdictStatus.FAILED and v.reason == "artifacts_too_large", v.detail
 
 
 def test_idle_images_are_unmounted_beyond_a_few(image_task):

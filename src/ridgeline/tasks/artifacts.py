@@ -25,6 +25,10 @@ ARCHIVE = ".ridgeline-artifacts.tar"
 MiB = 1024 * 1024
 
 
+class ArtifactsTooLarge(SandboxError):
+    """The agent left artifacts larger than the task's storage: its failure."""
+
+
 def verifier_task(task: Task) -> Task:
     """The task as its separate verifier environment: built from tests/Dockerfile (its
     context the tests folder), nothing of the agent's environment (setup, sidecars)."""
@@ -45,6 +49,12 @@ def collect(task: Task, sandbox: TaskSandbox) -> bytes:
     res = sandbox.run(["tar", "-c", "--ignore-failed-read", "-f",
                        f"{LOGS_PATH}/agent/{name}", "-C", "/", *rel], timeout=120)
     host = sandbox.logs_host_dir / "agent" / name
+    if res.killed_by == "file_size" or "No space left" in res.stderr:
+        # the archive of what the agent left does not fit the task's limits
+        with contextlib.suppress(OSError):
+            os.unlink(host)
+        raise ArtifactsTooLarge(f"the artifacts do not fit the task's storage "
+                                f"({task.resources.storage_mb} MB)")
     try:
         fd = os.open(host, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -55,8 +65,8 @@ def collect(task: Task, sandbox: TaskSandbox) -> bytes:
         with os.fdopen(fd, "rb") as f:
             data = f.read(cap + 1)
         if len(data) > cap:
-            raise SandboxError(f"the artifacts are larger than the task's storage "
-                               f"({task.resources.storage_mb} MB)")
+            raise ArtifactsTooLarge(f"the artifacts are larger than the task's storage "
+                                    f"({task.resources.storage_mb} MB)")
         return data
     finally:
         with contextlib.suppress(OSError):

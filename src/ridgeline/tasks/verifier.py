@@ -530,6 +530,8 @@ def _verify_task(task: Task, sandbox: TaskSandbox, timeout: float | None,
     try:
         stop_all(sandbox, task)
         data = artifacts.collect(task, sandbox)
+    except artifacts.ArtifactsTooLarge as e:   # what the agent left: its failure
+        return _agents_failure("artifacts_too_large", str(e), t0)
     except (OSError, SandboxError) as e:
         return _broken(sandbox, f"could not take the artifacts for the verifier: {e}", t0)
     vtask = artifacts.verifier_task(task)

@@ -65,8 +65,9 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
                  f"concurrency: {meta.get('concurrency', 1)} · wall time: {summary.wall_s:.1f} s · "
                  f"date: {meta.get('date', '')}")
     if meta.get("task_environment"):
-        lines.append(f"Task environments: {meta['task_environment']} (backend "
-                     f"{meta.get('backend', '?')})")
+        lines.append(f"Tasks with a Dockerfile: {meta['task_environment']} (backend "
+                     f"{meta.get('backend', '?')}); tasks without one run on the "
+                     f"host's system directories with their files")
     if "temperature" in meta:
         lines.append(f"Sampling: temperature {meta['temperature']}, top_p {meta['top_p']}, "
                      f"seed {meta['seed']}, max_tokens {meta['max_tokens']}")

@@ -165,7 +165,7 @@ def task_environment(backend: str) -> str:
     from ridgeline.tasks.images import builder, environment_mode, uses_images
     mode = environment_mode()
     if backend == "bwrap" and uses_images(mode):
-        return "image"
+        return "built as images"
     why = "asked for" if mode == "host" else (
         builder().unavailable_reason() or f"backend {backend}")
     return f"host (fallback: {why})"

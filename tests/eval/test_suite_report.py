@@ -84,3 +84,11 @@ def test_eval_cli_shows_both_rates_and_the_reasons(tmp_path):
     out = json.loads(r.output.strip().splitlines()[-1])
     assert out["pass_rate_all"] == 0.0 and out["n_broken"] == 0
     assert list(out["unsupported_tasks"]) == ["other-parser-b"]
+
+
+def test_the_run_says_how_dockerfile_tasks_were_made(monkeypatch):
+    from ridgeline.eval.runner import task_environment
+    monkeypatch.setenv("RIDGELINE_TASK_ENV", "host")
+    assert task_environment("bwrap") == "host (fallback: asked for)"
+    monkeypatch.setenv("RIDGELINE_TASK_ENV", "auto")
+    assert task_environment("local").startswith("host (fallback:")

@@ -339,35 +339,43 @@ HTTPServer(("0.0.0.0", 8080), H).serve_forever()
 """
 
 
+def _write_files(root: Path, files: dict[str, str]) -> Path:
+    """A task directory from {relative path: text}."""
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+#: A Harbor test.sh whose reward is whether pytest passed.
+REWARD_FROM_PYTEST = ("#!/bin/bash\ncd /app\npytest /tests/test_outputs.py -rA && echo 1 > "
+                      "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+
+
 def _sidecar_task(d: Path) -> Path:
     """A Harbor task whose compose file adds an API server the tests and agent reach
     by its service name."""
-    for sub in ("environment/api", "tests", "solution"):
-        (d / sub).mkdir(parents=True)
-    (d / "task.toml").write_text('version = "1.0"\n[metadata]\ndifficulty = "easy"\n'
-                                 '[verifier]\ntimeout_sec = 120\n[agent]\ntimeout_sec = 120\n')
-    (d / "instruction.md").write_text("Fetch http://api:8080/secret into /app/secret.txt.\n")
-    (d / "environment/Dockerfile").write_text(
-        "FROM python:3.12-slim\nRUN pip install --no-cache-dir pytest==8.4.1\nWORKDIR /app\n")
-    (d / "environment/docker-compose.yaml").write_text(
-        "services:\n  main:\n    build: .\n  api:\n    build: ./api\n    expose: [\"8080\"]\n"
-        "    environment:\n      SECRET: copper-42\n")
-    (d / "environment/api/Dockerfile").write_text(
-        "FROM python:3.12-slim\nWORKDIR /srv\nCOPY server.py /srv/server.py\n"
-        'CMD ["python3", "/srv/server.py"]\n')
-    (d / "environment/api/server.py").write_text(SERVER)
-    (d / "solution/solve.sh").write_text(
-        "#!/bin/bash\npython3 -c \"import urllib.request; open('/app/secret.txt', 'w')"
-        ".write(urllib.request.urlopen('http://api:8080/secret').read().decode())\"\n")
-    (d / "tests/test.sh").write_text(
-        "#!/bin/bash\ncd /app\npytest /tests/test_outputs.py -rA && echo 1 > "
-        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
-    (d / "tests/test_outputs.py").write_text(
-        "import pathlib, urllib.request\n\ndef test_secret():\n"
-        "    live = urllib.request.urlopen('http://api:8080/secret', timeout=5).read()\n"
-        "    assert pathlib.Path('/app/secret.txt').read_text() == live.decode() == "
-        "'copper-42'\n")
-    return d
+    return _write_files(d, {
+        "task.toml": 'version = "1.0"\n[metadata]\ndifficulty = "easy"\n'
+                     '[verifier]\ntimeout_sec = 120\n[agent]\ntimeout_sec = 120\n',
+        "instruction.md": "Fetch http://api:8080/secret into /app/secret.txt.\n",
+        "environment/Dockerfile": "FROM python:3.12-slim\nRUN pip install --no-cache-dir "
+                                  "pytest==8.4.1\nWORKDIR /app\n",
+        "environment/docker-compose.yaml":
+            "services:\n  main:\n    build: .\n  api:\n    build: ./api\n"
+            "    expose: [\"8080\"]\n    environment:\n      SECRET: copper-42\n",
+        "environment/api/Dockerfile": "FROM python:3.12-slim\nWORKDIR /srv\nCOPY server.py "
+                                      "/srv/server.py\nCMD [\"python3\", \"/srv/server.py\"]\n",
+        "environment/api/server.py": SERVER,
+        "solution/solve.sh": "#!/bin/bash\npython3 -c \"import urllib.request; open("
+                             "'/app/secret.txt', 'w').write(urllib.request.urlopen("
+                             "'http://api:8080/secret').read().decode())\"\n",
+        "tests/test.sh": REWARD_FROM_PYTEST,
+        "tests/test_outputs.py":
+            "import pathlib, urllib.request\n\ndef test_secret():\n"
+            "    live = urllib.request.urlopen('http://api:8080/secret', timeout=5).read()\n"
+            "    assert pathlib.Path('/app/secret.txt').read_text() == live.decode() == "
+            "'copper-42'\n"})
 
 
 def test_a_compose_sidecar_is_reached_by_its_service_name(tmp_path):
@@ -402,27 +410,21 @@ def _separate_verifier_task(d: Path, storage: str = "",
                             artifact: str = "/root/results/answer.txt") -> Path:
     """Harbor's verifier.environment_mode = "separate": the tests run in their own image
     (with pytest, which the agent's lacks), given the declared artifacts only."""
-    for sub in ("environment", "tests", "solution"):
-        (d / sub).mkdir(parents=True)
-    (d / "task.toml").write_text(
-        f'version = "1.0"\nartifacts = ["{artifact}"]\n'
-        '[verifier]\ntimeout_sec = 120\nenvironment_mode = "separate"\n'
-        f'[agent]\ntimeout_sec = 120\n[environment]\n{storage}\n')
-    (d / "instruction.md").write_text("Write 42 to /root/results/answer.txt.\n")
-    (d / "environment/Dockerfile").write_text("FROM python:3.12-slim\nWORKDIR /app\n")
-    (d / "tests/Dockerfile").write_text(
-        "FROM python:3.12-slim\nRUN pip install --no-cache-dir pytest==8.4.1\n")
-    (d / "solution/solve.sh").write_text(
-        "#!/bin/bash\nmkdir -p /root/results\necho 42 > /root/results/answer.txt\n"
-        "echo agent-only > /app/note.txt\n")
-    (d / "tests/test.sh").write_text(
-        "#!/bin/bash\npytest /tests/test_outputs.py -rA && echo 1 > "
-        "/logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
-    (d / "tests/test_outputs.py").write_text(
-        "import os, pathlib\n\ndef test_answer():\n"
-        "    assert pathlib.Path('/root/results/answer.txt').read_text() == '42\\n'\n"
-        "    assert not os.path.exists('/app/note.txt')   # only the artifacts come over\n")
-    return d
+    return _write_files(d, {
+        "task.toml": f'version = "1.0"\nartifacts = ["{artifact}"]\n'
+                     '[verifier]\ntimeout_sec = 120\nenvironment_mode = "separate"\n'
+                     f'[agent]\ntimeout_sec = 120\n[environment]\n{storage}\n',
+        "instruction.md": "Write 42 to /root/results/answer.txt.\n",
+        "environment/Dockerfile": "FROM python:3.12-slim\nWORKDIR /app\n",
+        "tests/Dockerfile": "FROM python:3.12-slim\nRUN pip install --no-cache-dir "
+                            "pytest==8.4.1\n",
+        "solution/solve.sh": "#!/bin/bash\nmkdir -p /root/results\necho 42 > "
+                             "/root/results/answer.txt\necho agent-only > /app/note.txt\n",
+        "tests/test.sh": REWARD_FROM_PYTEST,
+        "tests/test_outputs.py":
+            "import os, pathlib\n\ndef test_answer():\n"
+            "    assert pathlib.Path('/root/results/answer.txt').read_text() == '42\\n'\n"
+            "    assert not os.path.exists('/app/note.txt')   # only the artifacts come over\n"})
 
 
 def test_a_separate_verifier_environment_gets_only_the_artifacts(tmp_path):

@@ -502,3 +502,23 @@ def test_a_build_step_cannot_reach_the_hosts_loopback(tmp_path):
         assert (image.rootfs / "probe.txt").read_text().strip() != "0"   # not connected
     finally:
         srv.close()
+
+
+def test_tasks_images_builds_the_bases_and_a_suites_images(tmp_path):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from ridgeline.tasks.cli import app
+    _images_or_skip()
+    shutil.copytree(FIXTURES / "harbor-hello", tmp_path / "harbor-hello")
+    (tmp_path / "unmapped").mkdir()
+    shutil.copytree(FIXTURES / "tb1-hello-world", tmp_path / "unmapped", dirs_exist_ok=True)
+    (tmp_path / "unmapped" / "Dockerfile").write_text("FROM rust:1.80\nWORKDIR /app\n")
+    r = CliRunner().invoke(app, ["images", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["image"]: row for row in json.loads(r.output)}
+    assert rows[DEBIAN_IMAGE]["status"] == rows[PYTHON_IMAGE]["status"] == "ready"
+    assert rows["harbor-hello"]["status"] in ("built", "cached")
+    assert rows["unmapped"]["status"].startswith("unsupported: Dockerfile line 1")

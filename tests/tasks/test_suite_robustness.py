@@ -167,3 +167,24 @@ def test_a_separate_verifier_environment_without_its_image_is_broken(tmp_path):
         load_task(d)
     (d / "tests" / "Dockerfile").write_text("FROM python:3.12\n")
     assert "needs the image mode" in load_task(d).unsupported_reason_in(images=False)
+
+
+def test_a_step_that_inherits_the_prior_session_continues_the_conversation(tmp_path):
+    from ridgeline.agent.run import run_task_episode
+    from tests.helpers.scripted_model import ScriptedModel
+    d = multi_step_task(tmp_path / "multi")
+    toml = (d / "task.toml").read_text().replace(
+        'name = "02-extend"\n', 'name = "02-extend"\ninherit_prior_session = true\n')
+    (d / "task.toml").write_text(toml)
+    task = load_task(d)
+    assert [s.inherit_prior_session for s in task.steps] == [False, True]
+    act = "```bash\ntouch /app/{}.txt\n```"
+    done = "<finish>done</finish>"
+    model = ScriptedModel([act.format("a"), done, act.format("b"), done])
+    ep = run_task_episode(task, model)
+    assert ep.verdict.status.value == "passed", ep.verdict.detail
+    first, second = model.prompts[0], model.prompts[2]
+    assert "Create /app/a.txt." in first[1].content and len(first) == 2
+    # step 2 starts from step 1's whole conversation, then its own instruction
+    assert [m.content for m in second[:len(first)]] == [m.content for m in first]
+    assert "Create /app/b.txt." in second[-1].content and len(second) > len(first) + 1

@@ -99,18 +99,22 @@ class Agent:
         return "tool_calls" if getattr(self.model, "supports_tools", False) else "text"
 
     def run(self, task: TaskLike | str, sandbox: Sandbox | ToolEnvironment,
-            trajectory_path: str | Path | None = None) -> AgentResult:
-        """One episode in a sandbox (bash and file tools) or any other `ToolEnvironment`."""
+            trajectory_path: str | Path | None = None,
+            prior: list[Message] | None = None) -> AgentResult:
+        """One episode in a sandbox (bash and file tools) or any other `ToolEnvironment`.
+        `prior`: an earlier episode's conversation this one continues (a multi-step
+        task's next step): the new instruction is its next user message."""
         if isinstance(sandbox, ToolEnvironment):
-            return Episode(self, as_task(task), sandbox, trajectory_path).run()
+            return Episode(self, as_task(task), sandbox, trajectory_path, prior=prior).run()
         env = Workbench(sandbox, self.config.observation_max_bytes)
-        return Episode(self, as_task(task, sandbox), env, trajectory_path).run()
+        return Episode(self, as_task(task, sandbox), env, trajectory_path, prior=prior).run()
 
 
 class Episode:
     def __init__(self, agent: Agent, task: TaskLike, env: ToolEnvironment,
                  trajectory_path: str | Path | None,
-                 on_step: Callable[["Episode", StepRecord], None] | None = None) -> None:
+                 on_step: Callable[["Episode", StepRecord], None] | None = None,
+                 prior: list[Message] | None = None) -> None:
         # on_step runs after every step is recorded (the finishing one included): the
         # platform checkpoints there, and may raise to stop the episode (a cancel).
         self.on_step = on_step
@@ -126,11 +130,12 @@ class Episode:
             stops = list(dict.fromkeys([*cfg.sampling.stop, *cfg.action_closers, *cfg.extra_stop]))
             self.sampling = cfg.sampling.model_copy(update={"stop": stops})
         self.time_limit_s = min(cfg.time_limit_s, task.agent_timeout_s or cfg.time_limit_s)
-        head = [Message(role="system", content=fill(cfg.system_template,
-                                                    format_help=self.format_help)),
-                Message(role="user", content=fill(cfg.instance_template,
-                                                  instruction=task.instruction,
-                                                  workdir=task.workdir or "the working directory"))]
+        ask = Message(role="user", content=fill(cfg.instance_template,
+                                                instruction=task.instruction,
+                                                workdir=task.workdir or "the working directory"))
+        head = ([*prior, ask] if prior else
+                [Message(role="system", content=fill(cfg.system_template,
+                                                     format_help=self.format_help)), ask])
         self.history = History(head=head, summary_template=cfg.summary_template)
         self.path = Path(trajectory_path) if trajectory_path is not None else None
         self.writer = TrajectoryWriter(self.path, TrajectoryHeader(

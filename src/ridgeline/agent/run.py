@@ -68,6 +68,16 @@ class TaskEpisode:
     seconds: float
 
 
+def _prior_session(task: Task, view: Task, last: AgentResult | None) -> list | None:
+    """The conversation a multi-step task's step continues (`inherit_prior_session`):
+    the previous step's, for an LLM agent; None otherwise."""
+    step = next((s for s in task.steps if s.name == view.metadata.get("step")), None)
+    if step is None or not step.inherit_prior_session or last is None:
+        return None
+    record = last.trajectory.result
+    return list(record.messages) if record is not None and record.messages else None
+
+
 def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
                      config: AgentConfig | None = None, *, backend: str = "bwrap",
                      trajectory_path: str | Path | None = None,
@@ -97,7 +107,10 @@ def run_task_episode(task: Task, agent: ChatModel | EpisodeRunner | str,
                 if task.steps and path is not None:
                     path = Path(path).with_name(f"{Path(path).stem}.{view.metadata['step']}"
                                                 f"{Path(path).suffix}")
-                result = runner.run(view, box, path)
+                prior = (_prior_session(task, view, result) if isinstance(runner, Agent)
+                         else None)
+                result = (runner.run(view, box, path, prior=prior) if prior is not None
+                          else runner.run(view, box, path))
 
             verdict = run_steps(task, sb, act)
         error = None

@@ -579,7 +579,8 @@ def _load_steps(d: Path, spec_path: Path, raw: object, spec: _TaskToml
             solve if solve.is_file() and inside(solve, d) else None,
             sd / "solution" if solve.is_file() and inside(solve, d) else None,
             float(agent.get("timeout_sec", spec.agent.timeout_sec)),
-            float(verifier.get("timeout_sec", spec.verifier.timeout_sec)), min_reward))
+            float(verifier.get("timeout_sec", spec.verifier.timeout_sec)), min_reward,
+            bool(st.get("inherit_prior_session", False))))
     return tuple(out)
 
 

@@ -68,6 +68,7 @@ class TaskStep:
     agent_timeout_s: float = 600.0
     test_timeout_s: float = 600.0
     min_reward: float = 1.0
+    inherit_prior_session: bool = False   # the agent goes on with the last step's talk
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ The episode goes on to the next step only when a step's reward reaches its
 `min_reward`; its verdict is the last step's that ran, passed only when every step
 passed, with each step's outcome in `detail` and its reward the fraction of steps
 passed. A task without steps is one step. The agent starts each step with a new
-conversation in the same environment (`inherit_prior_session` is not honoured yet).
+conversation in the same environment, or, for a step with `inherit_prior_session`, goes
+on with the previous step's (agent/run.py).
 """
 
 from __future__ import annotations

@@ -83,12 +83,11 @@ def eval_command(
     for dom, info in s.by_domain.items():
         table.add_row(dom, str(int(info["passed"])), str(int(info["scored"])), f"{100 * info['pass_rate']:.0f}%")
     console.print(table)
-    n_broken = getattr(s, "n_broken", 0)
-    if hasattr(s, "pass_rate_all"):
-        # beside the scored rate, always: a suite mostly unsupported is not a 100% pass
-        console.print(f"[bold]pass rate over all tasks {100 * s.pass_rate_all:.1f}%[/] "
-                      f"({s.n_passed}/{s.n_episodes + n_broken * samples} episodes; "
-                      f"unsupported, broken and infra errors count as not passed)")
+    n_broken = s.n_broken
+    # beside the scored rate, always: a suite mostly unsupported is not a 100% pass
+    console.print(f"[bold]pass rate over all tasks {100 * s.pass_rate_all:.1f}%[/] "
+                  f"({s.n_passed}/{s.n_episodes + n_broken * samples} episodes; "
+                  f"unsupported, broken and infra errors count as not passed)")
     console.print(f"[bold]pass rate {100 * s.pass_rate:.1f}%[/] of scored episodes "
                   f"({s.n_passed}/{s.n_scored} scored; "
                   f"{s.n_infra_error} infra errors, {s.n_unsupported} unsupported, "
@@ -96,10 +95,10 @@ def eval_command(
                   + " ".join(f"{k}={100 * v:.1f}%" for k, v in s.pass_at_k.items())
                   + (f" (pass@1 95% interval {100 * s.pass_at_1_ci95[0]:.1f}-"
                      f"{100 * s.pass_at_1_ci95[1]:.1f}%)" if s.pass_at_1_ci95 else ""))
-    for task_id, why in getattr(s, "unsupported_tasks", {}).items():
+    for task_id, why in s.unsupported_tasks.items():
         console.print(f"[yellow]unsupported[/] {task_id}: {why}", highlight=False,
                       soft_wrap=True)
-    for task_id, why in getattr(s, "broken_tasks", {}).items():
+    for task_id, why in s.broken_tasks.items():
         console.print(f"[red]broken[/] {task_id}: {why}", highlight=False, soft_wrap=True)
     console.print(f"report: {run.files['report']}  results: {run.files['results']}")
 

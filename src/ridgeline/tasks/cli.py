@@ -131,14 +131,13 @@ def images(
     base image cannot be built; a task that cannot be built is reported, not fatal."""
     import time
 
-    from ridgeline.tasks.images import (DEBIAN_IMAGE, PYTHON_IMAGE, TB_DEBIAN_IMAGE,
-                                        TB_PYTHON_IMAGE, BuildRefused, builder)
+    from ridgeline.tasks.images import PREPARED_BASES, BuildRefused, builder
     b = builder()
     if (why := b.unavailable_reason()) is not None:
         console.print(f"[red]task images cannot be built here:[/red] {why}")
         raise typer.Exit(1)
     rows: list[dict] = []
-    for ref in (DEBIAN_IMAGE, PYTHON_IMAGE, TB_DEBIAN_IMAGE, TB_PYTHON_IMAGE):
+    for ref in PREPARED_BASES:
         t0 = time.perf_counter()
         rows.append({"image": ref, "id": b.ensure_base(ref)[:12],
                      "seconds": round(time.perf_counter() - t0, 1), "status": "ready"})

@@ -50,7 +50,7 @@ from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
 from ridgeline.tasks import wheelhouse
-from ridgeline.tasks.images import BuiltImage, environment_mode, uses_images
+from ridgeline.tasks.images import BuiltImage, builder, environment_mode, uses_images
 from ridgeline.tasks.model import Task
 
 MiB = 1024 * 1024
@@ -165,7 +165,6 @@ class TaskSandbox:
         """This sandbox runs on `image` (kept mounted until it closes)."""
         self.image = image
         if image is not None:
-            from ridgeline.tasks.images import builder
             builder().acquire(image)
 
     def fork(self, n: int) -> list["TaskSandbox"]:
@@ -259,7 +258,6 @@ class TaskSandbox:
             try:
                 _close_group(self.sidecars, self.network)
                 if self.image is not None:
-                    from ridgeline.tasks.images import builder
                     builder().release(self.image)
             finally:
                 # /logs and /root are the agent's (any depth): deleted off the caller's

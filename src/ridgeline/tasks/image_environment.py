@@ -44,11 +44,6 @@ def build_image(task: Task, fallback: bool = False) -> BuiltImage | None:
         raise EnvironmentSetupError(task.id, f"building the image: {e.message}") from e
 
 
-def image_workdir(task: Task, image: BuiltImage) -> str:
-    """Where commands start: the image's WORKDIR, else the task's default (/app)."""
-    return image.config.workdir if image.config.workdir not in ("", "/") else task.workdir
-
-
 #: Top-level directories of a Debian/Ubuntu root: the system's, read-only in the
 #: sandbox. Any other (a task's /data, /workspace ...) was made by the task's build.
 SYSTEM_TOP = frozenset({"bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64",
@@ -80,14 +75,13 @@ def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging:
     build made (`task_trees`) and the harness's staging mounts."""
     for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
         (staging / sub).mkdir(parents=True)
-    workdir = image_workdir(task, image)
+    workdir = image.workdir(task.workdir)
     extra: dict[str, Path] = {}
     for i, tree in enumerate(task_trees(image, workdir)):
         extra[tree] = staging / "extra" / str(i)
         # the image is the host's (built from the task's files), not a sandbox's: a
         # plain copy, links kept as links
         shutil.copytree(image.rootfs / tree.lstrip("/"), extra[tree], symlinks=True)
-    seed = image.rootfs / workdir.lstrip("/")
     base = runtime_env(task, tools)
     # The image's own tools first, the offline stand-ins (uv, curl ...) for what a test
     # script would download; never the host's Python (the agent sees the image's).
@@ -107,7 +101,7 @@ def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging:
     if net is not None:   # compose: the sidecars are reached by their service names
         mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
-                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
+                       workspace_from=image.seed(workdir),
                        env={**run_env, **(env or {})}, tools_root=image.rootfs,
                        limits=sandbox_limits(task), network=NetworkPolicy.NONE,
                        network_namespace=net.path if net is not None else None)

@@ -41,6 +41,7 @@ import base64
 import contextlib
 import fcntl
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -123,6 +124,25 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 python3
 # python:* images let pip install into the system interpreter; Debian's refuses (PEP 668)
 ENV PIP_BREAK_SYSTEM_PACKAGES=1
 """
+#: Our base images made from a Dockerfile: image -> (the image it starts from, recipe)
+RECIPES: dict[str, tuple[str, str]] = {
+    PYTHON_IMAGE: (DEBIAN_IMAGE, PYTHON_RECIPE),
+    BUILDPACK_IMAGE: (DEBIAN_IMAGE, BUILDPACK_RECIPE),
+    JDK17_IMAGE: (DEBIAN_IMAGE, JDK17_RECIPE),
+    TB_DEBIAN_IMAGE: (DEBIAN_IMAGE, TB_RECIPE.format(base=DEBIAN_IMAGE)),
+    TB_PYTHON_IMAGE: (PYTHON_IMAGE, TB_RECIPE.format(base=PYTHON_IMAGE)),
+}
+#: The bases `make images` (`ridgeline tasks images`) prepares on a machine
+PREPARED_BASES = (DEBIAN_IMAGE, PYTHON_IMAGE, TB_DEBIAN_IMAGE, TB_PYTHON_IMAGE)
+
+
+def recipe_of(ref: str) -> tuple[str, str] | None:
+    """(parent image, Dockerfile) of one of our recipe-made base images, uv's included."""
+    if ref.startswith(UV_IMAGE + ":"):
+        version = ref.rsplit(":", 1)[1]
+        spec = "uv" if version == "latest" else f"uv=={version}"
+        return PYTHON_IMAGE, UV_RECIPE.format(python=PYTHON_IMAGE, spec=spec)
+    return RECIPES.get(ref)
 CONTAINERS_CONF = """# Written by Ridgeline (tasks/images.py): runc, since crun refuses the hybrid
 # cgroup layout of these machines; events to a file (no journald here).
 [engine]
@@ -155,6 +175,15 @@ class BuiltImage:
     config: ImageConfig
     build_s: float           # 0 when it was already built
     cached: bool
+
+    def workdir(self, default: str) -> str:
+        """Where its processes start: the image's WORKDIR, else `default`."""
+        return self.config.workdir if self.config.workdir not in ("", "/") else default
+
+    def seed(self, workdir: str) -> Path | None:
+        """The image's tree at `workdir`, to seed a workspace there (None: it has none)."""
+        tree = self.rootfs / workdir.lstrip("/")
+        return tree if tree.is_dir() and not tree.is_symlink() else None
 
 
 class BuildRefused(Exception):
@@ -356,6 +385,7 @@ class ImageBuilder:
 
     # -- availability -----------------------------------------------------------------
 
+    @functools.cache   # noqa: B019 - one builder per process; the machine does not change
     def unavailable_reason(self) -> str | None:
         if not self.podman:
             return "podman is not installed (`make install` installs it)"
@@ -365,18 +395,20 @@ class ImageBuilder:
             return "runc is not installed (crun cannot run here)"
         return None
 
+    @functools.cached_property
     def _env(self) -> dict[str, str]:
+        """podman's environment: our containers.conf, written once per process."""
         if not self.conf.exists() or self.conf.read_text() != CONTAINERS_CONF:
             tmp = self.conf.with_suffix(".tmp")
             tmp.write_text(CONTAINERS_CONF)
             tmp.replace(self.conf)
         return {**os.environ, "CONTAINERS_CONF": str(self.conf)}
 
-    def _podman(self, *args: str, timeout: float = 120.0, stdin=None,
+    def _podman(self, *args: str, timeout: float = 120.0,
                 check: bool = True) -> subprocess.CompletedProcess:
         try:
             res = subprocess.run([self.podman, *args], capture_output=True, text=True,
-                                 timeout=timeout, env=self._env(), stdin=stdin)
+                                 timeout=timeout, env=self._env)
         except subprocess.TimeoutExpired as e:
             raise SandboxError(f"podman {args[0]} timed out after {timeout:.0f} s") from e
         if check and res.returncode != 0:
@@ -415,29 +447,18 @@ class ImageBuilder:
             self._bases[ref] = iid
             return iid
         with self._lock(re.sub(r"[^A-Za-z0-9_.-]", "_", ref)):
-            if (iid := self.image_id(ref)) is not None:
-                return iid
-            if ref == DEBIAN_IMAGE:
-                self._build_debian()
-            elif ref in (PYTHON_IMAGE, BUILDPACK_IMAGE, JDK17_IMAGE):
-                self.ensure_base(DEBIAN_IMAGE)
-                self._build_recipe(ref, {PYTHON_IMAGE: PYTHON_RECIPE,
-                                         BUILDPACK_IMAGE: BUILDPACK_RECIPE,
-                                         JDK17_IMAGE: JDK17_RECIPE}[ref])
-            elif ref in (TB_DEBIAN_IMAGE, TB_PYTHON_IMAGE):
-                base = DEBIAN_IMAGE if ref == TB_DEBIAN_IMAGE else PYTHON_IMAGE
-                self.ensure_base(base)
-                self._build_recipe(ref, TB_RECIPE.format(base=base))
-            elif ref.startswith(UV_IMAGE + ":"):
-                version = ref.rsplit(":", 1)[1]
-                self.ensure_base(PYTHON_IMAGE)
-                spec = "uv" if version == "latest" else f"uv=={version}"
-                self._build_recipe(ref, UV_RECIPE.format(python=PYTHON_IMAGE, spec=spec))
-            else:
-                raise BuildRefused(f"local image {ref!r} does not exist (build or load "
-                                   f"it with podman first)")
-        iid = self.image_id(ref)
-        assert iid is not None
+            iid = self.image_id(ref)
+            if iid is None:
+                if ref == DEBIAN_IMAGE:
+                    self._build_debian()
+                elif (recipe := recipe_of(ref)) is not None:
+                    self.ensure_base(recipe[0])
+                    self._build_recipe(ref, recipe[1])
+                else:
+                    raise BuildRefused(f"local image {ref!r} does not exist (build or "
+                                       f"load it with podman first)")
+                iid = self.image_id(ref)
+                assert iid is not None
         self._bases[ref] = iid
         return iid
 
@@ -525,11 +546,13 @@ class ImageBuilder:
                 self._mounted.pop(image.ref)
                 self._mounted[image.ref] = None
 
-    def unmount_idle(self) -> None:
-        """Unmount every image this process mounted that no sandbox runs on (at exit:
-        mounts outlive the process otherwise)."""
+    def unmount_idle(self, keep: int = 0) -> None:
+        """Unmount the images this process mounted that no sandbox runs on, but for the
+        `keep` latest (at exit, none: mounts outlive the process otherwise). A sandbox
+        still on an unmounted image keeps its own bind of the tree."""
         with self._mount_lock:
-            drop = [r for r in self._mounted if not self._users.get(r)]
+            idle = [r for r in self._mounted if not self._users.get(r)]
+            drop = idle[:max(0, len(idle) - keep)]
             for r in drop:
                 self._mounted.pop(r)
                 self._built.pop(r, None)
@@ -540,13 +563,7 @@ class ImageBuilder:
         """A sandbox on `image` closed; unmount idle images beyond the few kept."""
         with self._mount_lock:
             self._users[image.ref] = max(0, self._users.get(image.ref, 0) - 1)
-            idle = [r for r in self._mounted if not self._users.get(r)]
-            drop = idle[:max(0, len(idle) - MAX_IDLE_MOUNTS)]
-            for r in drop:
-                self._mounted.pop(r)
-                self._built.pop(r, None)
-        for r in drop:   # a sandbox still on it keeps its own bind of the tree
-            self._podman("image", "unmount", r, check=False)
+        self.unmount_idle(keep=MAX_IDLE_MOUNTS)
 
     def local(self, ref: str) -> BuiltImage:
         """A mapped base image (`python:3.12` -> ours) as a runnable image: for compose

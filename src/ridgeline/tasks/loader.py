@@ -47,8 +47,6 @@ V2_FILES = ("task.toml", "instruction.md", "tests", "tests/test.sh", "environmen
             "environment/setup.sh", "solution", "solution/solve.sh", "setup.sh")
 STAGED_DIRS = ("tests", "solution")
 
-#: Why a multi-step Harbor task is refused (until steps run one after another).
-
 log = logging.getLogger(__name__)
 
 # Values Terminal-Bench's compose files interpolate; everything else becomes "".
@@ -653,13 +651,20 @@ def load_suite(source: str | Path | None = None, *, only_valid: bool = False,
     with the reason, and the rest load: one bad task of someone else's collection never
     stops `tasks list`, `tasks check` or `eval` for the others. A single task directory
     given as `source` still raises."""
+    return _load(source, only_valid, backend, concurrency, strict=False)
+
+
+def _load(source: str | Path | None, only_valid: bool, backend: str, concurrency: int,
+          *, strict: bool) -> Suite:
+    """The suite at `source`; `strict`: a task directory that does not load raises,
+    and only directories with a task file count as tasks."""
     root = _suite_root(source)
     if is_task_dir(root) or (root / "instruction.md").is_file():
         tasks, broken = [load_task(root)], []
     else:
+        looks = is_task_dir if strict else _looks_like_task
         dirs = sorted(p for p in root.iterdir()
-                      if p.is_dir() and not p.name.startswith((".", "_"))
-                      and _looks_like_task(p))
+                      if p.is_dir() and not p.name.startswith((".", "_")) and looks(p))
         if not dirs:
             raise NotFoundError(f"no tasks under {root}", hint="a task directory has "
                                 "task.yaml (Terminal-Bench v1) or task.toml (Harbor)")
@@ -668,6 +673,8 @@ def load_suite(source: str | Path | None = None, *, only_valid: bool = False,
             try:
                 tasks.append(load_task(p))
             except Exception as e:  # noqa: BLE001 - any failure of one task is its own
+                if strict:
+                    raise
                 # the caller reports it (Suite.broken); logged for the record only
                 broken.append(BrokenTask(p.name, p, _why(p, e)))
                 log.info("skipping task %s: %s", p.name, broken[-1].reason)
@@ -698,17 +705,4 @@ def load_tasks(source: str | Path | None = None, *, only_valid: bool = False,
     check result is cached by the hash of its files (see `ridgeline.tasks.checks`), and
     tasks that were never checked are checked now, which runs their oracle and a null
     agent in sandboxes (seconds per task)."""
-    root = _suite_root(source)
-    if is_task_dir(root) or (root / "instruction.md").is_file():
-        tasks = [load_task(root)]
-    else:
-        dirs = sorted(p for p in root.iterdir()
-                      if p.is_dir() and not p.name.startswith((".", "_")) and is_task_dir(p))
-        if not dirs:
-            raise NotFoundError(f"no tasks under {root}", hint="a task directory has "
-                                "task.yaml (Terminal-Bench v1) or task.toml (Harbor)")
-        tasks = [load_task(p) for p in dirs]
-    if only_valid:
-        from ridgeline.tasks.checks import valid_tasks
-        tasks = valid_tasks(tasks, backend=backend, concurrency=concurrency)
-    return tasks
+    return _load(source, only_valid, backend, concurrency, strict=True).tasks

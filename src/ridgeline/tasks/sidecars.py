@@ -59,10 +59,9 @@ def _start_sidecar(task: Task, car: Sidecar, net: PrivateNetwork, hosts: Path) -
             *(car.command if car.command is not None else image.config.cmd)]
     if not argv:
         raise TaskUnsupported(task.id, f"{where}: no entrypoint or command to run")
-    workdir = image.config.workdir if image.config.workdir not in ("", "/") else "/srv"
-    seed = image.rootfs / workdir.lstrip("/")
+    workdir = image.workdir("/srv")
     spec = SandboxSpec(workspace_path=workdir, tools_root=image.rootfs,
-                       workspace_from=seed if seed.is_dir() and not seed.is_symlink() else None,
+                       workspace_from=image.seed(workdir),
                        env={**image.config.env, **CA_ENV, "HOME": "/tmp", **car.env},
                        mounts=[Mount(source=hosts, target="/etc/hosts", writable=False)],
                        limits=sandbox_limits(task), network_namespace=net.path)

@@ -54,6 +54,7 @@ from pathlib import Path  # noqa: F401 - annotations
 
 from ridgeline.errors import RidgelineError, SandboxError, TaskError
 from ridgeline.sandbox import hostfs
+from ridgeline.tasks import artifacts
 from ridgeline.tasks.environment import (
     HOME_PATH, LOGS_PATH, TESTS_PATH, EnvironmentSetupError, TaskSandbox, TaskUnsupported,
     prepare_environment, stage_copy,
@@ -526,7 +527,6 @@ def _verify_task(task: Task, sandbox: TaskSandbox, timeout: float | None,
     environment, tasks/artifacts.py); never with a control run (a control calls this)."""
     if task.verifier_dockerfile is None:
         return _verify(task, sandbox, timeout, t0)
-    from ridgeline.tasks import artifacts
     try:
         stop_all(sandbox, task)
         data = artifacts.collect(task, sandbox)

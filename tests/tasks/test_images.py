@@ -522,3 +522,17 @@ def test_tasks_images_builds_the_bases_and_a_suites_images(tmp_path):
     assert rows[DEBIAN_IMAGE]["status"] == rows[PYTHON_IMAGE]["status"] == "ready"
     assert rows["harbor-hello"]["status"] in ("built", "cached")
     assert rows["unmapped"]["status"].startswith("unsupported: Dockerfile line 1")
+
+
+def test_a_changed_file_of_the_context_rebuilds_the_image(tmp_path):
+    """Within a process the context's contents are read once while it is unchanged; a
+    change (even at the same size) gives another image."""
+    _images_or_skip()
+    (tmp_path / "Dockerfile").write_text("FROM python:3.12-slim\nCOPY a.txt /a.txt\n")
+    (tmp_path / "a.txt").write_text("one\n")
+    b = builder()
+    first = b.build(tmp_path / "Dockerfile", tmp_path)
+    assert b.build(tmp_path / "Dockerfile", tmp_path).ref == first.ref
+    (tmp_path / "a.txt").write_text("two\n")
+    second = b.build(tmp_path / "Dockerfile", tmp_path)
+    assert second.ref != first.ref and (second.rootfs / "a.txt").read_text() == "two\n"

@@ -14,7 +14,8 @@ install: $(STAMP)
 # bubblewrap: the sandbox backend; e2fsprogs (mkfs.ext4): each sandbox's disk; redis-server and postgresql: the queue and the task
 # store at scale (tests start their own servers on loopback); chromium: the dashboard's
 # browser test; podman, runc and mmdebstrap: task images built for real (tasks/images.py;
-# runc because crun refuses these machines' cgroup layout).
+# runc because crun refuses these machines' cgroup layout); catatonit: the init podman's
+# Docker-compatible API gives containers (the docker backend's tests run on it).
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
@@ -25,6 +26,7 @@ system-deps:
 	command -v podman >/dev/null 2>&1 || missing="$$missing podman"; \
 	PATH="$$PATH:/sbin:/usr/sbin" command -v runc >/dev/null 2>&1 || missing="$$missing runc"; \
 	command -v mmdebstrap >/dev/null 2>&1 || missing="$$missing mmdebstrap"; \
+	test -x /usr/libexec/podman/catatonit || missing="$$missing catatonit"; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 

@@ -267,6 +267,35 @@ def test_the_sandbox_on_a_built_image_keeps_its_isolation(image_task):
         srv.close()
 
 
+def test_the_docker_backend_runs_the_same_image(image_task, docker_engine):
+    """The engine behind the docker backend (podman's API here) starts a container from
+    the image podman built: the same verdicts as on bwrap, with that backend's
+    isolation (no capabilities, read-only root, no network)."""
+    def episode(oracle):
+        with prepare_environment(image_task, backend="docker", mode="image") as sb:
+            assert sb.inner.backend == "docker"
+            assert sb.run("echo x > /etc/probe").exit_code != 0
+            caps = sb.run("grep -E '^CapEff' /proc/self/status").stdout
+            assert "0000000000000000" in caps, caps
+            assert sb.run(["python3", "-c", "import socket; socket.getaddrinfo("
+                           "'deb.debian.org', 80)"]).exit_code != 0
+            if oracle:
+                apply_solution(image_task, sb)
+            return verify(image_task, sb)
+
+    null = episode(oracle=False)
+    assert null.status is VerdictStatus.FAILED, (null.detail, null.output)
+    assert (null.tests_passed, null.tests_total) == (1, 2)
+    oracle = episode(oracle=True)
+    assert oracle.status is VerdictStatus.PASSED, (oracle.detail, oracle.output)
+
+
+def test_the_docker_backend_refuses_compose_sidecars(tmp_path):
+    task = load_task(_sidecar_task(tmp_path / "t"))
+    with pytest.raises(TaskUnsupported, match="bwrap backend"):
+        prepare_environment(task, backend="docker", mode="image")
+
+
 def test_an_unmapped_base_image_is_unsupported_with_its_line(tmp_path):
     _images_or_skip()
     d = tmp_path / "t"

@@ -34,8 +34,24 @@ from ridgeline.sandbox.shell import BashSession
 log = logging.getLogger(__name__)
 
 DEFAULT_IMAGE = "python:3.12-slim"
+#: Some VMs refuse RLIMIT_NPROC above ~32K in a container (EPERM from runc) although
+#: their hard limit is higher.
+NPROC_LIMIT = 32768
 BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": "/tmp", "LANG": "C.UTF-8", "TERM": "dumb"}
+
+
+def container_ulimits() -> dict[str, int]:
+    """Open files and processes for a container on this machine. Engines ask for more
+    by default (Docker and podman: 1M files) than some hosts' hard limits allow, and
+    runc then refuses to start the container; the engine runs here (see module doc),
+    so this process's hard limits are the engine's."""
+    import resource
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    return {"nofile": 1 << 20 if nofile == resource.RLIM_INFINITY else min(nofile, 1 << 20),
+            "nproc": NPROC_LIMIT if nproc == resource.RLIM_INFINITY
+            else min(nproc, NPROC_LIMIT)}
 
 
 class DockerProvider:
@@ -170,7 +186,8 @@ class DockerSandbox(HostSandbox):
                                    hint=f"pull it first with `docker pull {image}` "
                                         "(sandboxes never download at run time)") from None
             lim = spec.limits
-            ulimits = []
+            ulimits = [docker.types.Ulimit(name=k, soft=v, hard=v)
+                       for k, v in container_ulimits().items()]
             if lim.max_file_size_bytes is not None:
                 ulimits.append(docker.types.Ulimit(name="fsize", soft=lim.max_file_size_bytes,
                                                    hard=lim.max_file_size_bytes))
@@ -185,8 +202,10 @@ class DockerSandbox(HostSandbox):
                                                     "mode": "rw" if m.writable else "ro"}
             self._env = {**BASE_ENV, **spec.env}
             tmp_size = f",size={lim.memory_bytes}" if lim.memory_bytes else ""
+            # the image's ENTRYPOINT would wrap (or replace) the keep-alive command
             self.container = provider.client.containers.run(
-                image, ["sleep", "infinity"], detach=True, init=True, network_mode="none",
+                image, entrypoint=["sleep", "infinity"], detach=True, init=True,
+                network_mode="none",
                 mem_limit=lim.memory_bytes, memswap_limit=lim.memory_bytes,
                 pids_limit=lim.max_processes, ulimits=ulimits, cap_drop=["ALL"],
                 security_opt=["no-new-privileges"], read_only=True,

@@ -79,6 +79,8 @@ class EnvironmentSetupError(SandboxError):
         super().__init__(f"task {task_id!r}: environment set-up failed: {reason}")
 
 
+#: The backends that run a task on its built image (image_environment.py).
+IMAGE_BACKENDS = ("bwrap", "docker")
 HOME_PATH = "/root"   # Docker tasks run as root with this home; ours is writable
 
 
@@ -315,10 +317,13 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     for real (`image`, images.py) or interpreted onto the host's root (`host`).
     Raises `TaskUnsupported` or `EnvironmentSetupError`; nothing is left behind then."""
     image = None
-    if task.build.source is not None and backend == "bwrap" and uses_images(mode):
+    if task.build.source is not None and backend in IMAGE_BACKENDS and uses_images(mode):
         from ridgeline.tasks import image_environment as on_image
         if (reason := task.unsupported_reason_in(images=True)) is not None:
             raise TaskUnsupported(task.id, reason)
+        if backend == "docker" and task.sidecars:
+            raise TaskUnsupported(task.id, "compose sidecars run on the bwrap backend "
+                                           "only (private networks of sibling sandboxes)")
         image = on_image.build_image(task, fallback=(mode or environment_mode()) == "auto")
     if image is None and (reason := task.unsupported_reason_in(images=False)) is not None:
         raise TaskUnsupported(task.id, reason)
@@ -332,7 +337,8 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
             if task.sidecars:
                 from ridgeline.tasks.sidecars import start_sidecars
                 net, sidecars = start_sidecars(task, staging)
-            inner, extra = on_image.create_on_image(task, image, tools, staging, env, net)
+            inner, extra = on_image.create_on_image(task, image, tools, staging, env, net,
+                                                    backend)
             steps = []
         else:
             inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)

@@ -1,12 +1,17 @@
-"""A task's environment on its built image (images.py): the bwrap sandbox whose root is
-the image (read-only), whose workspace is a writable copy of the image's WORKDIR, with
-writable copies of the other trees the build made and the harness's staging mounts."""
+"""A task's environment on its built image (images.py): the sandbox whose root is the
+image (read-only), whose workspace is a writable copy of the image's WORKDIR, with
+writable copies of the other trees the build made and the harness's staging mounts.
+
+Two backends run the same image: bwrap over podman's mount of it, and docker, whose
+engine (Docker, or podman's Docker-compatible API) starts a container from it; an
+engine that does not have the image gets it from podman (`podman save`, `docker load`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from ridgeline.errors import SandboxError
@@ -67,12 +72,39 @@ def task_trees(image: BuiltImage, workdir: str) -> list[str]:
     return out
 
 
+def share_with_engine(image: BuiltImage) -> None:
+    """Make `image` available to the docker backend's engine: podman's API shares
+    podman's store (nothing to do); a Docker daemon loads podman's archive of it."""
+    import docker
+
+    from ridgeline.sandbox import get_provider
+    client = get_provider("docker").client
+    try:
+        client.images.get(image.ref)
+        return
+    except docker.errors.ImageNotFound:
+        pass
+    with tempfile.TemporaryDirectory(prefix="ridgeline-image-") as d:
+        archive = Path(d) / "image.tar"
+        builder().save(image.ref, archive)
+        try:
+            with open(archive, "rb") as f:
+                client.images.load(f.read())
+        except docker.errors.APIError as e:
+            raise SandboxError(f"the Docker engine refused image {image.ref}: {e}",
+                               hint="use the bwrap backend") from None
+    log.info("loaded %s into the Docker engine", image.ref)
+
+
 def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging: Path,
-                     env: dict[str, str] | None, net: PrivateNetwork | None = None
-                     ) -> tuple[Sandbox, dict[str, Path]]:
-    """A bwrap sandbox whose root is the built image (read-only), whose workspace is a
-    writable copy of the image's WORKDIR, with writable copies of the other trees the
-    build made (`task_trees`) and the harness's staging mounts."""
+                     env: dict[str, str] | None, net: PrivateNetwork | None = None,
+                     backend: str = "bwrap") -> tuple[Sandbox, dict[str, Path]]:
+    """A sandbox (bwrap or docker) whose root is the built image (read-only), whose
+    workspace is a writable copy of the image's WORKDIR, with writable copies of the
+    other trees the build made (`task_trees`) and the harness's staging mounts."""
+    if backend == "docker":
+        assert net is None, "prepare_environment refuses sidecars on docker"
+        share_with_engine(image)
     for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home", "extra"):
         (staging / sub).mkdir(parents=True)
     workdir = image.workdir(task.workdir)
@@ -102,7 +134,11 @@ def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging:
         mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
                        workspace_from=image.seed(workdir),
-                       env={**run_env, **(env or {})}, tools_root=image.rootfs,
+                       env={**run_env, **(env or {})},
                        limits=sandbox_limits(task), network=NetworkPolicy.NONE,
                        network_namespace=net.path if net is not None else None)
-    return _create_sandbox(spec, "bwrap"), extra
+    if backend == "docker":   # the engine's container runs the image itself
+        spec = spec.model_copy(update={"image": image.ref})
+    else:                     # bwrap: podman's mount of the image is the root
+        spec = spec.model_copy(update={"tools_root": image.rootfs})
+    return _create_sandbox(spec, backend), extra

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ridgeline.errors import ConfigError, SandboxError
+from ridgeline.sandbox.docker import container_ulimits
 from ridgeline.tasks.dockerfile import HEREDOC, Instruction, expand, parse_dockerfile
 
 DEBIAN_IMAGE = "localhost/ridgeline/debian:bookworm"
@@ -96,9 +97,6 @@ IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TASK_REPO = "localhost/ridgeline/task"
 BUILD_TIMEOUT_S = 1800.0
 MAX_IDLE_MOUNTS = 4
-#: These VMs refuse RLIMIT_NPROC above ~32K in a container (EPERM from runc) although
-#: the hard limit is higher; podman's default asks for 1M.
-NPROC_LIMIT = 32768
 BUILDPACK_RECIPE = f"""FROM {DEBIAN_IMAGE}
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential curl \\
     wget git procps python3 python3-pip python3-venv unzip xz-utils \\
@@ -437,12 +435,7 @@ class ImageBuilder:
         return res.stdout.strip() or None if res.returncode == 0 else None
 
     def _ulimits(self) -> list[str]:
-        import resource
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        nofile = 1 << 20 if nofile == resource.RLIM_INFINITY else min(nofile, 1 << 20)
-        nproc = resource.getrlimit(resource.RLIMIT_NPROC)[1]
-        nproc = NPROC_LIMIT if nproc == resource.RLIM_INFINITY else min(nproc, NPROC_LIMIT)
-        return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+        return [a for k, v in container_ulimits().items() for a in ("--ulimit", f"{k}={v}:{v}")]
 
     @contextlib.contextmanager
     def _lock(self, name: str):
@@ -585,6 +578,30 @@ class ImageBuilder:
         with self._mount_lock:
             self._users[image.ref] = max(0, self._users.get(image.ref, 0) - 1)
         self.unmount_idle(keep=MAX_IDLE_MOUNTS)
+
+    def save(self, ref: str, path: Path) -> None:
+        """`ref` as a `docker save` archive at `path` (for a Docker engine whose image
+        store is not podman's)."""
+        self._podman("save", "--format", "docker-archive", "-o", str(path), ref,
+                     timeout=BUILD_TIMEOUT_S)
+
+    def api_service(self, socket_path: Path) -> subprocess.Popen:
+        """podman's Docker-compatible API on a unix socket, with our containers.conf
+        (runc): the docker backend's engine where no Docker daemon runs. The caller
+        stops it (terminate)."""
+        if (why := self.unavailable_reason()) is not None:
+            raise ImagesUnavailable(why)
+        proc = subprocess.Popen([self.podman, "system", "service", "--time=0",
+                                 f"unix://{socket_path}"], env=self._env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 20
+        while not socket_path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise SandboxError(f"podman system service did not start: {err[-400:]}")
+            time.sleep(0.05)
+        return proc
 
     def local(self, ref: str) -> BuiltImage:
         """A mapped base image (`python:3.12` -> ours) as a runnable image: for compose

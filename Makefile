@@ -15,7 +15,8 @@ install: $(STAMP)
 # store at scale (tests start their own servers on loopback); chromium: the dashboard's
 # browser test; podman, runc and mmdebstrap: task images built for real (tasks/images.py;
 # runc because crun refuses these machines' cgroup layout); catatonit: the init podman's
-# Docker-compatible API gives containers (the docker backend's tests run on it).
+# Docker-compatible API gives containers (the docker backend's tests run on it);
+# slirp4netns: internet for tasks that allow it, when the operator does (sandbox/network.py).
 system-deps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
@@ -27,6 +28,7 @@ system-deps:
 	PATH="$$PATH:/sbin:/usr/sbin" command -v runc >/dev/null 2>&1 || missing="$$missing runc"; \
 	command -v mmdebstrap >/dev/null 2>&1 || missing="$$missing mmdebstrap"; \
 	test -x /usr/libexec/podman/catatonit || missing="$$missing catatonit"; \
+	command -v slirp4netns >/dev/null 2>&1 || missing="$$missing slirp4netns"; \
 	if [ -n "$$missing" ]; then echo "installing$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 

@@ -89,6 +89,8 @@ def test_eval_cli_shows_both_rates_and_the_reasons(tmp_path):
 def test_the_run_says_how_dockerfile_tasks_were_made(monkeypatch):
     from ridgeline.eval.runner import task_environment
     monkeypatch.setenv("RIDGELINE_TASK_ENV", "host")
-    assert task_environment("bwrap") == "host (fallback: asked for)"
+    assert task_environment("bwrap") == "host (fallback: asked for), no internet"
+    monkeypatch.setenv("RIDGELINE_TASK_INTERNET", "allow")
+    assert task_environment("bwrap").endswith("internet for tasks that allow it")
     monkeypatch.setenv("RIDGELINE_TASK_ENV", "auto")
     assert task_environment("local").startswith("host (fallback:")

@@ -33,3 +33,44 @@ def test_members_reach_each_other_by_name_and_nothing_else():
             # The group reaches nothing outside it.
             assert client.run(["python3", "-c", GET, "http://1.1.1.1/"]).stdout.startswith("NO")
     assert not net.path.exists()
+
+
+def _registry_reachable() -> bool:
+    import socket
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_internet_reaches_out_but_never_the_host():
+    """With internet (slirp4netns), a sandbox reaches the internet through NAT; the host's
+    addresses, slirp's gateway (the host's loopback) and link-local metadata stay out."""
+    import socket
+
+    from ridgeline.sandbox.network import host_addresses, resolv_conf
+    srv = socket.socket()
+    srv.bind(("0.0.0.0", 0))   # a host service on every address
+    srv.listen(4)
+    port = srv.getsockname()[1]
+    try:
+        with PrivateNetwork(internet=True) as net:
+            spec = SandboxSpec(network_namespace=net.path,
+                               mounts=[Mount(source=resolv_conf(net.dir),
+                                             target="/etc/resolv.conf")])
+            with create_sandbox(spec) as sb:
+                assert sb.run("cat /etc/resolv.conf").stdout == "nameserver 10.0.2.3\n"
+                for host in [*host_addresses(), "10.0.2.2", "127.0.0.1"]:
+                    out = sb.run(["python3", "-c", GET, f"http://{host}:{port}/"]).stdout
+                    assert out.startswith("NO"), (host, out)
+                assert sb.run(["python3", "-c", GET, "http://169.254.169.254/"]
+                              ).stdout.startswith("NO")
+                if _registry_reachable():   # what this machine itself can reach
+                    assert sb.run(["python3", "-c", GET, "https://pypi.org/simple/"]
+                                  ).stdout == "200\n"
+            slirp = net.slirp
+        assert slirp.poll() is not None and net.slirp is None   # NAT stopped with it
+        assert not net.path.exists()
+    finally:
+        srv.close()

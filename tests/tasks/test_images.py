@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -565,3 +566,25 @@ def test_a_changed_file_of_the_context_rebuilds_the_image(tmp_path):
     (tmp_path / "a.txt").write_text("two\n")
     second = b.build(tmp_path / "Dockerfile", tmp_path)
     assert second.ref != first.ref and (second.rootfs / "a.txt").read_text() == "two\n"
+
+
+def test_internet_needs_the_task_and_the_operator(monkeypatch):
+    """A task that allows the internet (Harbor's default) gets it only where the operator
+    says `RIDGELINE_TASK_INTERNET=allow`; a task that does not, never."""
+    task = load_task(FIXTURES / "harbor-hello")
+    assert task.resources.allow_internet
+    probe = "cat /proc/net/dev; cat /etc/resolv.conf 2>/dev/null || true"
+
+    def links(t):
+        with prepare_environment(t) as sb:
+            return sb.run(probe).stdout
+    monkeypatch.delenv("RIDGELINE_TASK_INTERNET", raising=False)
+    assert "tap0" not in links(task)
+    monkeypatch.setenv("RIDGELINE_TASK_INTERNET", "allow")
+    out = links(task)
+    assert "tap0" in out and "nameserver 10.0.2.3" in out
+    offline = replace(task, resources=replace(task.resources, allow_internet=False))
+    assert "tap0" not in links(offline)
+    monkeypatch.setenv("RIDGELINE_TASK_INTERNET", "maybe")
+    with pytest.raises(ConfigError, match="RIDGELINE_TASK_INTERNET"):
+        prepare_environment(task)

@@ -161,14 +161,18 @@ def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
 
 def task_environment(backend: str) -> str:
     """How Dockerfile tasks are made in this run, for the report: `image` (built by
-    podman) or `host` (the host-root fallback, with why)."""
+    podman) or `host` (the host-root fallback, with why), and whether tasks that
+    declare allow_internet get it."""
+    from ridgeline.tasks.environment import IMAGE_BACKENDS, operator_allows_internet
     from ridgeline.tasks.images import builder, environment_mode, uses_images
     mode = environment_mode()
-    if backend == "bwrap" and uses_images(mode):
-        return "built as images"
+    internet = ("internet for tasks that allow it" if operator_allows_internet()
+                and backend == "bwrap" else "no internet")
+    if backend in IMAGE_BACKENDS and uses_images(mode):
+        return f"built as images, {internet}"
     why = "asked for" if mode == "host" else (
         builder().unavailable_reason() or f"backend {backend}")
-    return f"host (fallback: {why})"
+    return f"host (fallback: {why}), {internet}"
 
 
 def run_episodes(config: EvalConfig, tasks: list[Any],

@@ -27,6 +27,7 @@ the Dockerfile cannot be reproduced, a package or the internet is missing) and
 from __future__ import annotations
 
 import contextlib
+import logging
 import lzma
 import os
 import posixpath
@@ -40,12 +41,12 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from ridgeline.errors import SandboxError, UnsupportedError
+from ridgeline.errors import ConfigError, SandboxError, UnsupportedError
 from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
-from ridgeline.sandbox.network import PrivateNetwork
+from ridgeline.sandbox.network import PrivateNetwork, resolv_conf
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
@@ -78,6 +79,12 @@ class EnvironmentSetupError(SandboxError):
         self.reason = reason
         super().__init__(f"task {task_id!r}: environment set-up failed: {reason}")
 
+
+log = logging.getLogger(__name__)
+
+#: The operator's word on tasks that declare `allow_internet`: `deny` (the default: no
+#: network while the agent acts or the tests run) or `allow`.
+INTERNET_ENV = "RIDGELINE_TASK_INTERNET"
 
 #: The backends that run a task on its built image (image_environment.py).
 IMAGE_BACKENDS = ("bwrap", "docker")
@@ -309,6 +316,38 @@ def runtime_env(task: Task, tools: HarnessTools) -> dict[str, str]:
             "RIDGELINE_STATE": f"{home}/.cache/ridgeline-offline"}
 
 
+def operator_allows_internet() -> bool:
+    value = os.environ.get(INTERNET_ENV, "deny").strip().lower() or "deny"
+    if value not in ("allow", "deny"):
+        raise ConfigError(f"{INTERNET_ENV}={value!r} is not allow or deny",
+                          hint="allow gives tasks that declare allow_internet the internet")
+    return value == "allow"
+
+
+def internet_for(task: Task, backend: str) -> bool:
+    """Whether the task's sandbox reaches the internet: the task allows it and so does
+    the operator ($RIDGELINE_TASK_INTERNET=allow); bwrap only (a slirp4netns NAT that
+    keeps the host out of reach, sandbox/network.py)."""
+    if not (task.resources.allow_internet and operator_allows_internet()):
+        return False
+    if backend != "bwrap":
+        log.warning("task %s: internet is given on the bwrap backend only; on %s it runs "
+                    "offline", task.id, backend)
+        return False
+    return True
+
+
+def network_mounts(task: Task, staging: Path, net: PrivateNetwork | None) -> list[Mount]:
+    """/etc/hosts naming the compose services, /etc/resolv.conf for the internet."""
+    mounts = []
+    if task.sidecars and net is not None:
+        mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
+    if net is not None and net.slirp is not None:
+        mounts.append(Mount(source=resolv_conf(staging), target="/etc/resolv.conf",
+                            writable=False))
+    return mounts
+
+
 def prepare_environment(task: Task, backend: str = "bwrap", *,
                         env: dict[str, str] | None = None,
                         mode: str | None = None) -> TaskSandbox:
@@ -332,16 +371,19 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
     staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{task.id[:40]}-"))
     sidecars: dict[str, Sandbox] = {}
     net: PrivateNetwork | None = None
+    internet = internet_for(task, backend)
     try:
+        if image is not None and task.sidecars:
+            from ridgeline.tasks.sidecars import start_sidecars
+            net, sidecars = start_sidecars(task, staging, internet=internet)
+        elif internet:
+            net = PrivateNetwork(internet=True)
         if image is not None:
-            if task.sidecars:
-                from ridgeline.tasks.sidecars import start_sidecars
-                net, sidecars = start_sidecars(task, staging)
             inner, extra = on_image.create_on_image(task, image, tools, staging, env, net,
                                                     backend)
             steps = []
         else:
-            inner, extra, steps = _stage_and_create(task, tools, staging, backend, env)
+            inner, extra, steps = _stage_and_create(task, tools, staging, backend, env, net)
     except BaseException:  # an invalid spec, a failed sandbox: nothing is left behind
         _close_group(sidecars, net)
         hostfs.discard_tree(staging, "task staging directory")
@@ -364,7 +406,7 @@ def prepare_environment(task: Task, backend: str = "bwrap", *,
 
 
 def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: str,
-                      env: dict[str, str] | None
+                      env: dict[str, str] | None, net: PrivateNetwork | None = None
                       ) -> tuple[Sandbox, dict[str, Path], list]:
     """The staging trees, the sandbox's spec and the sandbox (prepare_environment
     removes `staging` if this raises)."""
@@ -386,9 +428,10 @@ def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: s
               *(Mount(source=h, target=d, writable=True) for d, h in extra.items())]
     wheel_mounts, wheel_env = wheel_mounts_for(task)
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
-                       mounts=mounts + wheel_mounts,
+                       mounts=mounts + wheel_mounts + network_mounts(task, staging, net),
                        env={**image_env, **wheel_env, **(env or {})},
-                       limits=sandbox_limits(task), network=NetworkPolicy.NONE)
+                       limits=sandbox_limits(task), network=NetworkPolicy.NONE,
+                       network_namespace=net.path if net is not None else None)
     return _create_sandbox(spec, backend), extra, steps
 
 

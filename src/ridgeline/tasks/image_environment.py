@@ -21,7 +21,8 @@ from ridgeline.sandbox.network import PrivateNetwork
 from ridgeline.tasks import wheelhouse
 from ridgeline.tasks.environment import (LOGS_PATH, SOLUTION_PATH, TESTS_PATH,
                                          EnvironmentSetupError, TaskUnsupported,
-                                         _create_sandbox, interpreter_mounts, runtime_env,
+                                         _create_sandbox, interpreter_mounts, network_mounts,
+                                         runtime_env,
                                          sandbox_limits, wheel_mounts_for)
 from ridgeline.tasks.harness import HARNESS_MOUNT, HarnessTools
 from ridgeline.tasks.images import (CA_ENV, IMAGE_PATH, BuildRefused, BuiltImage,
@@ -130,8 +131,7 @@ def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging:
     wheel_mounts, wheel_env = wheel_mounts_for(task)
     mounts += wheel_mounts
     run_env.update(wheel_env)
-    if net is not None:   # compose: the sidecars are reached by their service names
-        mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
+    mounts += network_mounts(task, staging, net)   # service names, the internet's DNS
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
                        workspace_from=image.seed(workdir),
                        env={**run_env, **(env or {})},

@@ -11,24 +11,27 @@ import time
 from pathlib import Path
 
 from ridgeline.errors import SandboxError
-from ridgeline.sandbox import Mount, SandboxSpec
+from ridgeline.sandbox import SandboxSpec
 from ridgeline.sandbox.base import Sandbox
 from ridgeline.sandbox.network import PrivateNetwork, hosts_file
 from ridgeline.sandbox.network import joined as network_joined
 from ridgeline.tasks.environment import (EnvironmentSetupError, TaskUnsupported,
-                                         _create_sandbox, _failure_reason, sandbox_limits)
+                                         _create_sandbox, _failure_reason, network_mounts,
+                                         sandbox_limits)
 from ridgeline.tasks.images import CA_ENV, BuildRefused, builder
 from ridgeline.tasks.model import Sidecar, Task
 
 SIDECAR_READY_S = 60.0
 
 
-def start_sidecars(task: Task, staging: Path) -> tuple[PrivateNetwork, dict[str, Sandbox]]:
+def start_sidecars(task: Task, staging: Path, internet: bool = False
+                   ) -> tuple[PrivateNetwork, dict[str, Sandbox]]:
     """Build and start the task's compose sidecars in a private network of their own
-    (sandbox/network.py), each a bwrap sandbox on its image running its entrypoint and
-    command in the background; wait until the ports they declare accept connections.
-    The caller closes what this returns (close_group), also when this raises."""
-    net = PrivateNetwork()
+    (sandbox/network.py; with `internet`, one that also reaches the internet), each a
+    bwrap sandbox on its image running its entrypoint and command in the background;
+    wait until the ports they declare accept connections. The caller closes what this
+    returns (close_group), also when this raises."""
+    net = PrivateNetwork(internet=internet)
     hosts = hosts_file(staging, [task.service_name, *(c.name for c in task.sidecars)])
     started: dict[str, Sandbox] = {}
     try:
@@ -63,7 +66,7 @@ def _start_sidecar(task: Task, car: Sidecar, net: PrivateNetwork, hosts: Path) -
     spec = SandboxSpec(workspace_path=workdir, tools_root=image.rootfs,
                        workspace_from=image.seed(workdir),
                        env={**image.config.env, **CA_ENV, "HOME": "/tmp", **car.env},
-                       mounts=[Mount(source=hosts, target="/etc/hosts", writable=False)],
+                       mounts=network_mounts(task, hosts.parent, net),
                        limits=sandbox_limits(task), network_namespace=net.path)
     sb = _create_sandbox(spec, "bwrap")
     try:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ridgeline.engine.llm import LLM
     from ridgeline.engine.outputs import CompletionOutput, RequestOutput
     from ridgeline.engine.sampling_params import SamplingParams
+    from ridgeline.engine.structured import StructuredOutputs
 
 _WHERE = {
     "LLM": "llm",
@@ -32,6 +33,7 @@ _WHERE = {
     "PromptTooLongError": "core.llm_engine",
     "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
+    "StructuredOutputs": "structured",
 }
 
 __all__ = sorted(_WHERE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ridgeline.engine.structured import StructuredOutputs
 from ridgeline.errors import EngineError
 
 #: The most top-k logprobs a request may ask for per token.
@@ -23,7 +24,10 @@ class SamplingParams:
     distribution (before penalties, temperature and filters), as in vLLM, or with
     `logprobs_mode="tempered"` those of log_softmax(logits / temperature): what RL at a
     temperature other than 1 needs as its behaviour logprobs, because a trainer can
-    compute exactly that (penalties and top-k/top-p/min-p filters are not included)."""
+    compute exactly that (penalties and top-k/top-p/min-p filters are not included).
+    `structured_outputs` holds the output to a JSON schema, regex, choice or grammar
+    (engine/structured.py); the logprobs of such a request are those of the masked
+    distribution."""
 
     n: int = 1
     temperature: float = 1.0
@@ -42,6 +46,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs_mode: str = "raw"
+    structured_outputs: StructuredOutputs | None = None
     # Filled by __post_init__: `stop` as a list.
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -85,6 +90,10 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputs):
+            raise _bad("structured_outputs", self.structured_outputs,
+                       "must be a StructuredOutputs (json, regex, choice or grammar)")
         if self.logprobs_mode not in ("raw", "tempered"):
             raise _bad("logprobs_mode", self.logprobs_mode, "must be 'raw' or 'tempered'")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

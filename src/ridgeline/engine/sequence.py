@@ -8,7 +8,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +54,8 @@ class Sequence:
     # proposed tokens the speculator plans for the next step; the scheduler reserves
     # their KV slots when it schedules the sequence (and resets this)
     num_lookahead: int = 0
+    # where the output stands in its request's grammar (engine/structured.py), if any
+    grammar: Any = None
     # outputs
     logprobs: list[float] = field(default_factory=list)
     # the policy (weights) version each output token was sampled under (RL staleness)

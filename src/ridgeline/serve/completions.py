@@ -28,13 +28,13 @@ from ridgeline.llm.chat_template import encode_chat
 from ridgeline.serve.gate import _clip
 from ridgeline.serve.generation import _final_outputs, _Generation
 from ridgeline.serve.metrics import ServerMetrics
-from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest
+from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from ridgeline.serve.served import ServedModel
 from ridgeline.serve.streaming import _Chunks, _stream
+from ridgeline.serve.tool_grammar import tool_call_constraint
 from ridgeline.serve.tools import (
     ToolCallExtractor,
     extract_tool_calls,
-    forced_prefix,
     to_messages,
     tool_specs,
     wire_tool_call,
@@ -123,12 +123,18 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
     tools = tool_specs(req.tools) if use_tools else None
     known = {t.name for t in tools} if tools else None
     max_calls = None if req.parallel_tool_calls else 1
-    prefix = forced_prefix(req.tool_choice) if use_tools else ""
+    # A forced call (required / a named function) is a grammar over the tools' schemas
+    # (serve/tool_grammar.py): the reply can only be a well-formed call of a real tool.
+    forced = use_tools and (req.tool_choice == "required"
+                            or isinstance(req.tool_choice, NamedToolChoice))
+    constraint = (tool_call_constraint(tools, req.tool_choice, req.parallel_tool_calls)
+                  if forced else None)
+    prefix = ""
     # A long conversation takes a while to render and tokenise: not on the event loop.
     prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req, tools, prefix)
     max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids),
                              model.worker.engine.max_model_len, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs)
+    params = req.sampling_params(max_tokens, req.num_logprobs, constraint)
     gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
     await gen.start([(prompt_ids, params)])
     created = int(time.time())

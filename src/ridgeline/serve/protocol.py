@@ -5,8 +5,12 @@ Requests are validated with pydantic; a value the engine would reject anyway (a 
 Unknown fields are ignored, as vLLM does, so clients written for other servers work.
 Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`return_token_ids` (the prompt's and each choice's token ids) and
-`return_tokens_as_token_ids` (logprob tokens spelled ``token_id:N``).
+`return_token_ids` (the prompt's and each choice's token ids),
+`return_tokens_as_token_ids` (logprob tokens spelled ``token_id:N``) and
+`structured_outputs` (`{"json" | "regex" | "choice" | "grammar": ...}`, also as the older
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`): the output held to it
+by the engine's grammar-constrained decoding (engine/structured.py), as is OpenAI's
+`response_format` `json_object` / `json_schema` on chat completions.
 
 `ServerLimits` bounds what one request may ask for (prompts, samples, stop strings and
 token ids, logit_bias entries); `parse_request` checks them, naming the field and the
@@ -22,6 +26,7 @@ from pydantic import (
 )
 
 from ridgeline.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ridgeline.engine.structured import StructuredOutputs
 from ridgeline.errors import EngineError, RidgelineError
 from ridgeline.wire import RequestError
 
@@ -86,6 +91,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share (the ones that become `SamplingParams`)."""
 
@@ -115,6 +130,11 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_shared(self, info: ValidationInfo) -> _SamplingRequest:
@@ -166,8 +186,35 @@ class _SamplingRequest(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Engine parameters; anything the engine still rejects names its field."""
+    def output_constraint(self) -> StructuredOutputs | None:
+        """The constraint the request asks for (`structured_outputs`, a `guided_*`
+        field, or on chat a `response_format`), or None; two at once is an error."""
+        asked: list[tuple[str, StructuredOutputs]] = []
+        try:
+            if self.structured_outputs is not None:
+                so = self.structured_outputs
+                asked.append(("structured_outputs", StructuredOutputs(
+                    json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar)))
+            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                               ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+                if getattr(self, name) is not None:
+                    asked.append((name, StructuredOutputs(**{kind: getattr(self, name)})))
+            asked += self._format_constraint()
+        except EngineError as e:
+            raise RequestError(e.message, param=e.param, code="invalid_value") from None
+        if len(asked) > 1:
+            raise RequestError(f"ask for one output constraint, not {len(asked)} "
+                               f"({', '.join(n for n, _ in asked)})", param=asked[1][0])
+        return asked[0][1] if asked else None
+
+    def _format_constraint(self) -> list[tuple[str, StructuredOutputs]]:
+        return []
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        constraint: StructuredOutputs | None = None) -> SamplingParams:
+        """Engine parameters (with `constraint`, e.g. a tool call's grammar, else the
+        request's own); anything the engine still rejects names its field."""
+        constraint = constraint or self.output_constraint()
         try:
             return SamplingParams(
                 n=self.n,
@@ -182,7 +229,8 @@ class _SamplingRequest(BaseModel):
                 stop_token_ids=self.stop_token_ids, max_tokens=max_tokens, logprobs=logprobs,
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, logprobs_mode=self.logprobs_mode)
+                skip_special_tokens=self.skip_special_tokens, logprobs_mode=self.logprobs_mode,
+                structured_outputs=constraint)
         except EngineError as e:
             raise RequestError(e.message, param=e.param, code="invalid_value") from None
 
@@ -255,9 +303,33 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """`json_object`: any JSON object; `json_schema`: its schema (held exactly:
+        every response is generated under the grammar, strict or not)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise RequestError("response_format json_schema needs json_schema.schema",
+                                   param="response_format.json_schema")
+            return StructuredOutputs(json=self.json_schema.schema_)
+        raise RequestError(f"response_format type {self.type!r} is not one of text, "
+                           "json_object, json_schema", param="response_format.type",
+                           code="invalid_value")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -273,11 +345,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(f"response_format {self.response_format.type!r} is not "
-                               "supported (no constrained decoding); ask for JSON in the "
-                               "prompt instead", param="response_format",
-                               code="unsupported_parameter")
+        constraint = self.output_constraint()   # a bad schema or two constraints: 400 here
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice,
+                                                              NamedToolChoice)
+        if constraint is not None and forced:
+            raise RequestError("a forced tool call (tool_choice) and an output constraint "
+                               "cannot both hold", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
         names = [t.function.name for t in self.tools or []]
@@ -292,6 +365,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError(f"tool_choice names {choice.function.name!r}, which is not "
                                "among the tools", param="tool_choice")
         return self
+
+    def _format_constraint(self) -> list[tuple[str, StructuredOutputs]]:
+        fmt = self.response_format.constraint() if self.response_format is not None else None
+        return [("response_format", fmt)] if fmt is not None else []
 
     @property
     def requested_max_tokens(self) -> int | None:

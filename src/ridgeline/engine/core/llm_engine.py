@@ -45,6 +45,7 @@ from ridgeline.engine.sequence import Emitted, Request, Sequence
 from ridgeline.engine.spec_decode.draft_heads import resolve_draft_heads
 from ridgeline.engine.spec_decode.proposal import Proposal
 from ridgeline.engine.spec_decode.speculator import build_speculator, open_draft_source
+from ridgeline.engine.structured import Grammar, Grammars, StructuredOutputs
 from ridgeline.errors import ConfigError, EngineError, ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
+        self._grammars: Grammars | None = None   # made at the first constrained request
 
         self.block_manager = BlockManager(plan.num_blocks, config.block_size)
         budget = config.max_num_batched_tokens
@@ -207,6 +209,8 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise EngineError("stop strings need a tokenizer, and this model has none",
                               hint="use stop_token_ids")
+        grammar = (self._grammar(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         # Samples of one request share their prompt's blocks through the prefix cache.
         # With caching off, a salt unique to the request keeps others from sharing them.
         salt = None
@@ -216,7 +220,18 @@ class LLMEngine:
         req = self.requests[request_id] = Request.new(request_id, text, ids, params, salt,
                                                       self.device)
         for seq in req.seqs:
+            if grammar is not None:   # each sample its own position in the grammar
+                seq.grammar = grammar.copy()
             self.scheduler.add(seq)
+
+    def _grammar(self, spec: StructuredOutputs) -> Grammar:
+        if self.tokenizer is None:
+            raise EngineError("structured outputs need a tokenizer, and this model has none",
+                              param="structured_outputs")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size,
+                                      sorted(self.eos_token_ids))
+        return self._grammars.grammar(spec)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -134,7 +134,7 @@ class Scheduler:
         for seq, tokens in zip(samplers, emitted):
             for token, logprob, top in tokens:
                 seq.append_token(token, logprob, top, version)
-                if self._stops(seq, token):
+                if self._grammar_ends(seq, token) or self._stops(seq, token):
                     self.finish(seq)
                     break  # the rest of an accepted run is dropped
 
@@ -147,6 +147,20 @@ class Scheduler:
         elif ((params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
               or seq.num_tokens >= self.max_model_len):
             seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _grammar_ends(self, seq: Sequence, token: int) -> bool:
+        """Advance a constrained sequence's grammar by its new token. A complete grammar
+        allows only EOS next, so the output ends as any other (that EOS hidden); where
+        EOS is ignored it ends at that EOS all the same. "abort" if the grammar failed (a
+        resource limit: a masked draw cannot pick a refused token)."""
+        if seq.grammar is None:
+            return False
+        if not seq.grammar.accept(token):
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "abort", f"grammar: {seq.grammar.error}"
+        elif seq.grammar.done and token in self.eos_token_ids and seq.finish_reason is None:
+            seq.finish_reason = "stop"
         return seq.finish_reason is not None
 
     def _preempt(self, seq: Sequence) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ridgeline.engine.kernels import decode_ops
+from ridgeline.engine.structured import mask_logits
 from ridgeline.engine.sequence import Sequence
 
 
@@ -48,6 +49,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         logits = logits.float()
+        if any(s.grammar is not None for s in seqs):   # first: logprobs are the masked ones
+            logits = mask_logits(logits, [s.grammar for s in seqs])
         params = [s.params for s in seqs]
         greedy = [p.greedy for p in params]
         penalties = any(p.uses_penalties for p in params)
@@ -88,8 +91,9 @@ class Sampler:
         token_list = tokens.tolist()
         lp_list = sampled_lp.tolist()
         for i, p in enumerate(params):
-            if p.logprobs is not None:
-                d = {ids[i][j]: vals[i][j] for j in range(p.logprobs)} if p.logprobs else {}
+            if p.logprobs is not None:   # (tokens a grammar refuses have no logprob)
+                d = {ids[i][j]: vals[i][j] for j in range(p.logprobs)
+                     if vals[i][j] != float("-inf")} if p.logprobs else {}
                 d[token_list[i]] = lp_list[i]
                 top[i] = d
         return SamplerOutput(token_list, lp_list, top)

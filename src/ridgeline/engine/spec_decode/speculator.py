@@ -94,6 +94,8 @@ class Speculator:
                 continue  # a prefill chunk: nothing to guess yet
             if seq.params.uses_penalties:
                 continue  # penalties change with every accepted token
+            if seq.grammar is not None:
+                continue  # a rejected draft would have advanced its grammar
             k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
                                        partial(self.cost.best_k, batch=batch, planned=planned))
             if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens

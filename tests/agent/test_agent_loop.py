@@ -285,3 +285,11 @@ def test_native_tool_calls(sandbox) -> None:
     assert second[1].role == "tool" and second[1].tool_call_id == "c2" and "42" in second[1].content
     assert "one tool per reply" in model.prompts[0][0].content
     assert model.samplings[0].stop == []  # no text-format stop strings with native tools
+    # one call per reply is asked for (a grammar where the engine or server has one)
+    assert {s.tool_choice for s in model.samplings} == {"required"}
+
+
+def test_unconstrained_native_calls_when_configured(sandbox) -> None:
+    model = ScriptedModel([tool_reply("finish", summary="ok")], supports_tools=True)
+    run_agent(TASK, sandbox, model, AgentConfig(constrained_tool_calls=False))
+    assert model.samplings[0].tool_choice == "auto"

@@ -120,3 +120,30 @@ def test_close_stops_an_engine_the_client_started_and_leaves_a_given_one_running
     given.close()
     assert given.llm.worker.is_running
     assert given.chat(CONVERSATION, sampling=Sampling(max_tokens=2)).token_ids
+
+
+def test_a_required_tool_call_is_held_to_the_tools_schemas() -> None:
+    """A random model, which would write anything, writes one well-formed call of a real
+    tool when the call is required (a grammar in the engine, llm/tool_grammar.py)."""
+    import json
+
+    import jsonschema
+    tok = tiny_tokenizer()
+    model = tiny_llama(len(tok), seed=2)
+    model.config.max_position_embeddings = 4096   # the tools' system prompt is long here
+    client = EngineClient(LLM.from_hf_model(model, tok, num_kv_blocks=512, block_size=16,
+                                            max_model_len=4096))
+    tools = [ToolSpec(name="bash", description="run a command", parameters={
+                 "type": "object", "properties": {"command": {"type": "string",
+                                                              "maxLength": 20}},
+                 "required": ["command"], "additionalProperties": False}),
+             ToolSpec(name="finish", description="stop", parameters={
+                 "type": "object", "properties": {}, "additionalProperties": False})]
+    for seed in range(4):
+        out = client.chat(CONVERSATION, tools=tools, sampling=Sampling(
+            temperature=1.0, seed=seed, max_tokens=200, tool_choice="required"))
+        assert out.tool_call_errors == [] and len(out.tool_calls) == 1, out.text
+        call = out.tool_calls[0]
+        spec = next(t for t in tools if t.name == call.name)
+        jsonschema.validate(call.arguments, spec.parameters)
+        assert json.dumps(call.arguments)

@@ -43,6 +43,7 @@ def test_native_tool_calls_token_ids_and_logprobs(openai_server: FakeOpenAIServe
     (body,) = openai_server.chat_requests()
     assert body["model"] == "tiny" and body["max_tokens"] == 50 and body["seed"] == 3
     assert body["logprobs"] is True
+    assert "tool_choice" not in body   # the server's default (auto) unless asked
     assert body["tools"][0] == {"type": "function", "function": {
         "name": "bash", "description": "run a command", "parameters": BASH.parameters}}
     # Past calls travel as OpenAI wants them: arguments as a JSON string, results by id.
@@ -148,3 +149,14 @@ def test_base_url_forms() -> None:
     assert OpenAIClient("http://h:1/openai/v1/", model="m").base_url == "http://h:1/openai/v1"
     with pytest.raises(ConfigError, match="http"):
         OpenAIClient("localhost:8000", model="m")
+
+
+def test_a_required_tool_call_is_asked_of_the_server(openai_server: FakeOpenAIServer) -> None:
+    openai_server.script.append(Reply(body=chat_body(content=None, tool_calls=[
+        {"id": "c1", "type": "function", "function": {"name": "bash",
+                                                      "arguments": '{"command": "ls"}'}}])))
+    with client(openai_server, model="tiny") as c:
+        c.chat([Message(role="user", content="go")], tools=[BASH],
+               sampling=Sampling(tool_choice="required"))
+    (body,) = openai_server.chat_requests()
+    assert body["tool_choice"] == "required"

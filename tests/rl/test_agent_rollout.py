@@ -341,3 +341,24 @@ def test_a_group_prepares_its_task_once_and_forks_it(tiny, tok, monkeypatch):
     assert len(group.outcomes) == 3 and all(o.verdict in ("passed", "failed")
                                             for o in group.outcomes), \
         [(o.verdict, o.detail) for o in group.outcomes]
+
+
+def test_grammar_constrained_replies_are_answered_but_not_trained_on(tiny, tok):
+    """Forced tool calls sample from a masked distribution the trainer does not
+    recompute: the episode plays out, its tokens are not trained on, and RL's agent
+    config does not ask for them."""
+    from ridgeline.agent import AgentConfig
+    from ridgeline.llm import ToolSpec
+    from ridgeline.rl.agent_rollout import rl_agent_config
+    from ridgeline.rl.token_chat import GRAMMAR_CONSTRAINED
+    _, llm = tiny
+    assert AgentConfig().constrained_tool_calls
+    assert not rl_agent_config(AgentConfig()).constrained_tool_calls
+    chat = TokenChat(EngineClient(llm), tok, sampling=Sampling(temperature=1.0, max_tokens=8))
+    tool = ToolSpec(name="bash", description="run", parameters={
+        "type": "object", "properties": {"command": {"type": "string", "maxLength": 4}},
+        "required": ["command"]})
+    chat.chat([Message(role="user", content="hi")], tools=[tool],
+              sampling=Sampling(tool_choice="required", max_tokens=60))
+    ep, why = chat.sample()
+    assert ep is not None and why == GRAMMAR_CONSTRAINED

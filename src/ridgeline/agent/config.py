@@ -103,6 +103,10 @@ class AgentConfig(BaseModel):
     action_format: ActionFormat = Field(
         "auto", description="tool_calls if the model supports them natively, else text")
     sampling: Sampling = Field(default_factory=lambda: Sampling(temperature=0.0, max_tokens=512))
+    constrained_tool_calls: bool = Field(
+        True, description="with native tool calls, ask for one call per reply "
+        "(tool_choice=required): the engine and servers that constrain decoding then "
+        "hold it to the tools' schemas, so no reply is a malformed action")
 
     # Text format only: stop generating at the end of the first action (the closer is
     # put back into the reply), or where small models start inventing the observation.

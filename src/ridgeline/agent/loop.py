@@ -126,6 +126,8 @@ class Episode:
         self.tools = env.tools if self.native else None
         self.format_help = env.format_help(cfg, self.native)
         self.sampling = cfg.sampling
+        if self.native and cfg.constrained_tool_calls and self.tools:
+            self.sampling = cfg.sampling.model_copy(update={"tool_choice": "required"})
         if not self.native:
             stops = list(dict.fromkeys([*cfg.sampling.stop, *cfg.action_closers, *cfg.extra_stop]))
             self.sampling = cfg.sampling.model_copy(update={"stop": stops})

@@ -48,6 +48,9 @@ class Sampling(BaseModel):
     # "tempered": the recorded logprobs are of log_softmax(logits / temperature) (the
     # behaviour policy RL trains against when sampling at temperature != 1)
     logprobs_mode: Literal["raw", "tempered"] = "raw"
+    # "required" with tools: the reply must be one tool call, held to the tools' schemas
+    # by constrained decoding (in-process engine, or the server's tool_choice)
+    tool_choice: Literal["auto", "required"] = "auto"
 
 
 class Usage(BaseModel):

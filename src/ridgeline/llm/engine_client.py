@@ -66,6 +66,7 @@ class EngineClient:
         turn's observation as ids, never re-rendering earlier turns). Tool calls are
         parsed from the text when `tools` are given."""
         from ridgeline.engine import PromptTooLongError, SamplingParams
+        from ridgeline.llm.tool_grammar import tool_call_constraint   # (the engine's too)
 
         sampling = sampling or Sampling()
         t0 = time.perf_counter() if t0 is None else t0
@@ -73,10 +74,13 @@ class EngineClient:
         if room < 1:
             raise ContextLengthError(len(prompt_ids), self.context_window)
         # The engine records the sampled tokens' logprobs always; top-k is not needed.
+        forced = (tool_call_constraint(tools) if tools and sampling.tool_choice == "required"
+                  else None)
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=min(sampling.max_tokens, room),
                                 stop=list(sampling.stop) or None, seed=sampling.seed,
-                                logprobs_mode=sampling.logprobs_mode)
+                                logprobs_mode=sampling.logprobs_mode,
+                                structured_outputs=forced)
         try:
             out = self._generate(prompt_ids, params)
         except PromptTooLongError as e:

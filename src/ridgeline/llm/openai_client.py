@@ -198,6 +198,8 @@ class OpenAIClient:
             body["return_token_ids"] = True
         if tools and self.supports_tools:
             body["tools"] = [tool_to_openai(t) for t in tools]
+            if sampling.tool_choice == "required":
+                body["tool_choice"] = "required"
         elif tools:
             block = tools_system_prompt(tools)
             if wire and wire[0]["role"] == "system":

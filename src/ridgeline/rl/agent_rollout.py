@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 def rl_agent_config(config: AgentConfig | None = None) -> AgentConfig:
     """The agent config for training: no history condensation (an episode must stay one
-    token sequence; condensing would rewrite earlier turns), else as given."""
+    token sequence; condensing would rewrite earlier turns) and no forced tool calls (a
+    grammar-masked reply is not trainable: token_chat.GRAMMAR_CONSTRAINED), else as
+    given."""
     config = config or AgentConfig()
-    return config.model_copy(update={"condense_at_fraction": 1.0, "summary_by_model": False})
+    return config.model_copy(update={"condense_at_fraction": 1.0, "summary_by_model": False,
+                                     "constrained_tool_calls": False})
 
 
 class AgentRollout:

@@ -27,6 +27,10 @@ from ridgeline.rl.protocols import TokenGenerator, Tokenizer
 from ridgeline.rl.tokens import TokenEpisode
 
 HISTORY_REWRITTEN = "history_rewritten"
+#: Replies sampled under a grammar (a forced tool call): their recorded logprobs are of the
+#: masked distribution, which the trainer does not recompute, so the episode plays out but
+#: is not trained on (importance ratios against the unmasked policy would be biased).
+GRAMMAR_CONSTRAINED = "grammar_constrained"
 NO_TOKEN_RECORD = "no_token_record"
 
 
@@ -72,6 +76,8 @@ class TokenChat:
     def chat(self, messages: list[Message], tools: list[ToolSpec] | None = None,
              sampling: Sampling | None = None) -> Completion:
         sampling = self._sampling(sampling)
+        if tools and sampling.tool_choice == "required":
+            self.rewritten = self.rewritten or GRAMMAR_CONSTRAINED
         if self.episode is None:
             ids = encode_chat(self.tokenizer, messages, tools)
             self._check_room(len(ids))

@@ -25,13 +25,13 @@ from ridgeline.engine.outputs import CompletionOutput
 from ridgeline.engine.sampling_params import SamplingParams
 from ridgeline.errors import RidgelineError, UnsupportedError
 from ridgeline.llm.chat_template import encode_chat
+from ridgeline.llm.tool_grammar import tool_call_constraint
 from ridgeline.serve.gate import _clip
 from ridgeline.serve.generation import _final_outputs, _Generation
 from ridgeline.serve.metrics import ServerMetrics
 from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from ridgeline.serve.served import ServedModel
 from ridgeline.serve.streaming import _Chunks, _stream
-from ridgeline.serve.tool_grammar import tool_call_constraint
 from ridgeline.serve.tools import (
     ToolCallExtractor,
     extract_tool_calls,
@@ -124,10 +124,12 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
     known = {t.name for t in tools} if tools else None
     max_calls = None if req.parallel_tool_calls else 1
     # A forced call (required / a named function) is a grammar over the tools' schemas
-    # (serve/tool_grammar.py): the reply can only be a well-formed call of a real tool.
+    # (llm/tool_grammar.py): the reply can only be a well-formed call of a real tool.
     forced = use_tools and (req.tool_choice == "required"
                             or isinstance(req.tool_choice, NamedToolChoice))
-    constraint = (tool_call_constraint(tools, req.tool_choice, req.parallel_tool_calls)
+    named = req.tool_choice.function.name if isinstance(req.tool_choice,
+                                                         NamedToolChoice) else None
+    constraint = (tool_call_constraint(tools, named, req.parallel_tool_calls)
                   if forced else None)
     prefix = ""
     # A long conversation takes a while to render and tokenise: not on the event loop.

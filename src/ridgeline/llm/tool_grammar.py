@@ -1,8 +1,9 @@
 """A forced tool call (`tool_choice` "required" or a named function) as a grammar: the
-reply can only be one call block (several with `parallel_tool_calls`) in the Hermes
-convention the server parses (serve/tools.py), `<tool_call>\\n{"name": ..., "arguments":
-...}\\n</tool_call>`, whose JSON is held to the tool's name and its parameters' schema by
-the engine's constrained decoding. So the call always parses and names a real tool."""
+reply can only be one call block (several with parallel calls) in the Hermes convention
+the server and `EngineClient` parse (llm/tool_parser.py), `<tool_call>\\n{"name": ...,
+"arguments": ...}\\n</tool_call>`, whose JSON is held to the tool's name and its
+parameters' schema by the engine's constrained decoding. So the call always parses and
+names a real tool."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import Any
 
 from ridgeline.engine.structured import JSON_OPTIONS, StructuredOutputs
 from ridgeline.llm.base import ToolSpec
-from ridgeline.serve.protocol import NamedToolChoice
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 
@@ -24,12 +24,14 @@ def call_schema(tool: ToolSpec) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_constraint(tools: list[ToolSpec], choice: str | NamedToolChoice,
-                         parallel: bool) -> StructuredOutputs:
-    """The grammar of a reply that must be a call of `choice`'s tool (a named function)
-    or of any of `tools` ("required"); with `parallel`, one or more calls."""
-    if isinstance(choice, NamedToolChoice):
-        tools = [t for t in tools if t.name == choice.function.name]
+def tool_call_constraint(tools: list[ToolSpec], name: str | None = None,
+                         parallel: bool = False) -> StructuredOutputs:
+    """The grammar of a reply that must be a call of the tool `name`, or of any of
+    `tools` (None); with `parallel`, one or more calls."""
+    if name is not None:
+        tools = [t for t in tools if t.name == name]
+    if not tools:
+        raise ValueError(f"no tool {name!r} to force a call of")
     schema = (call_schema(tools[0]) if len(tools) == 1
               else {"anyOf": [call_schema(t) for t in tools]})
     schema["x-guidance"] = JSON_OPTIONS

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from ridgeline.wire import RequestError
-from ridgeline.serve.tools import (
-    ToolCallExtractor, extract_tool_calls, forced_prefix, wire_tool_call,
-)
+from ridgeline.llm.base import ToolSpec
+from ridgeline.llm.parsers import ReplyDelta
+from ridgeline.llm.parsers.hermes import HermesParser
+from ridgeline.serve.tools import extract_tool_calls, wire_tool_call
 
 TOOLS = {"bash", "read_file"}
 CALL_A = '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -la"}}\n</tool_call>'
@@ -24,15 +25,15 @@ CALL_B = '<tool_call>{"name": "read_file", "arguments": {"path": "a.py"}}</tool_
 def streamed(text: str, cuts: list[int], known: set[str] | None = TOOLS,
              max_calls: int | None = None) -> tuple[str, list]:
     """Feed `text` cut at the given offsets; return all content and all calls."""
-    ex = ToolCallExtractor(known, max_calls)
-    content, calls = "", []
+    parser = HermesParser(None if known is None else [ToolSpec(name=n, description="")
+                                                      for n in known], max_calls)
+    out = ReplyDelta()
     last = 0
     for cut in sorted(set(cuts)) + [len(text)]:
-        c, k = ex.feed(text[last:cut])
-        content, calls = content + c, calls + k
+        out.extend(parser.feed(text[last:cut]))
         last = cut
-    c, k = ex.finish()
-    return content + c, calls + k
+    out.extend(parser.finish())
+    return out.content, parser.calls
 
 
 def test_whole_reply_with_calls_and_content() -> None:
@@ -69,14 +70,19 @@ def test_plain_text_bad_blocks_and_limits() -> None:
 
 
 def test_stream_holds_back_only_what_could_open_a_call() -> None:
-    ex = ToolCallExtractor(TOOLS)
-    assert ex.feed("a <tool") == ("a ", [])  # "<tool" may start "<tool_call>"
-    assert ex.feed("box> b") == ("<toolbox> b", [])  # it did not
-    assert ex.feed(" <tool_call>{\"name\": \"bash\", ") == (" ", [])
-    assert ex.feed('"arguments": {}}</tool_') == ("", [])  # inside a block until it closes
-    content, calls = ex.feed("call> done")
-    assert content == " done" and [c.name for c in calls] == ["bash"]
-    assert ex.finish() == ("", [])
+    parser = HermesParser([ToolSpec(name=n, description="") for n in TOOLS])
+    # "<tool" may start "<tool_call>"; trailing whitespace waits too (dropped before a call)
+    assert parser.feed("a <tool") == ReplyDelta(content="a")
+    assert parser.feed("box> b") == ReplyDelta(content=" <toolbox> b")  # it did not
+    assert not parser.feed(' <tool_call>{"name": "bash", ')
+    out = parser.feed('"arguments": {"cmd": "ls')  # the call opens once its arguments do
+    assert out.content == "" and [(d.index, d.name) for d in out.tool_calls] == [(0, "bash")]
+    assert out.tool_calls[0].arguments == '{"cmd": "ls'
+    out = parser.feed('"}}</tool_')
+    assert out.tool_calls[0].arguments == '"}' and out.tool_calls[0].name is None
+    out = parser.feed("call> done")
+    assert out.content == " done" and [c.name for c in parser.calls] == ["bash"]
+    assert not parser.finish()
 
 
 TEXTS = [
@@ -105,18 +111,6 @@ def test_every_single_character_split() -> None:
     assert content.strip() == "Let me look." and len(calls) == 2
 
 
-def test_forced_prefixes_continue_into_a_call() -> None:
-    named = ChatCompletionRequest.model_validate({
-        "model": "m", "messages": [{"role": "user", "content": "x"}],
-        "tools": [{"type": "function", "function": {"name": "bash"}}],
-        "tool_choice": {"type": "function", "function": {"name": "bash"}}}).tool_choice
-    prefix = forced_prefix(named)
-    content, calls = extract_tool_calls(prefix + '{"cmd": "ls"}}\n</tool_call>', TOOLS)
-    assert content is None and (calls[0].name, calls[0].arguments) == ("bash", {"cmd": "ls"})
-    prefix = forced_prefix("required")
-    _, calls = extract_tool_calls(prefix + 'read_file", "arguments": {"path": "x"}}', TOOLS)
-    assert calls[0].name == "read_file"
-    assert forced_prefix("auto") == forced_prefix(None) == ""
 
 
 # ---- request validation ----------------------------------------------------------------

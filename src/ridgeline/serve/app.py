@@ -78,10 +78,14 @@ from ridgeline.wire import (
 
 
 def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: str | None = None,
-               limits: ServerLimits | None = None, weight_updates: bool = False) -> FastAPI:
+               limits: ServerLimits | None = None, weight_updates: bool = False,
+               tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """An app serving each engine under its name, within `limits` (the defaults of
     `ServerLimits` when None). Engine threads start now and stop when the app shuts down
-    (uvicorn's lifespan). `weight_updates` allows `POST /v1/weights` (`serve.weights`)."""
+    (uvicorn's lifespan). `weight_updates` allows `POST /v1/weights` (`serve.weights`).
+    The parsers name how chat replies are read (None: from each model's chat template;
+    see `ridgeline.llm.parsers`)."""
     limits = limits or ServerLimits()
     if not engines:
         raise ConfigError("no model to serve", hint="pass at least one engine")
@@ -92,7 +96,9 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
             raise ConfigError(f"model {name!r} reuses an engine already served under "
                               "another name", hint="build one engine per served name")
         seen.add(id(w.engine))
-    served = {name: ServedModel(name, w) for name, w in workers.items()}
+    served = {name: ServedModel(name, w, tool_call_parser=tool_call_parser,
+                                reasoning_parser=reasoning_parser)
+              for name, w in workers.items()}
     if weight_updates and any(w.engine.runner.model.quantized for w in workers.values()):
         raise ConfigError("weight updates and int8 weights (a :fast-q or weight_quant=int8 "
                           "model) do not go together: its weights would go stale",

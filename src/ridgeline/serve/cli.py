@@ -48,6 +48,15 @@ def serve(
         False, "--enable-weight-updates",
         help="Accept new weights on POST /v1/weights (RL with rollouts on this server). "
         "Whoever can call it decides what the model says: give an --api-key too."),
+    tool_call_parser: str | None = typer.Option(
+        None, "--tool-call-parser",
+        help="How tool calls are read from replies: hermes, llama3_json, mistral, "
+        "qwen3_coder, deepseek_v3, kimi_k2 or gpt_oss (default: from the chat template, "
+        "else hermes)."),
+    reasoning_parser: str | None = typer.Option(
+        None, "--reasoning-parser",
+        help="How reasoning is split into reasoning_content: deepseek_r1, qwen3, gpt_oss "
+        "or none (default: from the chat template)."),
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (chat, completions, streaming,
@@ -57,6 +66,7 @@ def serve(
 
     from ridgeline.config import load_config, load_model
     from ridgeline.engine.config import EngineConfig
+    from ridgeline.llm.parsers import check_reasoning_parser, check_tool_call_parser
     from ridgeline.serve.app import build_engines, create_app
     from ridgeline.serve.protocol import ServerLimits
 
@@ -75,13 +85,19 @@ def serve(
              "max_choices": max_choices}
     limits = load_model(ServerLimits, {k: v for k, v in given.items() if v is not None},
                         source="serve options")
-    _check_port(host, port)  # before the slow model load
+    # Names and the port are checked before the slow model load.
+    if tool_call_parser is not None:
+        check_tool_call_parser(tool_call_parser)
+    if reasoning_parser is not None:
+        check_reasoning_parser(reasoning_parser)
+    _check_port(host, port)
     name = served_model_name or engine_config.model
     console = Console(stderr=True)
     with console.status(f"loading {engine_config.model}"):
         engines = build_engines(engine_config, name, fast=fast, fast_q=fast_q)
     app = create_app(engines, api_key=api_key or None, limits=limits,
-                     weight_updates=enable_weight_updates)
+                     weight_updates=enable_weight_updates, tool_call_parser=tool_call_parser,
+                     reasoning_parser=reasoning_parser)
     console.print(f"serving {', '.join(engines)} on http://{host}:{port}/v1"
                   + (" (API key required)" if api_key else "")
                   + (", weight updates on" if enable_weight_updates else ""), highlight=False)

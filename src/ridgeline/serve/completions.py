@@ -33,11 +33,9 @@ from ridgeline.serve.protocol import ChatCompletionRequest, CompletionRequest, N
 from ridgeline.serve.served import ServedModel
 from ridgeline.serve.streaming import _Chunks, _stream
 from ridgeline.serve.tools import (
-    ToolCallExtractor,
-    extract_tool_calls,
+    ChatReplies,
     to_messages,
     tool_specs,
-    wire_tool_call,
 )
 from ridgeline.wire import RequestError
 
@@ -101,11 +99,11 @@ def _chat_logprobs(model: ServedModel, token_ids: list[int], lps: list[float],
 
 
 def _chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, tools: Any,
-                     prefix: str) -> list[int]:
-    """The conversation's prompt ids, the forced `prefix` included, exactly as
+                     ) -> list[int]:
+    """The conversation's prompt ids, exactly as
     `EngineClient` would encode it (`encode_chat`); a template error is the client's."""
     try:
-        return encode_chat(tokenizer, to_messages(req.messages), tools, reply_prefix=prefix)
+        return encode_chat(tokenizer, to_messages(req.messages), tools)
     except RidgelineError:
         raise
     except Exception as e:  # the template's own checks (role order, missing fields)
@@ -121,7 +119,6 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                                hint="use /v1/completions with token ids")
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = tool_specs(req.tools) if use_tools else None
-    known = {t.name for t in tools} if tools else None
     max_calls = None if req.parallel_tool_calls else 1
     # A forced call (required / a named function) is a grammar over the tools' schemas
     # (llm/tool_grammar.py): the reply can only be a well-formed call of a real tool.
@@ -131,12 +128,12 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                                                          NamedToolChoice) else None
     constraint = (tool_call_constraint(tools, named, req.parallel_tool_calls)
                   if forced else None)
-    prefix = ""
     # A long conversation takes a while to render and tokenise: not on the event loop.
-    prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req, tools, prefix)
+    prompt_ids = await asyncio.to_thread(_chat_prompt_ids, tokenizer, req, tools)
     max_tokens = _max_tokens(req.requested_max_tokens, len(prompt_ids),
                              model.worker.engine.max_model_len, "messages")
-    params = req.sampling_params(max_tokens, req.num_logprobs, constraint)
+    replies = ChatReplies(model, tools, max_calls, prompt_ids, hermes=forced)
+    params = replies.sampling(req.sampling_params(max_tokens, req.num_logprobs, constraint))
     gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
     await gen.start([(prompt_ids, params)])
     created = int(time.time())
@@ -150,19 +147,14 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
         out = (await _final_outputs(gen, request))[0]
         choices = []
         for c in out.outputs:
-            content: str | None = c.text
-            calls = []
-            if use_tools:
-                content, calls = extract_tool_calls(prefix + c.text, known, max_calls)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [wire_tool_call(call) for call in calls]
+            message = replies.message(c.text)
             choice: dict[str, Any] = {
                 "index": c.index, "message": message,
                 "logprobs": _chat_logprobs(model, c.token_ids, c.logprobs, c.top_logprobs,
                                            req.top_logprobs or 0, req.return_tokens_as_token_ids)
                 if req.logprobs else None,
-                "finish_reason": finish_reason(c, bool(calls)), "stop_reason": c.stop_reason}
+                "finish_reason": finish_reason(c, "tool_calls" in message),
+                "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice.update(_token_fields(c))
             choices.append(choice)
@@ -173,26 +165,10 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
             body["prompt_token_ids"] = prompt_ids
         return JSONResponse(body)
 
-    extractors = [ToolCallExtractor(known, max_calls) for _ in range(req.n)] if use_tools else []
-    for extractor in extractors:
-        extractor.feed(prefix)  # the forced start of a call is never content
-    num_calls = [0] * req.n
+    streams = [replies.stream() for _ in range(req.n)]
 
     def chunk_choice(_: int, c: CompletionOutput) -> dict[str, Any]:
-        delta: dict[str, Any] = {}
-        if use_tools:
-            content, calls = extractors[c.index].feed(c.delta_text)
-            if c.finished:
-                tail, more = extractors[c.index].finish()
-                content, calls = content + tail, calls + more
-            if calls:
-                delta["tool_calls"] = [wire_tool_call(call, num_calls[c.index] + k)
-                                       for k, call in enumerate(calls)]
-                num_calls[c.index] += len(calls)
-        else:
-            content = c.delta_text
-        if content:
-            delta["content"] = content
+        delta = streams[c.index].delta(c.delta_text, c.finished)
         choice: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None,
                                   "finish_reason": None}
         if req.logprobs:
@@ -203,7 +179,7 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
         if req.return_token_ids:
             choice.update(_token_fields(c, delta=True))
         if c.finished:
-            choice["finish_reason"] = finish_reason(c, num_calls[c.index] > 0)
+            choice["finish_reason"] = finish_reason(c, streams[c.index].made_calls)
             choice["stop_reason"] = c.stop_reason
         return choice
 

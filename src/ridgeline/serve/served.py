@@ -13,10 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ridgeline.chat_format import template_source
 from ridgeline.engine.config import EngineConfig
 from ridgeline.engine.core.llm_engine import LLMEngine
 from ridgeline.engine.core.worker import EngineWorker
 from ridgeline.errors import ConfigError
+from ridgeline.llm.parsers import (
+    check_reasoning_parser,
+    check_tool_call_parser,
+    parsers_for_template,
+)
 from ridgeline.wire import FAST_Q_SUFFIX, FAST_SUFFIX, base_model_name
 
 
@@ -29,7 +35,31 @@ class ServedModel:
     name: str
     worker: EngineWorker
     created: int = field(default_factory=lambda: int(time.time()))
+    #: How replies are read (`ridgeline serve --tool-call-parser / --reasoning-parser`);
+    #: None: chosen from the chat template. The reasoning parser "none" turns it off.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
+    _parsers: tuple[str, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:  # a wrong name fails at start, not per request
+            check_tool_call_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            check_reasoning_parser(self.reasoning_parser)
+
+    def reply_parsers(self) -> tuple[str, str | None]:
+        """(tool-call parser, reasoning parser or None): as set, else the template's."""
+        if self._parsers is None:
+            tokenizer = self.worker.engine.tokenizer
+            template = template_source(tokenizer) if tokenizer is not None else ""
+            tool_parser, reasoning_parser = parsers_for_template(template)
+            if self.tool_call_parser is not None:
+                tool_parser = self.tool_call_parser
+            if self.reasoning_parser is not None:
+                reasoning_parser = check_reasoning_parser(self.reasoning_parser)
+            self._parsers = (tool_parser, reasoning_parser)
+        return self._parsers
 
     def token_text(self, token_id: int, as_id: bool = False) -> str:
         """How a token is spelled in logprobs (`token_id:N` when asked, as vLLM does)."""

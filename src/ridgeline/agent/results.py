@@ -48,6 +48,8 @@ class EpisodeResult(BaseModel):
     tests_passed: int = 0
     tests_total: int = 0
     steps: int = 0
+    #: replies that held no valid action (the agent answered them with a format hint)
+    format_errors: int = 0
     tokens: int = 0
     wall_s: float = 0.0
     #: Why the episode did not pass: tests_failed, step_limit, time_limit, token_limit,
@@ -113,6 +115,7 @@ def episode_result(task: EvalTask, sample: int, verdict: Verdict, agent: AgentRe
         task_id=task.id, domain=task.domain, difficulty=str(task.difficulty), sample=sample,
         status=status, tests_passed=verdict.tests_passed, tests_total=verdict.tests_total,
         steps=run.steps if run is not None else steps or 0,
+        format_errors=run.n_format_errors if run is not None else 0,
         tokens=run.total_tokens if run is not None else 0, wall_s=wall_s,
         failure_class=failure, agent_exit=run.status.value if run is not None else None,
         detail=detail[:500], trajectory=str(trajectory_path) if agent is not None else None)
@@ -212,6 +215,7 @@ class Summary(BaseModel):
     by_domain: dict[str, dict[str, float]] = Field(default_factory=dict)
     failure_classes: dict[str, int] = Field(default_factory=dict)
     mean_steps: float = 0.0
+    mean_format_errors: float = 0.0
     total_tokens: int = 0
     wall_s: float = 0.0
 
@@ -259,6 +263,8 @@ def summarize(results: list[EpisodeResult], samples: int = 1, wall_s: float = 0.
         pass_rate=len(passed) / len(scored) if scored else 0.0,
         pass_at_k=pass_k, pass_at_1_ci95=bootstrap_ci(per_task_rate), by_domain=by_domain, failure_classes=dict(sorted(classes.items())),
         mean_steps=sum(r.steps for r in results) / len(results) if results else 0.0,
+        mean_format_errors=(sum(r.format_errors for r in results) / len(results)
+                            if results else 0.0),
         total_tokens=sum(r.tokens for r in results), wall_s=wall_s,
     )
 

@@ -34,6 +34,8 @@ def eval_command(
     temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="Sampling temperature (default: the agent's, greedy)."),
     top_p: Optional[float] = typer.Option(None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (0 < p <= 1)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed; each (task, sample) derives its own from it."),
+    action_format: Optional[str] = typer.Option(None, "--action-format", help="auto | text | tool_calls (tool calls work with any model: Hermes blocks in the text where the template has no tools)."),
+    constrained_tool_calls: bool = typer.Option(True, "--constrained-tool-calls/--free-tool-calls", help="With tool calls, one call per reply held to the tools' schemas by a grammar (the engine, or the server's tool_choice)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
     """Run an agent on a task suite and grade it with the tasks' tests."""
@@ -43,7 +45,12 @@ def eval_command(
 
     if agent not in ("llm", "oracle", "null"):
         raise ConfigError(f"unknown agent {agent!r}", hint="use llm, oracle or null")
-    agent_config = AgentConfig()
+    agent_config = AgentConfig(constrained_tool_calls=constrained_tool_calls)
+    if action_format is not None:
+        if action_format not in ("auto", "text", "tool_calls"):
+            raise ConfigError(f"unknown --action-format {action_format!r}",
+                              hint="use auto, text or tool_calls")
+        agent_config.action_format = action_format   # type: ignore[assignment]
     if max_steps is not None:
         agent_config.step_limit = max_steps
     if top_p is not None and top_p <= 0:

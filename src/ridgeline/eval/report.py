@@ -91,7 +91,8 @@ def render_markdown(results: list[EpisodeResult], summary: Summary, meta: dict[s
     lines.append(f"- not scored: {summary.n_infra_error} infrastructure errors, "
                  f"{summary.n_unsupported} unsupported, {n_broken} broken tasks (these are "
                  f"never counted as failures of the agent)")
-    lines.append(f"- mean steps {summary.mean_steps:.1f}, total tokens {summary.total_tokens}")
+    lines.append(f"- mean steps {summary.mean_steps:.1f}, format errors per episode "
+                 f"{summary.mean_format_errors:.2f}, total tokens {summary.total_tokens}")
     if summary.failure_classes:
         lines.append("- why episodes did not pass: " + ", ".join(
             f"{k} {v}" for k, v in summary.failure_classes.items()))

@@ -156,6 +156,8 @@ def run_meta(config: EvalConfig, model_label: str) -> dict[str, Any]:
             "seed": sampling.seed, "max_tokens": sampling.max_tokens,
             "samples": config.samples, "concurrency": config.concurrency,
             "backend": config.backend, "task_environment": task_environment(config.backend),
+            "action_format": config.agent_config.action_format,
+            "constrained_tool_calls": config.agent_config.constrained_tool_calls,
             "date": _dt.datetime.now().isoformat(timespec="seconds")}
 
 

@@ -249,9 +249,11 @@ def test_broken_model_directories(hf_dir: Path, tmp_path: Path) -> None:
         LLM(str(other), num_kv_blocks=16)
 
 
-def test_sliding_window_models_are_refused() -> None:
-    model = tiny_model("qwen2", use_sliding_window=True, sliding_window=16)
-    with pytest.raises(UnsupportedError, match="sliding"):
+def test_sliding_layers_without_a_window_are_refused() -> None:
+    """Sliding-window models run (tests/engine/test_sliding_window.py); a config whose
+    layer_types ask for sliding layers with no window is refused by the field's name."""
+    model = tiny_model("qwen2", layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(ConfigError, match="sliding_window"):
         LLM.from_hf_model(model, num_kv_blocks=16)
 
 

@@ -49,6 +49,9 @@ class Sequence:
     # Hash of each full block of token_ids, computed lazily and kept across preemption.
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks of block_table already hashed
+    # leading blocks of block_table released (now the null block): before the sliding
+    # window of every token still to compute (BlockManager.sliding_window)
+    num_released_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     # proposed tokens the speculator plans for the next step; the scheduler reserves

@@ -6,6 +6,14 @@ Free blocks wait in an ordered queue; allocation takes from the front, a finishe
 sequence's blocks go to the back tail-first, so the least recently used prefix (and of one
 sequence, its tail) is evicted first. A free block keeps its hash until it is reused, so a
 later request with the same prefix can take it back (a prefix-cache hit).
+
+With `sliding_window` (a model whose every attention layer sees only the last `window`
+positions, and no other model reading the same blocks), a sequence's blocks wholly before
+the window of the next token it computes are released as it advances: its table keeps
+their places (so position p still lives in table[p // bs]) as the null block, and its KV
+stays bounded by the window however long it grows. A released block is only
+dereferenced: a block another sequence shares stays theirs, and a cached one keeps its
+prefix-cache key until it is reused, like any free block.
 """
 
 from __future__ import annotations
@@ -33,9 +41,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 sliding_window: int | None = None) -> None:
         assert num_blocks >= 2, "need the null block and at least one usable block"
+        assert sliding_window is None or sliding_window >= 1
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.blocks[NULL_BLOCK].ref_count = 1  # pinned forever
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -53,6 +64,10 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self.free)
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks `seq` holds now (its table less the released ones)."""
+        return len(seq.block_table) - seq.num_released_blocks
 
     @property
     def usage(self) -> float:
@@ -101,11 +116,31 @@ class BlockManager:
         for _ in range(max(num_needed, 0)):
             seq.block_table.append(self._take_free_block())
         self._cache_full_blocks(seq, total)
+        self._release_out_of_window(seq, num_computed)
         return True
+
+    def _release_out_of_window(self, seq: Sequence, num_computed: int) -> None:
+        """Release the blocks of `seq` that no query from position `num_computed` on can
+        see: those wholly before (num_computed - window, ...]. Speculative tokens and
+        later chunks only come after num_computed, so nothing released is read again
+        (preemption recomputes from scratch and a draft model keeps every block: no
+        window then)."""
+        if self.sliding_window is None:
+            return
+        first_needed = num_computed - self.sliding_window + 1
+        end = min(max(first_needed, 0) // self.block_size, seq.num_registered_blocks)
+        for i in range(seq.num_released_blocks, end):
+            block = self.blocks[seq.block_table[i]]
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block.block_id] = None
+            seq.block_table[i] = NULL_BLOCK
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release the sequence's blocks; tail first, so its tail is evicted first."""
-        for b in reversed(seq.block_table):
+        for b in reversed(seq.block_table[seq.num_released_blocks:]):
             block = self.blocks[b]
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
@@ -113,6 +148,7 @@ class BlockManager:
                 self.free[b] = None
         seq.block_table.clear()
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks beyond the first `num_tokens` tokens of `seq` (slots reserved
@@ -179,7 +215,9 @@ class BlockManager:
         ref_count live sequences; the prefix cache only points at blocks with that key."""
         holders = [0] * len(self.blocks)
         for seq in live:
-            for b in seq.block_table:
+            released = seq.block_table[:seq.num_released_blocks]
+            assert all(b == NULL_BLOCK for b in released), f"{seq} kept a released block"
+            for b in seq.block_table[seq.num_released_blocks:]:
                 assert b != NULL_BLOCK, f"{seq} holds the null block"
                 holders[b] += 1
         for block in self.blocks[1:]:

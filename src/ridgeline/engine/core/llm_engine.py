@@ -87,6 +87,18 @@ def _warn_slow_dtype(dtype: str) -> None:
                         "use dtype: float32")
 
 
+def _kv_window(model_config: Any, draft: ModelRunner | None) -> int | None:
+    """The window that bounds every attention layer of the model, where blocks before it
+    can be released (BlockManager.sliding_window); None when a layer attends to the whole
+    context or a draft model reads the same blocks (it catches up from where it stopped,
+    possibly before the window). Hybrid models (sliding and full layers, e.g. gemma3)
+    keep every block: releasing per layer group needs a block table per group."""
+    windows = model_config.layer_windows
+    if draft is not None or not windows or not all(windows):
+        return None
+    return max(windows)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, source: ModelSource | None = None,
                  draft_source: ModelSource | None = None, **overrides: Any) -> None:
@@ -127,7 +139,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         self._grammars: Grammars | None = None   # made at the first constrained request
 
-        self.block_manager = BlockManager(plan.num_blocks, config.block_size)
+        self.block_manager = BlockManager(plan.num_blocks, config.block_size,
+                                          _kv_window(source.config, draft))
         budget = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             budget = max(budget, self.max_model_len)  # a whole prompt must fit one step

@@ -58,17 +58,19 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(target))
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+    # the decode entry points with a trailing sliding window (0: the whole context); the
+    # plain ones, without it, are the decode stack's (it calls them by pointer)
+    for fn in (lib.paged_attention_window_f32, lib.paged_attention_window_bf16):
         fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
-                       i64, c_int, c_int, c_int, c_int, ctypes.c_float]
+                       i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
-    fn = lib.paged_attention_i8
+    fn = lib.paged_attention_window_i8
     fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                   i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float]
+                   i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                   c_int, ptr, i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float]
+                   c_int, ptr, i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     for fn in (lib.paged_attention_vector_width, lib.paged_attention_path,
                lib.paged_prefill_lanes, lib.paged_attention_bf16_dot):
@@ -165,8 +167,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
                            cuts: list[int] | None = None,
-                           lib: ctypes.CDLL | None = None) -> None:
-    """out[rows of each sequence] = attention of q's rows over the paged context.
+                           lib: ctypes.CDLL | None = None, *, window: int = 0,
+                           scale: float | None = None) -> None:
+    """out[rows of each sequence] = attention of q's rows over the paged context (with
+    `window` > 0, transformers' sliding window: a row at position p sees the keys at
+    positions (p - window, p], and blocks before the first row's window are not read);
+    scores are scaled by `scale` (default head_dim ** -0.5).
 
     q, out: [T, heads, d] with unit stride on d (rows and q's heads may be strided; out's
     heads d apart), both float32 or both bfloat16, read and written as such (other dtypes
@@ -181,25 +187,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if _needs_float32(q, out):
         return _in_float32(lambda q32, out32: paged_decode_attention(
             q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, k_scale,
-            v_scale, cuts, lib), q, out)
+            v_scale, cuts, lib, window=window, scale=scale), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
     g = q.shape[1] // kvh
     if k_scale is None:
-        kernel = (lib.paged_attention_bf16 if k_cache.dtype == torch.bfloat16
-                  else lib.paged_attention_f32)
+        kernel = (lib.paged_attention_window_bf16 if k_cache.dtype == torch.bfloat16
+                  else lib.paged_attention_window_f32)
         caches: tuple[int, ...] = (k_cache.data_ptr(), v_cache.data_ptr())
     else:
         assert v_scale is not None and k_cache.dtype == torch.int8
-        kernel = lib.paged_attention_i8
+        kernel = lib.paged_attention_window_i8
         caches = (k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
                   v_scale.data_ptr())
     assert q.stride(2) == 1 and out.stride(2) == 1 and out.stride(1) == d
     args = (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), *caches,
             block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
-    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))
+    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window)
     if cuts is None:
         cuts = split_work(ctx_len.tolist(), kvh, torch.get_num_threads())
     run_shares(kernel, args, tail, cuts, "paged attention")
@@ -288,10 +294,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: torch.Tensor, q_start: torch.Tensor,
                             q_len: torch.Tensor, ctx_len: torch.Tensor, out: torch.Tensor,
                             work: torch.Tensor | None = None, cuts: list[int] | None = None,
-                            lib: ctypes.CDLL | None = None) -> None:
+                            lib: ctypes.CDLL | None = None, *, window: int = 0,
+                            scale: float | None = None) -> None:
     """Causal attention of long query runs over the paged cache: sequence n's q_len[n]
     new rows (flat rows q_start[n]...) are positions [ctx_len - q_len, ctx_len) and each
-    attends to positions [0, its own] of the cache, which already holds their keys and
+    attends to positions [0, its own] of the cache (with `window` > 0: (its own - window,
+    its own], transformers' sliding window; scores scaled by `scale`, default
+    head_dim ** -0.5), which already holds their keys and
     values (the engine writes them first), so fresh prompts (ctx_len == q_len) and later
     chunks over cached context are the same call.
 
@@ -304,7 +313,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if _needs_float32(q, out):
         return _in_float32(lambda q32, out32: paged_prefill_attention(
             q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, work, cuts,
-            lib), q, out)
+            lib, window=window, scale=scale), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
@@ -323,5 +332,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), block_table.data_ptr(),
             block_table.stride(0), q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(),
             out.data_ptr(), out.stride(0), bf16, work.data_ptr())
-    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5))
+    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window)
     run_shares(lib.paged_prefill_attention, args, tail, cuts, "paged prefill attention")

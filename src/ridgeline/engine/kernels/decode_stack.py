@@ -126,6 +126,8 @@ def applies(model: Any, rows: int, cache: Any, meta: Any, linear_rows: int) -> b
     if (dtype not in (torch.float32, torch.bfloat16) or kb is None or meta.prefill is not None
             or meta.fresh or meta.chunks or meta.groups
             or torch.is_grad_enabled() or model.cfg.qk_norm
+            or model.cfg.moe_layers  # the C stack runs dense SwiGLU MLPs only
+            or any(model.cfg.layer_windows)  # and attends to the whole context
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
             or rows > max_rows(dtype, model.quantized, linear_rows)
             or load() is None):

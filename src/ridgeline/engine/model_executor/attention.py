@@ -19,6 +19,13 @@ sequences, each with the cheapest kernel we found on CPU:
 - long queries over cached context (later prefill chunks, prefix-cache hits): with the C
   kernel, in the same prefill call as the fresh ones, reading the blocks in place;
   otherwise one masked attention per sequence over its gathered blocks.
+
+Sliding-window layers (`AttentionMetadata.layer_windows`, transformers' convention: a query
+at position p sees the keys at positions (p - window, p]) take the same paths: the C
+kernels get the window and skip the blocks before it, the PyTorch paths a mask with the
+window's lower bound too (built once per step and window, on first use). Blocks before
+every sliding layer's window may have been released by the scheduler: their table
+entries are then the null block, which neither path reads unmasked.
 """
 
 from __future__ import annotations
@@ -43,6 +50,22 @@ class DecodeGroup:
     num_seqs: int
     q_len: int  # padded query length of the group
     valid: torch.Tensor | None  # [n * q] which entries of token_index are real (q > 1)
+    limit: torch.Tensor | None = None  # [n, q] each query sees positions < its limit
+    group_size: int = 1  # query heads per KV head (rows of the mask per query)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` for a sliding-window layer: also -inf before limit - window."""
+        if window <= 0:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            assert self.limit is not None
+            mask = _additive(_window_allowed(self.limit, self.mask.shape[-1], window,
+                                             self.group_size))
+            self.window_masks[window] = mask[:, None].to(self.mask.device)
+            mask = self.window_masks[window]
+        return mask
 
 
 @dataclass
@@ -73,16 +96,37 @@ class AttentionMetadata:
     kernel: KernelBatch | None = None
     # fresh and long sequences for the C prefill kernel, instead of `fresh` and `chunks`
     prefill: PrefillBatch | None = None
+    # each layer's sliding window (0: full attention); empty: every layer is full
+    layer_windows: tuple[int, ...] = ()
+    # the PyTorch paths' sliding-window masks, by (queries, cached tokens, window)
+    window_masks: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def causal_window_mask(self, num_new: int, num_computed: int, window: int,
+                           device: torch.device) -> torch.Tensor:
+        """Boolean [1, 1, num_new, context]: query i (position num_computed + i) sees
+        positions (its own - window, its own]."""
+        key = (num_new, num_computed, window)
+        mask = self.window_masks.get(key)
+        if mask is None:
+            pos = torch.arange(num_computed, num_computed + num_new)[:, None]
+            keys = torch.arange(num_computed + num_new)[None, :]
+            mask = ((keys <= pos) & (keys > pos - window))[None, None].to(device)
+            self.window_masks[key] = mask
+        return mask
 
 
 def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size: int,
                              num_heads: int, num_kv_heads: int, device: torch.device,
-                             use_kernel: bool = False,
-                             prefill_kernel: bool = False) -> AttentionMetadata:
+                             use_kernel: bool = False, prefill_kernel: bool = False,
+                             layer_windows: tuple[int, ...] = ()) -> AttentionMetadata:
     """`batch`: per sequence (block table, tokens already computed, new tokens), in the
     order their tokens appear in the flat batch. `use_kernel`: short queries go to the C
     decode kernel; `prefill_kernel`: fresh and long ones to the C prefill kernel (a float32
-    or bfloat16 cache), so their PyTorch metadata (chunk masks) is not built."""
+    or bfloat16 cache), so their PyTorch metadata (chunk masks) is not built.
+    `layer_windows`: each layer's sliding window, 0 for full attention (empty: all full)."""
     bs = block_size
     slots: list[int] = []
     fresh: list[tuple[int, int]] = []
@@ -112,7 +156,8 @@ def build_attention_metadata(batch: list[tuple[list[int], int, int]], block_size
         start += num_new
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        fresh=fresh, chunks=chunks)
+        fresh=fresh, chunks=chunks,
+        layer_windows=tuple(layer_windows) if any(layer_windows) else ())
     if long:
         meta.prefill = _prefill_batch(long, bs, num_heads, num_kv_heads)
     if short and use_kernel:
@@ -200,26 +245,47 @@ def _decode_group(members: list[tuple[int, int, int, list[int]]], bs: int, group
     token_index = torch.minimum(starts[:, None] + qi[None, :], (starts + qlens - 1)[:, None])
     # query i of a sequence sees positions < ctx - (q_len - 1 - i)
     limit = (ctx[:, None] - (qlens[:, None] - 1 - qi[None, :])).clamp(min=1)  # [n, q]
-    allowed = torch.arange(length)[None, None, :] < limit[:, :, None]  # [n, q, L]
-    if q > 1:
-        # rows are ordered (head in group, query) to match the folded query layout
-        allowed = allowed[:, None].expand(n, group_size, q, length).reshape(n, group_size * q,
-                                                                            length)
-    mask = torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed, float("-inf"))
+    mask = _additive(_window_allowed(limit, length, 0, group_size))
     valid = (qi[None, :] < qlens[:, None]).reshape(-1) if q > 1 else None
     return DecodeGroup(
         token_index=token_index.reshape(-1).to(device),
         block_ids=torch.tensor(flat_blocks, dtype=torch.long, device=device),
         mask=mask[:, None].to(device), num_seqs=n, q_len=q,
-        valid=None if valid is None else valid.to(device))
+        valid=None if valid is None else valid.to(device), limit=limit,
+        group_size=group_size)
+
+
+def _window_allowed(limit: torch.Tensor, length: int, window: int,
+                    group_size: int) -> torch.Tensor:
+    """Boolean [n, rows, length]: query (i, j) sees positions < limit[i, j] (and, with a
+    sliding window, >= limit - window); with several queries per sequence the rows are
+    ordered (head in group, query) to match the folded query layout."""
+    n, q = limit.shape
+    positions = torch.arange(length)[None, None, :]
+    allowed = positions < limit[:, :, None]  # [n, q, L]
+    if window > 0:
+        allowed &= positions >= (limit - window)[:, :, None]
+    if q > 1:
+        allowed = allowed[:, None].expand(n, group_size, q, length).reshape(n, group_size * q,
+                                                                            length)
+    return allowed
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill_(~allowed,
+                                                                        float("-inf"))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    layer: int, meta: AttentionMetadata) -> torch.Tensor:
-    """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d]."""
+                    layer: int, meta: AttentionMetadata, *,
+                    scale: float | None = None) -> torch.Tensor:
+    """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d].
+    Scores are scaled by `scale` (default head_dim ** -0.5); the layer's sliding window
+    comes from `meta.layer_windows`."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
+    window = meta.window(layer)
     cache.write(layer, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
@@ -229,21 +295,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         if raw is not None:
             cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
-                                               cuts=kb.cuts)
+                                               cuts=kb.cuts, window=window, scale=scale)
         else:
             codes = cache.int8_blocks(layer)
             assert codes is not None, "the C kernel needs a float32, bfloat16 or int8 CPU cache"
             cpu_kernels.paged_decode_attention(q, codes[0], codes[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
                                                k_scale=codes[2], v_scale=codes[3],
-                                               cuts=kb.cuts)
+                                               cuts=kb.cuts, window=window, scale=scale)
 
     if meta.prefill is not None:
         pb = meta.prefill
         raw = cache.raw_blocks(layer)
         assert raw is not None, "the prefill kernel needs a float32 or bfloat16 CPU cache"
         cpu_kernels.paged_prefill_attention(q, raw[0], raw[1], pb.block_table, pb.q_start,
-                                            pb.q_len, pb.ctx_len, out, pb.work, pb.cuts)
+                                            pb.q_len, pb.ctx_len, out, pb.work, pb.cuts,
+                                            window=window, scale=scale)
 
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).
@@ -251,15 +318,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         qs = q[start:start + n].transpose(0, 1)[None]
         ks = k[start:start + n].transpose(0, 1)[None]
         vs = v[start:start + n].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=g > 1)
+        if window > 0 and n > window:
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=meta.causal_window_mask(n, 0, window, q.device),
+                enable_gqa=g > 1, scale=scale)
+        else:  # a window at least as long as the prompt cuts nothing
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=g > 1,
+                                               scale=scale)
         out[start:start + n] = o[0].transpose(0, 1)
 
     for start, n, ctx, block_ids, mask in meta.chunks:
         kc, vc = cache.gather(layer, block_ids)
         kc = kc[:ctx].transpose(0, 1)[None]
         vc = vc[:ctx].transpose(0, 1)[None]
+        if window > 0:
+            mask = meta.causal_window_mask(n, ctx - n, window, q.device)
         o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kc, vc,
-                                           attn_mask=mask, enable_gqa=g > 1)
+                                           attn_mask=mask, enable_gqa=g > 1, scale=scale)
         out[start:start + n] = o[0].transpose(0, 1)
 
     for grp in meta.groups:
@@ -273,7 +348,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         else:
             qg = (qg.view(n, ql, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
                   .reshape(n, num_kv_heads, g * ql, head_dim))
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=grp.mask)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=grp.window_mask(window),
+                                           scale=scale)
         if ql == 1:
             out.index_copy_(0, grp.token_index, o.reshape(n, num_heads, head_dim))
         else:

@@ -114,7 +114,7 @@ class ModelRunner:
         """Build `source`'s model, load its weights and allocate its KV cache."""
         cfg = source.config
         model = build_model(cfg, max_len=plan.max_model_len, dtype=dtype, device=config.device)
-        missing = model.expected_weights() - model.load_weights(source.weights())
+        missing = model.missing_weights(model.load_weights(source.weights()))
         if missing:
             raise ModelLoadError(f"{what}{source.name}: {len(missing)} weights missing from "
                                  f"the checkpoint, e.g. {sorted(missing)[:3]}")
@@ -148,7 +148,7 @@ class ModelRunner:
         cfg = self.model.cfg
         meta = build_attention_metadata(batch, self.kv_cache.block_size, cfg.num_heads,
                                         cfg.num_kv_heads, self.device, self.use_kernel,
-                                        self.prefill_kernel)
+                                        self.prefill_kernel, cfg.layer_windows)
         with _few_token_threads(len(input_ids), self.device, self.model.dtype):
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=self.device),
                                 torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -77,12 +77,14 @@ static inline __attribute__((always_inline)) void prefetch_group_start(
    context, each row's K and V address for the group's first head (`kc`, `vc`) and, int8,
    the group's heads' scales (`ks`, `vs`: [MAXQV][RB_] of the chunk's ring entry),
    prefetching each row's span as it is listed; rows past the context repeat the last one
-   (scored, then masked). (*blk, *off) is where the next row lies (block index, offset).
+   (scored, then masked), and so do rows before `first` (a sliding window's first key: the
+   blocks before it may be gone, their table entries the null block) repeat the row at
+   `first`. (*blk, *off) is where the next row lies (block index, offset).
    SCALE_AHEAD > 0: the scales of the block that many blocks on are prefetched as a block
    starts (AVX2 reads them from memory; AVX-512 takes them as listed). */
 static inline __attribute__((always_inline)) void list_chunk(
     const int QUANT, const int RB_, const int64_t SCALE_AHEAD, int64_t c, int64_t ctx,
-    const int64_t* table, int bs, const char* kc, const char* vc, int64_t row_bytes, int span,
+    int64_t first, const int64_t* table, int bs, const char* kc, const char* vc, int64_t row_bytes, int span,
     const float* k_scale, const float* v_scale, int kvh, int64_t j0, int ng, int64_t nblocks,
     const char** kr, const char** vr, float* ks, float* vs, int64_t* blk, int* off) {
   const int n = (int)(ctx - c * RB_ < RB_ ? ctx - c * RB_ : RB_);
@@ -107,6 +109,12 @@ static inline __attribute__((always_inline)) void list_chunk(
   for (int t = n; t < RB_; ++t) {
     kr[t] = kr[n - 1];
     vr[t] = vr[n - 1];
+    for (int jj = 0; jj < ng; ++jj) ks[jj * RB_ + t] = vs[jj * RB_ + t] = 0.f;
+  }
+  const int lead = first > c * RB_ ? (int)(first - c * RB_) : 0;  /* < n: first < ctx */
+  for (int t = 0; t < lead; ++t) {
+    kr[t] = kr[lead];
+    vr[t] = vr[lead];
     for (int jj = 0; jj < ng; ++jj) ks[jj * RB_ + t] = vs[jj * RB_ + t] = 0.f;
   }
 }
@@ -392,7 +400,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
@@ -419,7 +427,7 @@ static inline __attribute__((always_inline)) int attention_body(
   float F[HT][RB / 2][16] __attribute__((aligned(64)));
   __m512 lsum[MAXQV];
   float m[MAXQV], corr[MAXQV];
-  int64_t lim[MAXQV];
+  int64_t lim[MAXQV], lo[MAXQV];
   /* the listed chunks' rows: K/V addresses of the group's first head, int8 scales */
   const char* kr[RING][RB];
   const char* vr[RING][RB];
@@ -453,6 +461,7 @@ static inline __attribute__((always_inline)) int attention_body(
       for (int x = 0; x < dpad; ++x) acc[a][x] = 0.f;
       lsum[a] = _mm512_setzero_ps();
       lim[a] = ctx - (ql - 1 - r);
+      lo[a] = window > 0 ? lim[a] - window : 0;  /* sliding window: first key seen */
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
     }
     const int span = ng * row_read;  /* bytes of the group's heads in one slot */
@@ -460,17 +469,21 @@ static inline __attribute__((always_inline)) int attention_body(
     const char* vc = (const char*)v_cache + j0 * row_read;
     const int64_t* table = block_table + i * table_stride;
     const int64_t nchunks = (ctx + RB - 1) / RB;
-    int64_t listed = 0;  /* chunks listed so far */
-    int64_t blk = 0;  /* where the next row to list lies: block index, offset */
-    int off = 0;
-    for (int64_t ch = 0; ch < nchunks; ++ch) {
+    /* a sliding window: the chunks before the first row's window are not walked (their
+       blocks may be gone: the scheduler releases them) */
+    const int64_t first = window > 0 && ctx - ql + 1 - window > 0 ? ctx - ql + 1 - window : 0;
+    const int64_t ch0 = first / RB;
+    int64_t listed = ch0;  /* chunks listed so far */
+    int64_t blk = ch0 * RB / bs;  /* where the next row to list lies: block index, offset */
+    int off = (int)(ch0 * RB % bs);
+    for (int64_t ch = ch0; ch < nchunks; ++ch) {
       for (; listed < nchunks && listed <= ch + AHEAD; ++listed) {
         const int e = (int)(listed & (RING - 1));
-        list_chunk(QUANT, RB, 0, listed, ctx, table, bs, kc, vc, row_bytes, span, k_scale,
+        list_chunk(QUANT, RB, 0, listed, ctx, first, table, bs, kc, vc, row_bytes, span, k_scale,
                    v_scale, kvh, j0, ng, 0, kr[e], vr[e], &ks[e][0][0], &vs[e][0][0], &blk,
                    &off);
       }
-      if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end)
+      if (ch == (nchunks - 2 > ch0 ? nchunks - 2 : ch0) && item + ng < item_end)
         prefetch_group_start(k_cache, v_cache, block_table, table_stride, ctx_len, item, ng,
                              item_end, kvh, bs, row_read, row_bytes, 2 * RB);
       const int cur = (int)(ch & (RING - 1));
@@ -496,12 +509,14 @@ static inline __attribute__((always_inline)) int attention_body(
             const int a = a0 + h;
             const int64_t lv = lim[a] - t0;
             const int valid = (int)(lv > nr ? nr : lv);
-            if (valid <= 0) {  /* this query row sees none of the chunk */
+            const int64_t skip = lo[a] - t0;  /* leading rows before this row's window */
+            if (valid <= 0 || skip >= valid) {  /* this query row sees none of the chunk */
               corr[a] = 1.f;
               _mm512_store_ps(p[a], _mm512_setzero_ps());
               continue;
             }
-            const __mmask16 vm = valid >= RB ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+            __mmask16 vm = valid >= RB ? 0xFFFF : (__mmask16)((1u << valid) - 1);
+            if (skip > 0) vm &= (__mmask16)(0xFFFFu << skip);
             __m512 s = S[h];
             if (DOT) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
             if (QUANT) s = _mm512_mul_ps(s, _mm512_load_ps(ks[cur][jj]));
@@ -737,7 +752,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   (void)DOT;  /* vdpbf16ps scores are the AVX-512 path's */
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
@@ -750,7 +765,7 @@ static inline __attribute__((always_inline)) int attention_body(
   float p[MAXQV][RB] __attribute__((aligned(32)));
   __m256 lsum[MAXQV];
   float m[MAXQV], corr[MAXQV];
-  int64_t lim[MAXQV];
+  int64_t lim[MAXQV], lo[MAXQV];
   /* the listed chunks' rows: K/V addresses of the group's first head, int8 scales */
   const char* kr[RING][RB];
   const char* vr[RING][RB];
@@ -773,6 +788,7 @@ static inline __attribute__((always_inline)) int attention_body(
       for (int x = 0; x < d; ++x) { qs[a][x] = QLOAD(QB, src, x) * scale; acc[a][x] = 0.f; }
       lsum[a] = _mm256_setzero_ps();
       lim[a] = ctx - (ql - 1 - r);
+      lo[a] = window > 0 ? lim[a] - window : 0;  /* sliding window: first key seen */
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
     }
     const int span = ng * row_read;  /* bytes of the group's heads in one slot */
@@ -782,17 +798,21 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t nchunks = (ctx + RB - 1) / RB;
     const int64_t nblocks = (ctx + bs - 1) / bs;
     const int64_t sahead = (2 * RB + bs - 1) / bs;  /* blocks whose scales are prefetched */
-    int64_t listed = 0;  /* chunks listed so far */
-    int64_t blk = 0;  /* where the next row to list lies: block index, offset */
-    int off = 0;
-    for (int64_t ch = 0; ch < nchunks; ++ch) {
+    /* a sliding window: the chunks before the first row's window are not walked (their
+       blocks may be gone: the scheduler releases them) */
+    const int64_t first = window > 0 && ctx - ql + 1 - window > 0 ? ctx - ql + 1 - window : 0;
+    const int64_t ch0 = first / RB;
+    int64_t listed = ch0;  /* chunks listed so far */
+    int64_t blk = ch0 * RB / bs;  /* where the next row to list lies: block index, offset */
+    int off = (int)(ch0 * RB % bs);
+    for (int64_t ch = ch0; ch < nchunks; ++ch) {
       for (; listed < nchunks && listed <= ch + AHEAD; ++listed) {
         const int e = (int)(listed & (RING - 1));
-        list_chunk(QUANT, RB, sahead, listed, ctx, table, bs, kc, vc, row_bytes, span,
+        list_chunk(QUANT, RB, sahead, listed, ctx, first, table, bs, kc, vc, row_bytes, span,
                    k_scale, v_scale, kvh, j0, ng, nblocks, kr[e], vr[e], &ks[e][0][0],
                    &vs[e][0][0], &blk, &off);
       }
-      if (ch == (nchunks > 2 ? nchunks - 2 : 0) && item + ng < item_end)
+      if (ch == (nchunks - 2 > ch0 ? nchunks - 2 : ch0) && item + ng < item_end)
         prefetch_group_start(k_cache, v_cache, block_table, table_stride, ctx_len, item, ng,
                              item_end, kvh, bs, row_read, row_bytes, 2 * RB);
       const int cur = (int)(ch & (RING - 1));
@@ -812,12 +832,15 @@ static inline __attribute__((always_inline)) int attention_body(
             const int a = a0 + h;
             const int64_t lv = lim[a] - t0;
             const int valid = (int)(lv > nr ? nr : lv);
-            if (valid <= 0) {  /* this query row sees none of the chunk */
+            const int64_t skip = lo[a] - t0;  /* leading rows before this row's window */
+            if (valid <= 0 || skip >= valid) {  /* this query row sees none of the chunk */
               corr[a] = 1.f;
               _mm256_store_ps(p[a], _mm256_setzero_ps());
               continue;
             }
-            const __m256 vm = _mm256_cmp_ps(iota, _mm256_set1_ps((float)valid), _CMP_LT_OQ);
+            __m256 vm = _mm256_cmp_ps(iota, _mm256_set1_ps((float)valid), _CMP_LT_OQ);
+            if (skip > 0)
+              vm = _mm256_and_ps(vm, _mm256_cmp_ps(iota, _mm256_set1_ps((float)skip), _CMP_GE_OQ));
             __m256 s = S[h];
             if (QUANT) s = _mm256_mul_ps(s, _mm256_load_ps(ks[cur][jj]));
             float cr = 1.f;
@@ -915,7 +938,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   (void)DOT;  /* vdpbf16ps scores are the AVX-512 path's */
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
@@ -924,7 +947,7 @@ static inline __attribute__((always_inline)) int attention_body(
   float s[MAXQV][MAXBS];
   float qs[MAXQV][MAXD];
   float acc[MAXQV][MAXD];
-  int64_t lim[MAXQV];
+  int64_t lim[MAXQV], lo[MAXQV];
   const int64_t tok_stride = (int64_t)kvh * d;
   for (int64_t item = item_begin; item < item_end; ++item) {
     const int64_t i = item / kvh, j = item % kvh;
@@ -938,11 +961,15 @@ static inline __attribute__((always_inline)) int attention_body(
                          + (j * g + gi) * q_head_stride) * (QB ? 2 : 4);
       for (int x = 0; x < d; ++x) { qs[a][x] = QLOAD(QB, src, x) * scale; acc[a][x] = 0.f; }
       lim[a] = ctx - (ql - 1 - r);
+      lo[a] = window > 0 ? lim[a] - window : 0;  /* sliding window: first key seen */
       m[a] = -FLT_MAX; /* finite: the kernel may be built with finite-math-only */
       l[a] = 0.f;
     }
     const int64_t nblocks = (ctx + bs - 1) / bs;
-    for (int64_t b = 0; b < nblocks; ++b) {
+    /* a sliding window: the blocks before the first row's window are not read (they may
+       be gone: the scheduler releases them) */
+    const int64_t first = window > 0 && ctx - ql + 1 - window > 0 ? ctx - ql + 1 - window : 0;
+    for (int64_t b = first / bs; b < nblocks; ++b) {
       const int64_t blk = block_table[i * table_stride + b];
       const int64_t t0 = b * bs;
       const char* kb = (const char*)k_cache + (blk * bs * kvh + j) * d * esize;
@@ -981,25 +1008,26 @@ static inline __attribute__((always_inline)) int attention_body(
       for (int a = 0; a < nq; ++a) {
         const int64_t lv = lim[a] - t0;
         const int valid = (int)(lv > nt ? nt : lv);
-        if (valid <= 0) continue;
+        const int t1 = lo[a] > t0 ? (int)(lo[a] - t0) : 0;  /* first row in the window */
+        if (valid <= t1) continue;
         float* sa = s[a];
         float bm = m[a];
-        for (int t = 0; t < valid; ++t) bm = sa[t] > bm ? sa[t] : bm;
+        for (int t = t1; t < valid; ++t) bm = sa[t] > bm ? sa[t] : bm;
         const float corr = expf(m[a] - bm); /* 0 on the first block */
-        for (int t = 0; t < valid; ++t) sa[t] -= bm;
-        exp_inplace(sa, valid);
+        for (int t = t1; t < valid; ++t) sa[t] -= bm;
+        exp_inplace(sa + t1, valid - t1);
         float psum = 0.f;
-        for (int t = 0; t < valid; ++t) psum += sa[t];
+        for (int t = t1; t < valid; ++t) psum += sa[t];
         l[a] = l[a] * corr + psum;
         m[a] = bm;
         if (QUANT)  /* fold each value row's scale into its weight */
-          for (int t = 0; t < valid; ++t) sa[t] *= vsb[t * kvh];
+          for (int t = t1; t < valid; ++t) sa[t] *= vsb[t * kvh];
         float* ac = acc[a];
         int x = 0;
         for (; x + 32 <= d; x += 32) {
           v8 c0 = ld8(ac + x) * corr, c1 = ld8(ac + x + 8) * corr;
           v8 c2 = ld8(ac + x + 16) * corr, c3 = ld8(ac + x + 24) * corr;
-          for (int t = 0; t < valid; ++t) {
+          for (int t = t1; t < valid; ++t) {
             const char* vr = vb + t * tok_stride * esize;
             const float p = sa[t];
             c0 += p * LOADK(vr, x);
@@ -1011,7 +1039,7 @@ static inline __attribute__((always_inline)) int attention_body(
         }
         for (; x < d; x += 8) {
           v8 c0 = ld8(ac + x) * corr;
-          for (int t = 0; t < valid; ++t) c0 += sa[t] * LOADK(vb + t * tok_stride * esize, x);
+          for (int t = t1; t < valid; ++t) c0 += sa[t] * LOADK(vb + t * tok_stride * esize, x);
           st8(ac + x, c0);
         }
       }
@@ -1158,6 +1186,14 @@ static inline int pair_position(int x) {
   return (x & ~31) + (k < 4 ? 4 * lane + k : 16 + 4 * lane + k - 4);
 }
 
+/* The lanes (rows at positions pos) that see key `key`: key <= pos and, with a sliding
+   window, key > pos - window */
+static inline __mmask16 visible16(__m512i pos, int64_t key, int64_t window) {
+  const __mmask16 causal = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32((int)key));
+  if (window <= 0) return causal;
+  return causal & _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)(key + window)), pos);
+}
+
 /* MODE: K/V storage (0 float32, 2 bfloat16); DOT: scores by vdpbf16ps (bfloat16 q and
    K/V, AVX512_BF16 compiled in), and P V too (P rounded to bfloat16) */
 static inline __attribute__((always_inline)) int prefill_body(
@@ -1168,7 +1204,7 @@ static inline __attribute__((always_inline)) int prefill_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   const int64_t esize = MODE == 2 ? 2 : 4;
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
   const int row_read = (int)(d * esize);
@@ -1200,7 +1236,10 @@ static inline __attribute__((always_inline)) int prefill_body(
     if (rows < 1 || rows * g > PLANES || r0 + rows > ql || ctx < ql) return -3;
     const int nq = rows * g, na = (nq + 15) / 16;
     const int64_t base = ctx - ql + r0;  /* position of the tile's first row */
-    const int64_t kend = base + rows;    /* keys [0, kend) */
+    const int64_t kend = base + rows;    /* keys [kstart, kend) */
+    /* a sliding window: a row at position p sees keys > p - window; the first row's
+       first key is where the walk starts (earlier blocks may be gone) */
+    const int64_t kstart = window > 0 && base + 1 - window > 0 ? base + 1 - window : 0;
     /* Q^T (scaled, except with DOT: scaled scores instead), padding lanes 0 */
     for (int a = 0; a < 16 * na; ++a) {
       const int64_t r = a / g, h = a % g;
@@ -1236,7 +1275,7 @@ static inline __attribute__((always_inline)) int prefill_body(
     const char* kc = (const char*)k_cache + j * row_read;
     const char* vc = (const char*)v_cache + j * row_read;
     const int64_t* table = block_table + i * table_stride;
-    for (int64_t t0 = 0; t0 < kend; t0 += PKC) {
+    for (int64_t t0 = kstart; t0 < kend; t0 += PKC) {
       const int nk = (int)(kend - t0 < PKC ? kend - t0 : PKC);
       const int nkr = (nk + PKR - 1) / PKR * PKR;  /* padding keys repeat the last, masked */
 #if defined(__AVX512BF16__)
@@ -1283,14 +1322,15 @@ static inline __attribute__((always_inline)) int prefill_body(
       for (int t = 0; t < nkr; t += PKR)
         NA_SWITCH(na_, prefill_scores(DOT, NA, kr + t, (const float (*)[PLANES])QT, d,
                                       ST + t))
-      const int masked = t0 + nkr - 1 > base;  /* the chunk reaches past some lane's row */
+      /* the chunk reaches past some lane's row, or (window) before some lane's window */
+      const int masked = t0 + nkr - 1 > base || (window > 0 && t0 < kend - window);
       for (int v = 0; v < na; ++v) {
         __m512 mx = m[v];
         for (int t = 0; t < nkr; ++t) {
           __m512 s = _mm512_load_ps(ST[t] + 16 * v);
           if (DOT) s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
           if (masked) {
-            const __mmask16 vis = _mm512_cmpge_epi32_mask(pos[v], _mm512_set1_epi32((int)(t0 + t)));
+            const __mmask16 vis = visible16(pos[v], t0 + t, window);
             s = _mm512_mask_blend_ps(vis, _mm512_set1_ps(-1e30f), s);
           }
           _mm512_store_ps(ST[t] + 16 * v, s);
@@ -1301,9 +1341,7 @@ static inline __attribute__((always_inline)) int prefill_body(
         __m512 sum = _mm512_mul_ps(l[v], corr[v]);
         for (int t = 0; t < nkr; ++t) {
           __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(ST[t] + 16 * v), mx));
-          if (masked)
-            e = _mm512_maskz_mov_ps(
-                _mm512_cmpge_epi32_mask(pos[v], _mm512_set1_epi32((int)(t0 + t))), e);
+          if (masked) e = _mm512_maskz_mov_ps(visible16(pos[v], t0 + t, window), e);
           sum = _mm512_add_ps(sum, e);
           _mm512_store_ps(ST[t] + 16 * v, e);
         }
@@ -1349,10 +1387,10 @@ static int prefill_dispatch(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
 #define PREFILL_ARGS q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache, block_table, \
     table_stride, q_start, q_len, ctx_len, out, out_row_stride, out_bf16, work, item_begin, \
-    item_end, kvh, g, d, bs, scale
+    item_end, kvh, g, d, bs, scale, window
   if (!cache_bf16) return prefill_body(0, 0, PREFILL_ARGS);
 #if defined(__AVX512BF16__)
   if (q_bf16) return prefill_body(2, 1, PREFILL_ARGS);
@@ -1371,7 +1409,7 @@ static int prefill_dispatch(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
   const int64_t esize = cache_bf16 ? 2 : 4;
   const int64_t row_bytes = (int64_t)kvh * d * esize;
@@ -1386,6 +1424,8 @@ static int prefill_dispatch(
     if (rows < 1 || rows * g > PLANES || r0 + rows > ql || ctx < ql) return -3;
     const int nq = rows * g;
     const int64_t base = ctx - ql + r0, kend = base + rows;
+    /* a sliding window: a row at position p sees keys > p - window */
+    const int64_t kstart = window > 0 && base + 1 - window > 0 ? base + 1 - window : 0;
     for (int a = 0; a < nq; ++a) {
       const int64_t at = (q_start[i] + r0 + a / g) * q_row_stride
                          + (j * g + a % g) * q_head_stride;
@@ -1398,7 +1438,7 @@ static int prefill_dispatch(
       l[a] = 0.f;
     }
     const int64_t* table = block_table + i * table_stride;
-    for (int64_t t0 = 0; t0 < kend; t0 += PKC) {
+    for (int64_t t0 = kstart; t0 < kend; t0 += PKC) {
       const int nk = (int)(kend - t0 < PKC ? kend - t0 : PKC);
       for (int t = 0; t < nk; ++t) {
         const int64_t p = t0 + t, slot = table[p / bs] * bs + p % bs;
@@ -1415,9 +1455,11 @@ static int prefill_dispatch(
       for (int a = 0; a < nq; ++a) {
         const int64_t seen = base + a / g - t0 + 1;  /* keys of the chunk this row sees */
         const int nv = (int)(seen < nk ? seen : nk);
-        if (nv <= 0) continue;
+        const int64_t skip = window > 0 ? base + a / g - window + 1 - t0 : 0;
+        const int t1 = skip > 0 ? (int)skip : 0;  /* first key in this row's window */
+        if (nv <= t1) continue;
         float mx = m[a];
-        for (int t = 0; t < nv; ++t) {
+        for (int t = t1; t < nv; ++t) {
           float dot = 0.f;
           for (int x = 0; x < d; ++x) dot += qs[a][x] * kbuf[t][x];
           s[t] = dot;
@@ -1425,12 +1467,12 @@ static int prefill_dispatch(
         }
         const float corr = expf(m[a] - mx);
         float sum = l[a] * corr;
-        for (int t = 0; t < nv; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        for (int t = t1; t < nv; ++t) { s[t] = expf(s[t] - mx); sum += s[t]; }
         m[a] = mx;
         l[a] = sum;
         for (int x = 0; x < d; ++x) {
           float o = acc[a][x] * corr;
-          for (int t = 0; t < nv; ++t) o += s[t] * vbuf[t][x];
+          for (int t = t1; t < nv; ++t) o += s[t] * vbuf[t][x];
           acc[a][x] = o;
         }
       }
@@ -1451,7 +1493,8 @@ static int prefill_dispatch(
 /* Work items [item_begin, item_end) of `work` ([items, 4]: sequence, KV head, first query
    row of the tile, rows in the tile, rows * g <= PLANES). Sequence n's q_len
    new rows (flat rows q_start[n]...) sit at positions [ctx_len - q_len, ctx_len) and each
-   attends to cache positions [0, its own]. q/out: [T, heads, d] float32 or bfloat16 (the
+   attends to cache positions [0, its own], or with window > 0 to (its own - window, its
+   own] (transformers' sliding window). q/out: [T, heads, d] float32 or bfloat16 (the
    flags), unit stride on d, out's heads d apart; K/V [blocks, bs, kvh, d], float32 or
    bfloat16. Returns 0, or < 0 for arguments out of range. */
 int paged_prefill_attention(
@@ -1461,11 +1504,11 @@ int paged_prefill_attention(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale) {
+    int kvh, int g, int d, int bs, float scale, int64_t window) {
   return prefill_dispatch(q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache,
                           cache_bf16, block_table, table_stride, q_start, q_len, ctx_len, out,
                           out_row_stride, out_bf16, work, item_begin, item_end, kvh, g, d,
-                          bs, scale);
+                          bs, scale, window);
 }
 
 int paged_prefill_lanes(void) { return PLANES; }
@@ -1474,7 +1517,10 @@ int paged_prefill_lanes(void) { return PLANES; }
    q_bf16 (read and written as such). Returns 0, or < 0 for arguments out of range. */
 #define DECODE_ARGS(...) q, q_row_stride, q_head_stride, k_cache, v_cache, __VA_ARGS__, \
     block_table, table_stride, q_start, q_len, ctx_len, out, out_row_stride, item_begin, \
-    item_end, kvh, g, d, bs, scale
+    item_end, kvh, g, d, bs, scale, window
+#define DECODE_NAMES q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache
+#define DECODE_TAIL_NAMES block_table, table_stride, q_start, q_len, ctx_len, out, \
+    out_row_stride, item_begin, item_end, kvh, g, d, bs, scale
 #define DECODE_PARAMS(type) \
     const void* q, int64_t q_row_stride, int64_t q_head_stride, int q_bf16, \
     const type* k_cache, const type* v_cache
@@ -1485,12 +1531,14 @@ int paged_prefill_lanes(void) { return PLANES; }
     int64_t item_begin, int64_t item_end, \
     int kvh, int g, int d, int bs, float scale
 
-int paged_attention_f32(DECODE_PARAMS(float), DECODE_TAIL) {
+/* With window > 0 (transformers' sliding window) a row at position p sees the keys at
+   positions (p - window, p]; the blocks before the first row's window are not read. */
+int paged_attention_window_f32(DECODE_PARAMS(float), DECODE_TAIL, int64_t window) {
   if (q_bf16) return attention_body(0, 1, 0, DECODE_ARGS(0, 0));
   return attention_body(0, 0, 0, DECODE_ARGS(0, 0));
 }
 
-int paged_attention_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL) {
+int paged_attention_window_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL, int64_t window) {
 #if KERNEL_PATH == 2 && defined(__AVX512BF16__)
   if (q_bf16) return attention_body(2, 1, 1, DECODE_ARGS(0, 0));
 #endif
@@ -1498,10 +1546,24 @@ int paged_attention_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL) {
   return attention_body(2, 0, 0, DECODE_ARGS(0, 0));
 }
 
-int paged_attention_i8(DECODE_PARAMS(signed char), const float* k_scale,
-                       const float* v_scale, DECODE_TAIL) {
+int paged_attention_window_i8(DECODE_PARAMS(signed char), const float* k_scale,
+                              const float* v_scale, DECODE_TAIL, int64_t window) {
   if (q_bf16) return attention_body(1, 1, 0, DECODE_ARGS(k_scale, v_scale));
   return attention_body(1, 0, 0, DECODE_ARGS(k_scale, v_scale));
+}
+
+/* The whole context (the decode stack calls these by pointer, with this signature) */
+int paged_attention_f32(DECODE_PARAMS(float), DECODE_TAIL) {
+  return paged_attention_window_f32(DECODE_NAMES, DECODE_TAIL_NAMES, 0);
+}
+
+int paged_attention_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL) {
+  return paged_attention_window_bf16(DECODE_NAMES, DECODE_TAIL_NAMES, 0);
+}
+
+int paged_attention_i8(DECODE_PARAMS(signed char), const float* k_scale,
+                       const float* v_scale, DECODE_TAIL) {
+  return paged_attention_window_i8(DECODE_NAMES, k_scale, v_scale, DECODE_TAIL_NAMES, 0);
 }
 
 /* 1 when bfloat16 q with a bfloat16 cache scores by vdpbf16ps (AVX512_BF16 compiled in) */

@@ -6,14 +6,21 @@ import torch
 
 from ridgeline.engine.model_executor.models.config import ModelConfig, supported_architectures
 from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.gemma3 import Gemma3ForCausalLM
 from ridgeline.engine.model_executor.models.llama import LlamaForCausalLM
-from ridgeline.engine.model_executor.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from ridgeline.engine.model_executor.models.qwen import (
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from ridgeline.errors import UnsupportedError
 
 MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ridgeline.errors import UnsupportedError
+from ridgeline.errors import ConfigError, UnsupportedError
 
 #: transformers architecture names -> our model family
 ARCHITECTURES = {
@@ -17,8 +17,12 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+               "gemma3_text": "gemma3_text",
+               "qwen3_moe": "qwen3_moe"}
 
 
 def supported_architectures() -> str:
@@ -27,7 +31,7 @@ def supported_architectures() -> str:
 
 @dataclass
 class ModelConfig:
-    family: str  # llama | qwen2 | qwen3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -46,6 +50,21 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # HF rope parameters beyond theta
     # per-frequency divisors (GGUF `rope_freqs`, how llama.cpp stores Llama 3.1 scaling)
     rope_freq_factors: list[float] | None = None
+    # mixture of experts: the layers whose MLP is a sparse block of experts (the others
+    # are dense SwiGLU of `intermediate_size`), and how each token picks its experts
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # each layer's sliding window (transformers' convention: a query at position p sees
+    # the keys at (p - window, p]), 0 for full attention; empty: every layer is full
+    layer_windows: tuple[int, ...] = ()
+    # gemma3_text: scores scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5),
+    # tanh-capped logits, and the sliding layers' own RoPE base
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: Any = None  # the transformers config it came from, if any
@@ -61,14 +80,8 @@ class ModelConfig:
             raise UnsupportedError(f"model architecture {name!r} is not supported",
                                    hint=f"supported: {supported_architectures()}")
         act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
+        if family != "gemma3_text" and act not in ("silu", "swish"):  # gemma3: its own check
             raise UnsupportedError(f"activation {act!r} is not supported", hint="only silu")
-        for attr in ("use_sliding_window",):
-            if getattr(cfg, attr, False):
-                raise UnsupportedError("sliding-window attention is not supported",
-                                       hint="set use_sliding_window=false")
-        if family == "llama" and getattr(cfg, "sliding_window", None):
-            raise UnsupportedError("sliding-window attention is not supported")
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         theta, scaling = _rope_parameters(cfg)
@@ -90,19 +103,129 @@ class ModelConfig:
             qkv_bias=True if family == "qwen2" else attention_bias,
             o_bias=attention_bias if family != "qwen2" else False,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
             rope_theta=theta,
             rope_scaling=scaling,
             bos_token_id=getattr(cfg, "bos_token_id", None),
             eos_token_ids=eos_ids,
             hf_config=cfg,
+            layer_windows=_layer_windows(cfg, family),
+            **_moe_fields(cfg, family),
+            **_gemma3_fields(cfg, family),
         )
+
+
+#: model types whose transformers model applies `sliding_window` (when set) to every
+#: layer; qwen2, qwen3 and gemma3_text follow `layer_types`; Llama ignores the field
+_EVERY_LAYER_SLIDING = ("mistral", "qwen3_moe")
+_LAYER_TYPE_SLIDING = ("qwen2", "qwen3", "gemma3_text")
+
+
+def _layer_windows(cfg: Any, family: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers' model of this family applies it (0:
+    full attention); () when every layer is full."""
+    num_layers = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    model_type = getattr(cfg, "model_type", "")
+    if family == "llama" and "MistralForCausalLM" in (getattr(cfg, "architectures", None)
+                                                     or []):
+        model_type = "mistral"
+    if model_type in _EVERY_LAYER_SLIDING or family in _EVERY_LAYER_SLIDING:
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    elif family in _LAYER_TYPE_SLIDING:
+        types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * num_layers)
+    else:
+        return ()
+    if len(types) != num_layers:
+        raise ConfigError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"layer_types {unknown} are not supported",
+                          hint="supported: sliding_attention, full_attention")
+    if "sliding_attention" not in types:
+        return ()
+    if window is None or int(window) < 1:
+        raise ConfigError(f"sliding_window={window!r} must be a positive number of tokens "
+                          "for a model with sliding_attention layers")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def _gemma3_fields(cfg: Any, family: str) -> dict[str, Any]:
+    """gemma3_text's own fields of `ModelConfig` (none for other families), refusing the
+    settings it does not implement."""
+    if family != "gemma3_text":
+        return {}
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_python_tanh"):
+        raise ConfigError(f"gemma3_text hidden_activation={act!r} is not supported",
+                          hint="supported: gelu_pytorch_tanh")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise ConfigError("gemma3_text attn_logit_softcapping is not supported",
+                          hint="set it to null (Gemma 3 checkpoints do not use it)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ConfigError("gemma3_text use_bidirectional_attention=true is not supported "
+                          "(a causal decoder only)")
+    params = getattr(cfg, "rope_parameters", None) or {}
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"gemma3_text rope_parameters.sliding_attention rope_type="
+                          f"{local['rope_type']!r} is not supported", hint="only default")
+    rope_type = (params.get("full_attention") or {}).get("rope_type", "default")
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(f"gemma3_text rope_parameters.full_attention rope_type="
+                          f"{rope_type!r} is not supported",
+                          hint="supported: default, linear, llama3")
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return dict(attention_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+                final_logit_softcapping=None if softcap is None else float(softcap),
+                local_rope_theta=float(local.get("rope_theta",
+                                                 getattr(cfg, "rope_local_base_freq", 10000.0))))
+
+
+#: fields of other MoE families' configs that change the routing or the experts' math; a
+#: qwen3_moe config carrying one with a non-neutral value would be computed wrongly
+_FOREIGN_MOE_FIELDS = {
+    "shared_expert_intermediate_size": 0, "n_shared_experts": 0, "num_shared_experts": 0,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
+    "scoring_func": "softmax", "topk_method": "greedy", "router_bias": False,
+    "swiglu_limit": None,
+}
+
+
+def _moe_fields(cfg: Any, family: str) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` from a transformers config (none for dense
+    families). Which layers are sparse follows Qwen3MoeDecoderLayer: every
+    `decoder_sparse_step`-th layer, except those in `mlp_only_layers`."""
+    if family != "qwen3_moe":
+        return {}
+    for name, neutral in _FOREIGN_MOE_FIELDS.items():
+        value = getattr(cfg, name, neutral)
+        if value not in (neutral, None):
+            raise ConfigError(f"{family} config field {name}={value!r} is not supported "
+                              "(it changes the experts' routing or math)",
+                              hint=f"remove it or set it to {neutral!r}")
+    num_experts = int(cfg.num_experts)
+    top_k = int(cfg.num_experts_per_tok)
+    step = int(cfg.decoder_sparse_step)
+    if step < 1:
+        raise ConfigError(f"decoder_sparse_step={step} must be at least 1")
+    if num_experts > 0 and not 1 <= top_k <= num_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} must be between 1 and "
+                          f"num_experts={num_experts}")
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    moe_layers = tuple(i for i in range(cfg.num_hidden_layers)
+                       if num_experts > 0 and (i + 1) % step == 0 and i not in dense)
+    return dict(moe_layers=moe_layers, num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(cfg.moe_intermediate_size),
+                norm_topk_prob=bool(cfg.norm_topk_prob))
 
 
 def _rope_parameters(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from a transformers 4.x (rope_theta + rope_scaling)
     or 5.x (rope_parameters) config."""
     params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # per layer type (gemma3): the global layers'
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         rope_type = params.get("rope_type", params.get("type", "default"))

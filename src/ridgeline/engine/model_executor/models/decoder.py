@@ -1,6 +1,7 @@
 """The decoder-only transformer every supported family shares (pre-norm, RoPE, GQA,
 SwiGLU), written for a flat batch of tokens over a paged KV cache. Families differ only in
-flags of `ModelConfig` (biases, qk-norm) and in how checkpoint names map to parameters.
+flags of `ModelConfig` (biases, qk-norm, which layers' MLP is a sparse mixture of experts)
+and in how checkpoint names map to parameters.
 
 The forward takes any number of new tokens per sequence (prefill chunks, one decode
 token, or several draft tokens to verify), as described by the attention metadata.
@@ -20,6 +21,7 @@ from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_a
 from ridgeline.engine.model_executor.kv_cache import KVCache
 from ridgeline.engine.model_executor.models.config import ModelConfig, rope_inv_freq
 from ridgeline.engine.model_executor.models.layers import (
+    DenseMLP,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -29,6 +31,7 @@ from ridgeline.engine.model_executor.models.layers import (
     linear,
     quantize_int8,
 )
+from ridgeline.engine.model_executor.models.moe import SparseMoeBlock
 from ridgeline.errors import ConfigError, ModelLoadError
 
 
@@ -44,10 +47,18 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
-                                   dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype,
-                                device)
+        self.mlp: DenseMLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, dtype, device) if index in cfg.moe_layers
+            else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device))
+
+    # a dense layer's projections, where `decode_stack` (dense models only) reads them
+    @property
+    def gate_up_proj(self) -> Linear:
+        return self.mlp.gate_up_proj
+
+    @property
+    def down_proj(self) -> Linear:
+        return self.mlp.down_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -68,11 +79,7 @@ class DecoderLayer(nn.Module):
             qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
-        gate_up = self.gate_up_proj(self.post_norm(x, attn))  # x += attn, then norm
-        if c_ops:
-            return x.add_(self.down_proj(decode_ops.silu_mul(gate_up)))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x.add_(self.down_proj(F.silu(gate) * up))
+        return x.add_(self.mlp(self.post_norm(x, attn)))  # x += attn, then norm
 
 
 # checkpoint name (HF layout) -> (our parameter, which shard of a fused weight)
@@ -90,13 +97,20 @@ _LAYER_PARAMS = {
     "self_attn.o_proj.bias": ("o_proj.bias", None),
     "self_attn.q_norm.weight": ("q_norm.weight", None),
     "self_attn.k_norm.weight": ("k_norm.weight", None),
-    "mlp.gate_proj.weight": ("gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("gate_up_proj.weight", "up"),
-    "mlp.gate_proj.bias": ("gate_up_proj.bias", "gate"),
-    "mlp.up_proj.bias": ("gate_up_proj.bias", "up"),
-    "mlp.down_proj.weight": ("down_proj.weight", None),
-    "mlp.down_proj.bias": ("down_proj.bias", None),
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
+    "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", "gate"),
+    "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", "up"),
+    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+    "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
+    # sparse layers: the router and the experts in transformers 5's fused layout
+    "mlp.gate.weight": ("mlp.gate.weight", None),
+    "mlp.experts.gate_up_proj": ("mlp.experts.gate_up_proj", None),
+    "mlp.experts.down_proj": ("mlp.experts.down_proj", None),
 }
+# the experts one tensor per expert (checkpoints on disk, transformers 4's modules)
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj$")
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
@@ -159,16 +173,20 @@ class DecoderForCausalLM(nn.Module):
         dtype; the float projection weights are freed."""
         # torch's int8 GEMM (batches above the C kernel's rows) crashes when the inner
         # dimension is not a multiple of 8: refuse such a model before anything is changed
-        odd = sorted({w for w in (self.cfg.hidden_size, self.cfg.intermediate_size,
-                                  self.cfg.num_heads * self.cfg.head_dim) if w % 8})
+        inner = [self.cfg.hidden_size, self.cfg.intermediate_size,
+                 self.cfg.num_heads * self.cfg.head_dim]
+        if self.cfg.moe_layers:
+            inner.append(self.cfg.moe_intermediate_size)
+        odd = sorted({w for w in inner if w % 8})
         if odd:
             raise ConfigError(f"weight_quant='int8' needs the model's inner dimensions to be "
                               f"multiples of 8; this {self.cfg.family} model has {odd}",
                               hint="use weight_quant: none (dtype: bfloat16 also halves "
                                    "the weight bytes)")
         for layer in self.layers:
-            for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-                proj.quantize_int8()
+            layer.qkv_proj.quantize_int8()
+            layer.o_proj.quantize_int8()
+            layer.mlp.quantize_int8()  # a sparse layer's experts; its router stays float
         q, scale = quantize_int8(self._head_weight())
         self.head_q, self.head_scales = q, scale.to(self.dtype)
         if self.lm_head is not None:
@@ -208,8 +226,28 @@ class DecoderForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name} has no place in this "
                                      f"{self.cfg.family} model (unexpected bias or norm?)")
             return self._shard(layer.get_parameter(target), shard)
+        if m and int(m.group(1)) < len(self.layers) and (e := _EXPERT_RE.match(m.group(2))):
+            return self._expert_weight(name, self.layers[int(m.group(1))].mlp,
+                                       int(e.group(1)), e.group(2))
         raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for a "
                              f"{self.cfg.family} model", hint="is the config right?")
+
+    def _expert_weight(self, name: str, mlp: nn.Module, expert: int, proj: str
+                       ) -> torch.Tensor:
+        """Expert `expert`'s gate, up or down weight: a view into the fused tensors."""
+        if not isinstance(mlp, SparseMoeBlock):
+            raise ModelLoadError(f"checkpoint tensor {name} is an expert's, but this layer "
+                                 f"of the {self.cfg.family} model is dense",
+                                 hint="check decoder_sparse_step and mlp_only_layers")
+        experts = mlp.experts
+        if expert >= experts.num_experts:
+            raise ModelLoadError(f"checkpoint tensor {name}: this model has "
+                                 f"{experts.num_experts} experts per layer")
+        inter = experts.inter
+        if proj == "down":
+            return experts.down_proj[expert]
+        gate_up = experts.gate_up_proj[expert]
+        return gate_up[:inter] if proj == "gate" else gate_up[inter:]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) into our parameters, in place. Returns the
@@ -237,6 +275,24 @@ class DecoderForCausalLM(nn.Module):
                 if _has_param(layer, target):
                     names.add(f"model.layers.{i}.{hf_name}")
         return names
+
+    def missing_weights(self, loaded: set[str]) -> set[str]:
+        """The names of `expected_weights()` a checkpoint that gave `loaded` lacks. A
+        layer's experts may come fused (transformers 5: `mlp.experts.gate_up_proj`) or one
+        tensor per expert (checkpoints on disk: `mlp.experts.3.gate_proj.weight`); either
+        counts, and for the second the missing per-expert names are listed."""
+        missing = self.expected_weights() - loaded
+        for name in sorted(missing):
+            m = _FUSED_EXPERTS_RE.match(name)
+            if m is None:
+                continue
+            kinds = ("gate", "up") if m.group(2) == "gate_up" else ("down",)
+            per_expert = {f"{m.group(1)}.{e}.{kind}_proj.weight"
+                          for e in range(self.cfg.num_experts) for kind in kinds}
+            if per_expert & loaded:  # the per-expert layout: name what it lacks
+                missing.discard(name)
+                missing |= per_expert - loaded
+        return missing
 
 
 def _has_param(module: nn.Module, target: str) -> bool:

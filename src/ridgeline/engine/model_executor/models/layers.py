@@ -186,6 +186,15 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return out if bias is None else out.add_(bias)
 
 
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [rows, 2n] gate/up projection (gate first) -> [rows, n]:
+    one C call where `decode_ops` takes it, PyTorch's three ops otherwise."""
+    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and decode_ops.usable(gate_up):
+        return decode_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Linear(nn.Module):
     """y = x W^T + b, with W allocated but not initialised: weights are always loaded.
     After `quantize_int8()` W is int8 with a scale per output channel (weight-only; the
@@ -212,6 +221,24 @@ class Linear(nn.Module):
         if self.qweight is not None:
             return int8_linear(x, self.qweight, self.scales, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one projection (the dense
+    MLP of every family; a MoE layer's shared experts are one too)."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias, dtype, device)
+        self.down_proj = Linear(inter, hidden, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+    def quantize_int8(self) -> None:
+        self.gate_up_proj.quantize_int8()
+        self.down_proj.quantize_int8()
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,7 @@
-"""The Qwen family: Qwen2 (bias on the q/k/v projections) and Qwen3 (RMSNorm of each
-query and key head before RoPE). Both use the rotate-half RoPE layout, also in GGUF."""
+"""The Qwen family: Qwen2 (bias on the q/k/v projections), Qwen3 (RMSNorm of each query
+and key head before RoPE) and Qwen3-MoE (Qwen3's attention; every `decoder_sparse_step`-th
+layer outside `mlp_only_layers` has a sparse mixture-of-experts MLP, `models/moe.py`). All
+use the rotate-half RoPE layout, also in GGUF."""
 
 from __future__ import annotations
 
@@ -12,3 +14,7 @@ class Qwen2ForCausalLM(DecoderForCausalLM):
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     family = "qwen3"
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    family = "qwen3_moe"

@@ -141,7 +141,7 @@ def test_a_required_tool_call_is_held_to_the_tools_schemas() -> None:
                  "type": "object", "properties": {}, "additionalProperties": False})]
     for seed in range(4):
         out = client.chat(CONVERSATION, tools=tools, sampling=Sampling(
-            temperature=1.0, seed=seed, max_tokens=200, tool_choice="required"))
+            temperature=1.0, seed=seed, max_tokens=700, tool_choice="required"))
         assert out.tool_call_errors == [] and len(out.tool_calls) == 1, out.text
         call = out.tool_calls[0]
         spec = next(t for t in tools if t.name == call.name)

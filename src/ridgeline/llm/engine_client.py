@@ -74,8 +74,9 @@ class EngineClient:
         if room < 1:
             raise ContextLengthError(len(prompt_ids), self.context_window)
         # The engine records the sampled tokens' logprobs always; top-k is not needed.
-        forced = (tool_call_constraint(tools) if tools and sampling.tool_choice == "required"
-                  else None)
+        # the agent's prompt asks for a thought before each action: allowed, bounded
+        forced = (tool_call_constraint(tools, preamble=True)
+                  if tools and sampling.tool_choice == "required" else None)
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=min(sampling.max_tokens, room),
                                 stop=list(sampling.stop) or None, seed=sampling.seed,

@@ -261,6 +261,11 @@ def test_the_sandbox_on_a_built_image_keeps_its_isolation(image_task):
             assert sb.run(["python3", "-c", probe]).stdout.strip() == "NO"
             assert sb.run(["python3", "-c", "import socket; socket.getaddrinfo("
                            "'deb.debian.org', 80)"]).exit_code != 0
+            # Loopback is up and localhost resolves (as in a Docker container, whose
+            # /etc/hosts the engine writes; podman leaves the image's empty).
+            server = ("import socket\ns = socket.socket(); s.bind(('localhost', 0)); "
+                      "s.listen(1)\nc = socket.create_connection(s.getsockname()); print('UP')")
+            assert sb.run(["python3", "-c", server]).stdout.strip() == "UP"
             # The host's files stay invisible: only the image and the mounts are there.
             assert sb.run(["test", "-e", __file__]).exit_code != 0
             assert sb.run("test -e /root/.bashrc").exit_code != 0   # HOME is the task's

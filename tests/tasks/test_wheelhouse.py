@@ -22,9 +22,10 @@ def test_install_lines_of_test_scripts_are_read(tmp_path):
         "uv pip install pytest==8.4.1 \\\n  'pandas==2.2.3' numpy>=1.26 --index-url https://x\n"
         "pip3 install -r /tests/requirements.txt && pip install $EXTRA\n"
         "uvx --with rdflib==7.1.4 -w pyyaml pytest /tests/test_outputs.py\n"
-        "uv add scipy  # for the checks\nuv run --with=tabulate pytest\n")
+        "uv add scipy  # for the checks\nuv run --with=tabulate pytest\n"
+        "pip install -q attrs 2>&1 >/dev/null && pip install idna > log.txt 2> err\n")
     assert script_requirements(load_task(d)) == sorted([
-        "idna", "numpy>=1.26", "pandas==2.2.3", "pytest==8.4.1", "pyyaml", "rdflib==7.1.4",
+        "attrs", "idna", "numpy>=1.26", "pandas==2.2.3", "pytest==8.4.1", "pyyaml", "rdflib==7.1.4",
         "requests==2.32.3", "scipy", "tabulate"])
 
 

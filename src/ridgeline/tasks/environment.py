@@ -46,7 +46,8 @@ from ridgeline.sandbox import Limits, Mount, NetworkPolicy, SandboxSpec, hostfs
 from ridgeline.sandbox import fork as forks
 from ridgeline.sandbox.base import ExecResult, HealthReport, Sandbox, ShellSession
 from ridgeline.sandbox.host_sandbox import chown_tree, discard_later
-from ridgeline.sandbox.network import PrivateNetwork, resolv_conf
+from ridgeline.sandbox.bwrap import HOSTNAME
+from ridgeline.sandbox.network import PrivateNetwork, hosts_file, resolv_conf
 from ridgeline.tasks.build_archive import Budget, write_members, write_repacked
 from ridgeline.tasks.dockerfile import CopyStep, MkdirStep, RunStep
 from ridgeline.tasks.harness import HARNESS_MOUNT, OFFLINE_MARK, HarnessTools, harness_tools
@@ -288,14 +289,16 @@ def _close_group(sidecars: dict[str, Sandbox], net: PrivateNetwork | None) -> No
     close_group(sidecars, net)
 
 
-def wheel_mounts_for(task: Task) -> tuple[list[Mount], dict[str, str]]:
+def wheel_mounts_for(task: Task, image: bool = False) -> tuple[list[Mount], dict[str, str]]:
     """The wheelhouse of what the task's test scripts install (wheelhouse.py), mounted
-    read-only for the offline uv/pip, or nothing."""
-    wheels = wheelhouse.prefetch(task)
+    read-only for the offline uv/pip stand-ins and a real pip (on the task's `image`,
+    all of it: the image has only what its build installed), or nothing."""
+    wheels = wheelhouse.prefetch(task, everything=image)
     if wheels is None:
         return [], {}
     return ([Mount(source=wheels, target=wheelhouse.MOUNT, writable=False)],
-            {wheelhouse.ENV: wheelhouse.MOUNT})
+            {wheelhouse.ENV: wheelhouse.MOUNT, "PIP_FIND_LINKS": wheelhouse.MOUNT,
+             "PIP_NO_INDEX": "1"})
 
 
 def sandbox_limits(task: Task) -> Limits:
@@ -338,10 +341,12 @@ def internet_for(task: Task, backend: str) -> bool:
 
 
 def network_mounts(task: Task, staging: Path, net: PrivateNetwork | None) -> list[Mount]:
-    """/etc/hosts naming the compose services, /etc/resolv.conf for the internet."""
-    mounts = []
-    if task.sidecars and net is not None:
-        mounts.append(Mount(source=staging / "hosts", target="/etc/hosts", writable=False))
+    """/etc/hosts (localhost and the task's service name, the compose services with
+    sidecars: a Docker container gets one written at run time, and an image built by
+    podman has an empty one), /etc/resolv.conf for the internet."""
+    if not (staging / "hosts").exists():   # start_sidecars wrote it with every service
+        hosts_file(staging, [task.service_name, HOSTNAME])
+    mounts = [Mount(source=staging / "hosts", target="/etc/hosts", writable=False)]
     if net is not None and net.slirp is not None:
         mounts.append(Mount(source=resolv_conf(staging), target="/etc/resolv.conf",
                             writable=False))
@@ -430,7 +435,7 @@ def _stage_and_create(task: Task, tools: HarnessTools, staging: Path, backend: s
     spec = SandboxSpec(workspace_path=task.build.workspace, workdir=task.workdir,
                        mounts=mounts + wheel_mounts + network_mounts(task, staging, net),
                        env={**image_env, **wheel_env, **(env or {})},
-                       limits=sandbox_limits(task), network=NetworkPolicy.NONE,
+                       limits=sandbox_limits(task), network=NetworkPolicy.LOOPBACK,
                        network_namespace=net.path if net is not None else None)
     return _create_sandbox(spec, backend), extra, steps
 

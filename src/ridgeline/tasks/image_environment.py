@@ -128,14 +128,14 @@ def create_on_image(task: Task, image: BuiltImage, tools: HarnessTools, staging:
     if workdir != base["HOME"]:   # an image whose WORKDIR is /root: the workspace is HOME
         mounts.append(Mount(source=staging / "home", target=base["HOME"], writable=True))
     mounts += [Mount(source=h, target=t, writable=True) for t, h in extra.items()]
-    wheel_mounts, wheel_env = wheel_mounts_for(task)
+    wheel_mounts, wheel_env = wheel_mounts_for(task, image=True)
     mounts += wheel_mounts
     run_env.update(wheel_env)
     mounts += network_mounts(task, staging, net)   # service names, the internet's DNS
     spec = SandboxSpec(workspace_path=workdir, workdir=workdir, mounts=mounts,
                        workspace_from=image.seed(workdir),
                        env={**run_env, **(env or {})},
-                       limits=sandbox_limits(task), network=NetworkPolicy.NONE,
+                       limits=sandbox_limits(task), network=NetworkPolicy.LOOPBACK,
                        network_namespace=net.path if net is not None else None)
     if backend == "docker":   # the engine's container runs the image itself
         spec = spec.model_copy(update={"image": image.ref})

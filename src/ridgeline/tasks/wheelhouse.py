@@ -6,8 +6,9 @@ install pytest pandas==2.2.3`, `uvx --with rdflib pytest`, `pip install -r
 network, so those lines are read from the scripts when the environment is prepared, the
 packages are downloaded on the host into a wheelhouse (PyPI is reachable from the host,
 as during image builds), and the wheelhouse is mounted read-only in the sandbox, where
-the offline `uv`/`pip` stand-ins install from it (`RIDGELINE_WHEELS`). The wheels are for
-the host's Python, which the stand-ins run the tests with.
+the offline `uv`/`pip` stand-ins install from it (`RIDGELINE_WHEELS`), and so does a
+task image's own pip (`PIP_FIND_LINKS`, `PIP_NO_INDEX`). The wheels are for the host's
+Python (3.11, as the Debian images' python3), which the stand-ins run the tests with.
 
 Wheelhouses are cached by the requirement set; a set that cannot be downloaded (no
 network, no such package) is remembered for this process only, and the test script then
@@ -43,6 +44,10 @@ _VALUED = {"-i", "--index-url", "--extra-index-url", "-c", "--constraint", "--py
 _SPEC = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?"
                    r"([<>=!~]=?[^\s;]+(,[<>=!~]=?[^\s,;]+)*)?$")
 _failed: set[str] = set()
+#: A shell redirection (`2>&1`, `>/dev/null`, `>>log`, `<in`): never a requirement; a bare
+#: operator (`>`, `2>`) also takes the next word (its file).
+_REDIRECT = re.compile(r"^(\d*|&)(>>?|<)(&?\d+|.*)$")
+_BARE_REDIRECT = re.compile(r"^(\d*|&)(>>?|<)$")
 
 
 def _segments(text: str) -> list[list[str]]:
@@ -56,9 +61,22 @@ def _segments(text: str) -> list[list[str]]:
                 words = shlex.split(part)
             except ValueError:
                 continue
+            words = _without_redirections(words)
             if words:
                 out.append(words)
     return out
+
+
+def _without_redirections(words: list[str]) -> list[str]:
+    kept, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+        elif _BARE_REDIRECT.match(w):
+            skip = True
+        elif not _REDIRECT.match(w):
+            kept.append(w)
+    return kept
 
 
 def _specs_after(words: list[str], start: int, tests_dir: Path, out: list[str]) -> None:
@@ -125,11 +143,13 @@ def _on_host() -> frozenset[str]:
                       if d.metadata["Name"]} | {"pytest-json-ctrf"})
 
 
-def prefetch(task: Task) -> Path | None:
+def prefetch(task: Task, everything: bool = False) -> Path | None:
     """A wheelhouse holding what the task's test scripts install and this machine lacks
-    (with their dependencies), downloaded once per requirement set; None when there is
-    nothing to fetch or it cannot be fetched."""
-    have = _on_host()
+    (with their dependencies; with `everything`, all of it: a task's own image has only
+    what its build installed, and its real pip installs from the wheelhouse), downloaded
+    once per requirement set; None when there is nothing to fetch or it cannot be
+    fetched."""
+    have = frozenset() if everything else _on_host()
     specs = [s for s in script_requirements(task)
              if _norm(re.split(r"[\[<>=!~]", s, maxsplit=1)[0]) not in have]
     if not specs:

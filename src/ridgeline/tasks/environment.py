@@ -83,6 +83,9 @@ class EnvironmentSetupError(SandboxError):
 
 log = logging.getLogger(__name__)
 
+#: Files of the staging directory mounted over the image's (network_mounts).
+NETWORK_FILES = ("hosts", "resolv.conf")
+
 #: The operator's word on tasks that declare `allow_internet`: `deny` (the default: no
 #: network while the agent acts or the tests run) or `allow`.
 INTERNET_ENV = "RIDGELINE_TASK_INTERNET"
@@ -191,13 +194,17 @@ class TaskSandbox:
             raise SandboxError(f"the {self.inner.backend} backend cannot fork sandboxes",
                                hint="use the bwrap backend")
         stagings, specs, extras = [], [], []
-        old = {str(self.staging / sub): sub for sub in ("tests", "solution", "logs", "home")}
+        old = {str(self.staging / sub): sub
+               for sub in ("tests", "solution", "logs", "home", *NETWORK_FILES)}
         try:
             for _ in range(n):
                 staging = Path(tempfile.mkdtemp(prefix=f"ridgeline-task-{self.task.id[:40]}-"))
                 stagings.append(staging)
                 for sub in ("tests", "solution", "logs/verifier", "logs/agent", "home"):
                     (staging / sub).mkdir(parents=True)
+                for name in NETWORK_FILES:   # /etc/hosts ...: outlive this sandbox
+                    if (self.staging / name).exists():
+                        shutil.copy2(self.staging / name, staging / name)
                 # writable trees beside the workspace (/data ...): a copy each, made as
                 # snapshots are (the parent may be writing them)
                 trees = {}

@@ -115,6 +115,11 @@ _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
 class DecoderForCausalLM(nn.Module):
+    #: checkpoint names under model.layers.N. -> (our parameter, shard of a fused one),
+    #: and names that carry nothing we need: a family with other layer names sets these
+    layer_params: dict[str, tuple[str, str | None]] = _LAYER_PARAMS
+    ignored_weights: re.Pattern[str] = _IGNORED
+
     def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> None:
         super().__init__()
@@ -208,7 +213,7 @@ class DecoderForCausalLM(nn.Module):
     def weight_target(self, name: str) -> torch.Tensor | None:
         """The tensor (a view into a fused parameter, maybe) that checkpoint tensor `name`
         fills; None for names that carry nothing we need."""
-        if _IGNORED.search(name):
+        if self.ignored_weights.search(name):
             return None
         if not name.startswith("model.") and name != "lm_head.weight":
             name = "model." + name  # checkpoints of the bare LlamaModel
@@ -219,9 +224,9 @@ class DecoderForCausalLM(nn.Module):
         if name == "lm_head.weight":
             return self._head_weight()
         m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) < len(self.layers) and m.group(2) in _LAYER_PARAMS:
+        if m and int(m.group(1)) < len(self.layers) and m.group(2) in self.layer_params:
             layer = self.layers[int(m.group(1))]
-            target, shard = _LAYER_PARAMS[m.group(2)]
+            target, shard = self.layer_params[m.group(2)]
             if not _has_param(layer, target):
                 raise ModelLoadError(f"checkpoint tensor {name} has no place in this "
                                      f"{self.cfg.family} model (unexpected bias or norm?)")
@@ -271,7 +276,7 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is not None:
             names.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
-            for hf_name, (target, _) in _LAYER_PARAMS.items():
+            for hf_name, (target, _) in self.layer_params.items():
                 if _has_param(layer, target):
                     names.add(f"model.layers.{i}.{hf_name}")
         return names

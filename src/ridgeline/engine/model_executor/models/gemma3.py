@@ -31,7 +31,6 @@ from ridgeline.engine.model_executor.models.layers import (
     RotaryEmbedding,
     apply_rotary,
 )
-from ridgeline.errors import ModelLoadError
 
 
 class GemmaRMSNorm(nn.Module):
@@ -112,7 +111,6 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 # checkpoint name (HF layout) under model.layers.N. -> (our parameter, shard of a fused one)
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_PARAMS = {
     "input_layernorm.weight": ("input_norm.weight", None),
     "post_attention_layernorm.weight": ("post_attention_norm.weight", None),
@@ -137,6 +135,8 @@ _IGNORED = re.compile(r"(rotary_emb\.\w*inv_freq|embed_tokens\.embed_scale)$")
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     family = "gemma3_text"
+    layer_params = _LAYER_PARAMS   # its four norms per layer; loading is the decoder's
+    ignored_weights = _IGNORED
 
     def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> None:
@@ -181,42 +181,3 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         if cap is not None:  # transformers' order: divide, tanh, multiply
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    # ---- weights ----------------------------------------------------------------------
-
-    def weight_target(self, name: str) -> torch.Tensor | None:
-        if _IGNORED.search(name):
-            return None
-        if not name.startswith("model.") and name != "lm_head.weight":
-            name = "model." + name  # checkpoints of the bare Gemma3TextModel
-        if name == "model.embed_tokens.weight":
-            return self.embed
-        if name == "model.norm.weight":
-            return self.norm.weight
-        if name == "lm_head.weight":
-            return self._head_weight()
-        m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) < len(self.layers) and m.group(2) in _LAYER_PARAMS:
-            layer = self.layers[int(m.group(1))]
-            target, shard = _LAYER_PARAMS[m.group(2)]
-            try:
-                param = layer.get_parameter(target)
-            except AttributeError:
-                raise ModelLoadError(f"checkpoint tensor {name} has no place in this "
-                                     f"gemma3_text model (unexpected bias?)") from None
-            return self._shard(param, shard)
-        raise ModelLoadError(f"unexpected checkpoint tensor {name!r} for a gemma3_text "
-                             "model", hint="is the config right?")
-
-    def expected_weights(self) -> set[str]:
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if self.lm_head is not None:
-            names.add("lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            for hf_name, (target, _) in _LAYER_PARAMS.items():
-                try:
-                    layer.get_parameter(target)
-                except AttributeError:
-                    continue  # biases the config does not have
-                names.add(f"model.layers.{i}.{hf_name}")
-        return names

@@ -1,5 +1,6 @@
 """The HTTP side both servers share (`ridgeline serve` and the platform's API): OpenAI's
-error bodies, the request error that carries them, and the names of a model's variants.
+error bodies (and Anthropic's, for `/v1/messages`), the request error that carries them,
+and the names of a model's variants.
 
 Below `serve` and `platform` (it imports only `errors`), so the platform needs nothing of
 the model server to speak the same wire format.
@@ -52,6 +53,29 @@ def internal_error_body(request_id: str) -> dict[str, Any]:
     """What a client learns of a bug: that it happened, and the id to find it in the log."""
     return error_body(f"internal error (request id {request_id})", type="internal_error",
                       code="internal_error")
+
+
+# ---- Anthropic's error shape (/v1/messages) ------------------------------------------------
+
+#: Anthropic's error `type` per HTTP status; any other 4xx is an invalid request, any
+#: other 5xx an API error.
+_ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large",
+                          429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers."""
+    kind = _ANTHROPIC_ERROR_TYPES.get(status) or ("api_error" if status >= 500
+                                                  else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def as_anthropic_error(body: dict[str, Any], status: int) -> dict[str, Any]:
+    """An OpenAI-shaped error body in Anthropic's shape (the same message)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return anthropic_error_body(status, str(message or f"HTTP {status}"))
 
 
 # ---- model variants ---------------------------------------------------------------------------

@@ -30,13 +30,19 @@ TEMPLATE = ("{# Kimi K2 calls: <|tool_calls_section_begin|> #}"
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
+def kimi_tokenizer() -> Any:
+    """The character tokenizer with REPLY's pieces as tokens (Kimi's call markers special)
+    and TEMPLATE, which names them, as its chat template."""
     fast = char_tokenizer()
     fast.add_tokens(["<think>"] + [p for p in REPLY if p not in SPECIAL])
     fast.add_special_tokens({"additional_special_tokens": SPECIAL})
     fast.chat_template = TEMPLATE
     return fast
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return kimi_tokenizer()
 
 
 @torch.no_grad()

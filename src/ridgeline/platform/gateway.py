@@ -26,6 +26,16 @@ is tried after every other candidate, and when the cooldown is over one request 
 it (half-open) and closes or renews the cooldown. A stream falls back only before its
 first byte: the first upstream chunk is awaited before the response starts.
 
+The Responses and Messages APIs (`/v1/responses`, `/v1/messages`) go the same way as chat
+completions: the same keys, quotas, fallbacks and usage (their `input_tokens` and
+`output_tokens` counted as prompt and completion tokens; their streams always report
+usage). A stored response lives on the upstream that made it: the gateway remembers which
+(and for which key; the last `MAX_REMEMBERED_RESPONSES`), sends `GET /v1/responses/{id}`,
+its cancel and a follow-up with `previous_response_id` there only, and answers an id it
+does not know for the key as not found. A background response is charged the estimate at
+creation (its usage comes later, to whoever polls). On `/v1/messages` the gateway's own
+errors are Anthropic-shaped, and the key may come as ``x-api-key``.
+
 Keys and quotas. Every request needs a key (`principal_dependency`); the model must be
 on its allow-list (403 ``model_not_allowed``); then rpm, tpm (charged on an estimate of
 the prompt plus `max_tokens`, corrected by the upstream's `usage`) and concurrency are
@@ -59,13 +69,15 @@ of the others, so imports from `ridgeline.platform.gateway` keep working.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
+from ridgeline.errors import RidgelineError
 from ridgeline.platform.gateway_accounting import UsageMeter
 from ridgeline.platform.gateway_config import (
     BodyTooLargeError, GatewayConfig, ModelNotAllowedError, UpstreamConfig, UpstreamError,
@@ -76,10 +88,12 @@ from ridgeline.platform.gateway_requests import MAX_FALLBACK_MODELS
 from ridgeline.platform.gateway_upstreams import (
     UPSTREAM_HEADER, VARIANT_HEADER, Target, Upstream, UpstreamPool, _base_name,
 )
-from ridgeline.platform.http import install_error_handlers, principal_dependency
+from ridgeline.platform.http import (
+    error_response, install_error_handlers, principal_dependency,
+)
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.principal import Principal
-from ridgeline.wire import NITRO_SUFFIX, base_model_name
+from ridgeline.wire import NITRO_SUFFIX, as_anthropic_error, base_model_name
 
 
 # ---- HTTP --------------------------------------------------------------------------------------
@@ -87,9 +101,33 @@ from ridgeline.wire import NITRO_SUFFIX, base_model_name
 
 def gateway_router(gateway: Gateway,
                    principal_dep: Callable[..., Awaitable[Principal]]) -> APIRouter:
-    """The OpenAI routes: chat and text completions (whole or streamed) and the models
-    the caller's key may use."""
+    """The OpenAI routes: chat and text completions and the Responses API (whole or
+    streamed; a stored response read or cancelled at the upstream that holds it), the
+    models the caller's key may use; and Anthropic's Messages API, whose errors come in
+    Anthropic's shape."""
     router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def responses(request: Request,
+                        principal: Principal = Depends(principal_dep)) -> Response:
+        return await gateway.handle(request, principal, "responses")
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str,
+                           principal: Principal = Depends(principal_dep)) -> Response:
+        return await gateway.stored_response(principal, response_id)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str,
+                              principal: Principal = Depends(principal_dep)) -> Response:
+        return await gateway.stored_response(principal, response_id, cancel=True)
+
+    @router.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:  # the key is checked here, not as a dependency, so a 401 is Anthropic's too
+            return await gateway.handle(request, await principal_dep(request), "messages")
+        except RidgelineError as e:
+            return _anthropic_error(e)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request,
@@ -114,6 +152,16 @@ def gateway_router(gateway: Gateway,
              "parent": base_model_name(m)} for m in names]}
 
     return router
+
+
+def _anthropic_error(exc: RidgelineError) -> Response:
+    """`error_response` (its status and headers: Retry-After, WWW-Authenticate) with
+    Anthropic's body."""
+    openai_shaped = error_response(exc)
+    body = as_anthropic_error(json.loads(openai_shaped.body), openai_shaped.status_code)
+    headers = {k: v for k, v in openai_shaped.headers.items()
+               if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=openai_shaped.status_code, headers=headers)
 
 
 def create_gateway_app(config: GatewayConfig, keystore: KeyStore, *,

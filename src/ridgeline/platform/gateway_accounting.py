@@ -7,7 +7,8 @@ graph's node) against the same rpm and concurrency.
 
 The gateway's own requests and the model calls of agent tasks
 (`ridgeline.platform.worker.MeteredModel`) go through the same meter, so a task spends its
-key's quotas. `_usage_of` and `_int` read an upstream's `usage`. Split out of
+key's quotas. `_usage_of` and `_int` read an upstream's `usage` (`normalise_usage`: the
+Responses and Messages APIs name it differently). Split out of
 `ridgeline.platform.gateway`, which describes the whole design.
 """
 
@@ -75,7 +76,18 @@ def _usage_of(content: bytes) -> dict[str, Any] | None:
         usage = json.loads(content).get("usage")
     except (ValueError, AttributeError):
         return None
-    return usage if isinstance(usage, dict) else None
+    return normalise_usage(usage) if isinstance(usage, dict) else None
+
+
+def normalise_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """`usage` in chat's terms (`prompt_tokens`, `completion_tokens`). The Responses API
+    says `input_tokens` / `output_tokens`; Anthropic's too, with the prompt tokens read
+    from or written to its cache counted apart, which are prompt tokens all the same."""
+    if "prompt_tokens" in usage or "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage
+    prompt = sum(_int(usage, k) for k in ("input_tokens", "cache_read_input_tokens",
+                                          "cache_creation_input_tokens"))
+    return {"prompt_tokens": prompt, "completion_tokens": _int(usage, "output_tokens")}
 
 
 def _int(usage: dict[str, Any] | None, key: str) -> int:

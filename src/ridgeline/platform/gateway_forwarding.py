@@ -22,7 +22,8 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from collections import OrderedDict
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Request
@@ -34,14 +35,14 @@ from ridgeline.platform.gateway_accounting import UsageMeter, _int, _usage_of
 from ridgeline.platform.gateway_config import (
     GatewayConfig, ModelNotAllowedError, UpstreamError, UpstreamRateLimitError, _clip,
 )
-from ridgeline.platform.gateway_requests import _Call, _too_large, parse_call
+from ridgeline.platform.gateway_requests import CallKind, _Call, _too_large, parse_call
 from ridgeline.platform.gateway_streaming import _PassThrough, _sse_error, _SSERelay
 from ridgeline.platform.gateway_upstreams import Target, Upstream, UpstreamPool, _base_name
 from ridgeline.platform.http import read_body
 from ridgeline.platform.keys import KeyStore
 from ridgeline.platform.limits import Admission
 from ridgeline.platform.principal import Principal
-from ridgeline.wire import error_body
+from ridgeline.wire import RequestError, as_anthropic_error, error_body
 
 # the logger's name from before the split, so logging configured for it keeps applying
 log = logging.getLogger("ridgeline.platform.gateway")
@@ -50,6 +51,11 @@ _RETRY_STATUS = {502, 503}          # retried on the same upstream
 # The upstream statuses that are the request's fault, answered as they are. Any other
 # error (401/403/404: the gateway's own config; 408, 429, 5xx) is the upstream's.
 _CLIENT_FAULT = {400, 409, 413, 415, 422}
+#: Responses whose server the gateway remembers (for GET, cancel, previous_response_id);
+#: the oldest are forgotten first.
+MAX_REMEMBERED_RESPONSES = 100_000
+_OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat",
+               "messages": "chat"}
 
 
 class _Failed(Exception):
@@ -95,12 +101,16 @@ class Gateway(UpstreamPool, UsageMeter):
         UsageMeter.__init__(self, keystore, clock=clock)
         # OpenTelemetry GenAI spans ("chat <model>"); a no-op without a tracer provider
         self.tracer = tracer if tracer is not None else trace.get_tracer("ridgeline.platform.gateway")
+        # Responses API: each response's upstream and key, since only that upstream
+        # stores it and only that key may read it
+        self._response_homes: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     # -- requests -----------------------------------------------------------------------------
-    async def handle(self, request: Request, principal: Principal,
-                     kind: Literal["chat", "completions"]) -> Response:
+    async def handle(self, request: Request, principal: Principal, kind: CallKind) -> Response:
         raw = await read_body(request, self.config.max_body_bytes, too_large=_too_large)
         call = parse_call(raw, kind, self.config)
+        if call.previous_response_id is not None:  # 400 now if this key has no such response
+            self.response_home(call.previous_response_id, principal, "previous_response_id")
         for name in call.names:
             base = _base_name(name)
             if not principal.may_use_model(base):
@@ -108,7 +118,7 @@ class Gateway(UpstreamPool, UsageMeter):
                                            hint="ask an admin to add it to the key's models")
         await self._ensure_known(call.names)
         admission = self.admit(principal, call.estimated_tokens)
-        operation = "chat" if kind == "chat" else "text_completion"
+        operation = _OPERATIONS[kind]
         # A stream's span ends when its first bytes are relayed (the time to first token).
         with self.tracer.start_as_current_span(
                 f"{operation} {call.names[0]}", kind=SpanKind.CLIENT,
@@ -133,6 +143,60 @@ class Gateway(UpstreamPool, UsageMeter):
             if "x-ridgeline-upstream" in response.headers:
                 span.set_attribute("server.address", response.headers["x-ridgeline-upstream"])
             return response
+
+    # -- stored responses (the Responses API) ---------------------------------------------------
+    def _remember_response(self, response_id: str | None, upstream: Upstream,
+                           principal: Principal) -> None:
+        if response_id is None or response_id in self._response_homes:
+            return
+        self._response_homes[response_id] = (upstream.name, principal.key_id)
+        while len(self._response_homes) > MAX_REMEMBERED_RESPONSES:
+            self._response_homes.popitem(last=False)
+
+    def response_home(self, response_id: str, principal: Principal,
+                      param: str | None = None) -> Upstream:
+        """The upstream holding a response this key created; an id the gateway does not
+        know, or another key's, is not found (400 in a request's `previous_response_id`,
+        as OpenAI answers, 404 in a path)."""
+        home = self._response_homes.get(response_id)
+        if home is None or home[1] != principal.key_id:
+            status = 400 if param else 404
+            raise RequestError(f"no response with id {_clip(response_id)!r} was made with "
+                               "this API key through this gateway", param=param,
+                               code="previous_response_not_found" if param
+                               else "response_not_found", status=status)
+        return next(u for u in self.upstreams if u.name == home[0])
+
+    def _plan_for(self, call: _Call, principal: Principal) -> list[Target]:
+        """The fallback plan; a Responses follow-up only on the upstream holding the
+        conversation it continues (no other has it)."""
+        plan = self.plan(call.names)
+        if call.previous_response_id is None:
+            return plan
+        home = self.response_home(call.previous_response_id, principal, "previous_response_id")
+        pinned = [t for t in plan if t.upstream is home]
+        if not pinned:
+            raise RequestError(f"response {_clip(call.previous_response_id)!r} is held by "
+                               f"upstream {home.name!r}, which does not serve "
+                               f"{_clip(call.names[0])!r}", param="previous_response_id")
+        return pinned
+
+    async def stored_response(self, principal: Principal, response_id: str,
+                              cancel: bool = False) -> Response:
+        """`GET /v1/responses/{id}` (or `POST .../cancel`) at the upstream holding it,
+        its answer passed through (no tokens: nothing to account)."""
+        up = self.response_home(response_id, principal)
+        url = f"{up.responses_url}/{response_id}" + ("/cancel" if cancel else "")
+        try:
+            r = await self.client.request("POST" if cancel else "GET", url, headers=up.headers,
+                                          timeout=up.timeout)
+        except httpx.HTTPError as e:
+            raise UpstreamError(f"upstream {up.name!r} holding response {response_id!r} did "
+                                f"not answer ({type(e).__name__})",
+                                hint="retry later") from None
+        return Response(r.content, status_code=r.status_code,
+                        headers={"x-ridgeline-upstream": up.name},
+                        media_type=r.headers.get("content-type", "application/json"))
 
     async def _until_disconnect(self, request: Request, work: Awaitable[Response], call: _Call,
                                 principal: Principal, admission: Admission) -> Response:
@@ -167,9 +231,9 @@ class Gateway(UpstreamPool, UsageMeter):
         failures: list[str] = []
         statuses: list[int | None] = []
         retry_after: float | None = None
-        for target in self.plan(call.names):
+        for target in self._plan_for(call, principal):
             up = target.upstream
-            url = up.chat_url if call.kind == "chat" else up.completions_url
+            url = up.urls[call.kind]
             up.begin(self.clock())
             t0 = time.perf_counter()
             try:
@@ -197,7 +261,9 @@ class Gateway(UpstreamPool, UsageMeter):
         target, r = await self._first_answer(call, principal, admission, self._post)
         if r.status_code >= 400:  # the request's own fault
             self._account(principal, target.model, None, error=True, admission=admission)
-            return _refusal(_Refused(r.status_code, r.content), target.headers())
+            return _refusal(_Refused(r.status_code, r.content), target.headers(), call.kind)
+        if call.kind == "responses":
+            self._remember_response(_id_of(r.content), target.upstream, principal)
         usage = _usage_of(r.content)
         if usage is None:  # charged an estimate, never nothing
             usage = {"prompt_tokens": max(1, call.prompt_estimate),
@@ -291,25 +357,28 @@ class Gateway(UpstreamPool, UsageMeter):
         if isinstance(opened, _Refused):
             self._account(principal, target.model, None, error=True, admission=admission)
             admission.release()
-            return _refusal(opened, target.headers())
+            return _refusal(opened, target.headers(), call.kind)
         relay = _SSERelay(call.client_wants_usage, call.prompt_estimate)
 
         async def close() -> None:
             admission.release()
             await opened.response.aclose()  # the upstream sees the client leave
 
-        return _PassThrough(self._relay(opened, relay, principal, target, admission),
+        return _PassThrough(self._relay(opened, relay, principal, target, admission, call.kind),
                             on_close=close,
                             headers={**target.headers(), "cache-control": "no-cache",
                                      "x-accel-buffering": "no"})
 
     async def _relay(self, opened: _OpenStream, relay: _SSERelay, principal: Principal,
-                     target: Target, admission: Admission) -> AsyncIterator[bytes]:
+                     target: Target, admission: Admission,
+                     kind: CallKind) -> AsyncIterator[bytes]:
         chunk = opened.first
         ended = False
         try:
             while True:
                 out = relay.feed(chunk)
+                if relay.response_id is not None and kind == "responses":
+                    self._remember_response(relay.response_id, target.upstream, principal)
                 if out:
                     yield out
                 try:
@@ -324,7 +393,7 @@ class Gateway(UpstreamPool, UsageMeter):
             # The client has part of the answer: end its stream with an error event.
             relay.error = ended = True
             log.warning("upstream %s: a stream broke off: %s", target.upstream.name, e)
-            yield _sse_error(f"the upstream stream broke off ({type(e).__name__})")
+            yield _sse_error(f"the upstream stream broke off ({type(e).__name__})", kind)
         finally:
             # Not ended: the client left. The request counts; without usage the tokens
             # charged at admission stay charged.
@@ -349,19 +418,33 @@ def _retry_after(r: httpx.Response) -> float | None:
         return None
 
 
-def _refusal(refused: _Refused, headers: dict[str, str]) -> Response:
-    """The upstream's own 4xx: as it is when OpenAI-shaped, else wrapped in that shape."""
+def _refusal(refused: _Refused, headers: dict[str, str], kind: CallKind = "chat") -> Response:
+    """The upstream's own 4xx: as it is when in its API's shape (Anthropic's on
+    /v1/messages, OpenAI's elsewhere), else wrapped in that shape."""
     try:
         body = json.loads(refused.content)
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            if kind == "messages" and body.get("type") != "error":
+                return JSONResponse(as_anthropic_error(body, refused.status),
+                                    status_code=refused.status, headers=headers)
             return Response(refused.content, status_code=refused.status, headers=headers,
                             media_type="application/json")
     except ValueError:
         pass
     text = refused.content.decode("utf-8", "replace").strip() or f"HTTP {refused.status}"
-    return JSONResponse(error_body(f"the upstream refused the request: {_clip(text, 300)}",
-                                   code=refused.status),
-                        status_code=refused.status, headers=headers)
+    body = error_body(f"the upstream refused the request: {_clip(text, 300)}",
+                      code=refused.status)
+    if kind == "messages":
+        body = as_anthropic_error(body, refused.status)
+    return JSONResponse(body, status_code=refused.status, headers=headers)
+
+
+def _id_of(content: bytes) -> str | None:
+    try:
+        value = json.loads(content).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 async def _close_quietly(r: httpx.Response | None) -> None:

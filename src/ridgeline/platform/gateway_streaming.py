@@ -20,7 +20,8 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from ridgeline.wire import error_body
+from ridgeline.platform.gateway_accounting import normalise_usage
+from ridgeline.wire import anthropic_error_body, error_body
 
 # ---- SSE pass-through ----------------------------------------------------------------------
 
@@ -32,6 +33,8 @@ class _SSERelay:
     def __init__(self, client_wants_usage: bool, prompt_estimate: int = 0) -> None:
         self.keep_usage = client_wants_usage
         self._usage: dict[str, Any] | None = None
+        #: A Responses stream's response id (from its ``response.created`` event).
+        self.response_id: str | None = None
         self.error = False
         self._buffer = b""
         self._prompt_estimate = prompt_estimate
@@ -41,7 +44,7 @@ class _SSERelay:
     def usage(self) -> dict[str, Any] | None:
         """The upstream's usage; without one, an estimate once anything was relayed."""
         if self._usage is not None or not self._events:
-            return self._usage
+            return None if self._usage is None else normalise_usage(self._usage)
         return {"prompt_tokens": max(1, self._prompt_estimate),
                 "completion_tokens": max(1, self._events - 1)}  # less [DONE]
 
@@ -58,6 +61,8 @@ class _SSERelay:
         self._events += complete.count(b"data:")
         if b'"usage"' not in complete and b'"error"' not in complete:
             return complete  # the common case: content chunks, passed as they are
+        # (every Responses lifecycle event and Anthropic's message_start and
+        # message_delta carry a "usage" key, so they are read below)
         return b"".join(self._event(e) for e in complete.split(b"\n\n") if e)
 
     def finish(self) -> bytes:
@@ -67,9 +72,11 @@ class _SSERelay:
 
     def _event(self, event: bytes) -> bytes:
         out = event + b"\n\n"
-        if not event.startswith(b"data:"):
+        # the data line, after an `event:` line in the Responses and Messages streams
+        start = 0 if event.startswith(b"data:") else event.find(b"\ndata:") + 1
+        if start < 0 or not event.startswith(b"data:", start):
             return out
-        payload = event[5:].strip()
+        payload = event[start + 5:].strip()
         if payload == b"[DONE]" or (b'"usage"' not in payload and b'"error"' not in payload):
             return out
         try:
@@ -78,11 +85,14 @@ class _SSERelay:
             return out
         if not isinstance(obj, dict):
             return out
-        if "error" in obj:
+        if "error" in obj or obj.get("type") == "response.failed":
             self.error = True
-        usage = obj.get("usage")
+        usage = _usage_in(obj)
+        if obj.get("type") == "response.created" and isinstance(obj.get("response"), dict):
+            self.response_id = obj["response"].get("id")
         if isinstance(usage, dict):
-            self._usage = usage
+            # Anthropic's message_delta adds to message_start's usage
+            self._usage = {**(self._usage or {}), **usage}
             if not self.keep_usage and not obj.get("choices"):
                 return b""  # the usage-only chunk the gateway asked for, not the client
         return out
@@ -129,6 +139,23 @@ class _PassThrough(StreamingResponse):
                 await self.on_close()
 
 
-def _sse_error(message: str) -> bytes:
+def _usage_in(event: dict[str, Any]) -> Any:
+    """The usage an event reports: chat's top-level `usage`, a Responses lifecycle event's
+    `response.usage`, Anthropic's `message.usage` (message_start) or top-level `usage`
+    (message_delta)."""
+    for holder in (event, event.get("response"), event.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            return holder["usage"]
+    return None
+
+
+def _sse_error(message: str, kind: str = "chat") -> bytes:
+    """The event that ends a stream broken off after its first byte, in its API's shape."""
+    if kind == "messages":
+        data = anthropic_error_body(502, message)
+        return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
+    if kind == "responses":
+        data = {"type": "error", "code": "upstream_error", "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(data).encode() + b"\n\n"
     body = error_body(message, type="server_error", code="upstream_error")
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"

@@ -52,6 +52,10 @@ class Upstream:
         self.failure_threshold = failure_threshold
         self.chat_url = config.base_url + "/chat/completions"
         self.completions_url = config.base_url + "/completions"
+        self.responses_url = config.base_url + "/responses"
+        #: Where each kind of generation request goes.
+        self.urls = {"chat": self.chat_url, "completions": self.completions_url,
+                     "responses": self.responses_url, "messages": config.base_url + "/messages"}
         self.models_url = config.base_url + "/models"
         self.headers = {"content-type": "application/json"}
         if config.api_key_env:

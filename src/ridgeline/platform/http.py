@@ -211,12 +211,21 @@ def bearer_token(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def api_key_of(request: Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>`` or, as Anthropic's clients send it,
+    ``x-api-key: <key>``."""
+    token = bearer_token(request)
+    if token is None:
+        token = request.headers.get("x-api-key", "").strip() or None
+    return token
+
+
 def principal_dependency(keystore: KeyStore) -> Callable[[Request], Awaitable[Principal]]:
-    """A FastAPI dependency: the `Principal` of the request's ``Authorization: Bearer``
-    key, or a 401 (`InvalidApiKeyError`)."""
+    """A FastAPI dependency: the `Principal` of the request's key (``Authorization:
+    Bearer`` or ``x-api-key``), or a 401 (`InvalidApiKeyError`)."""
 
     async def principal(request: Request) -> Principal:
-        token = bearer_token(request)
+        token = api_key_of(request)
         if token is None:
             raise InvalidApiKeyError("no API key given",
                                      hint="send the header 'Authorization: Bearer <key>'")
@@ -244,6 +253,6 @@ def install_docs(app: FastAPI, principal: Callable[..., Any]) -> None:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
 
 
-__all__ = ["bearer_token", "error_response", "install_docs", "install_error_handlers",
+__all__ = ["api_key_of", "bearer_token", "error_response", "install_docs", "install_error_handlers",
            "internal_error_body", "parse_body", "principal_dependency", "read_body",
            "request_id_of", "validation_error_body"]

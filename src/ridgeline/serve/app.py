@@ -9,7 +9,10 @@ engine's `EngineWorker`; `<model>` is the standard variant and `<model>:fast` th
 high-speed one (`EngineConfig.fast_variant()`: speculation, lossless), and with `--fast-q`
 `<model>:fast-q` (speculation, int8 KV cache and weights: faster, not exact). Endpoints:
 `/v1/chat/completions` and `/v1/completions` (streamed as server-sent events ending
-with ``data: [DONE]``, or whole), `/v1/models`, `/health`, `/metrics` (Prometheus).
+with ``data: [DONE]``, or whole), OpenAI's Responses API (`/v1/responses`, with `GET
+/v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: `serve.responses`) and
+Anthropic's Messages API (`/v1/messages`: `serve.messages`), both run as chat requests,
+`/v1/models`, `/health`, `/metrics` (Prometheus).
 
 A request whose client disconnects is aborted in the engine. User mistakes get a 4xx
 with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``; the
@@ -17,7 +20,8 @@ status comes from `RidgelineError.http_status`. A bug gets a 500 that says only
 "internal error" and the request id (every response carries it as ``x-request-id``);
 the exception and its traceback go to the log, never to the client. With an API key,
 every route but `/health` (so also `/metrics`, `/openapi.json` and unknown paths, which
-get 401 before 404) needs ``Authorization: Bearer <key>``.
+get 401 before 404) needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>``
+(Anthropic's clients). Errors on `/v1/messages` come in Anthropic's shape instead.
 
 Limits (`ServerLimits`, set on `create_app(limits=...)` or by `ridgeline serve` flags):
 a body over `max_body_bytes` (4 MiB) gets 413, from its Content-Length before anything
@@ -37,8 +41,10 @@ RL clients never re-tokenise text.
 The pieces, each a module beside this one (lower ones never import higher ones):
 `served` (`ServedModel`, `build_engines`), `gate` (request id, API key, body limit, the
 answer to a bug; reading the body), `generation` (engine requests, their outputs, metrics,
-abort), `streaming` (the SSE skeleton), `completions` (the chat and completions handlers)
-and `server_thread` (`ServerThread`). This module wires them into `create_app`.
+abort), `streaming` (the SSE skeleton), `completions` (the chat and completions handlers),
+`reply_blocks`, `responses` (with `responses_protocol`, `response_store`) and `messages`
+(with `messages_protocol`), and `server_thread` (`ServerThread`). This module wires them
+into `create_app`.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -58,12 +65,17 @@ from ridgeline.engine.core.worker import EngineWorker
 from ridgeline.errors import ConfigError, RidgelineError
 from ridgeline.serve.completions import _chat, _complete
 from ridgeline.serve.gate import _clip, _Gate, _parse
+from ridgeline.serve.messages import anthropic_error_response, create_message
+from ridgeline.serve.messages_protocol import MessagesRequest
 from ridgeline.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ridgeline.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ServerLimits,
 )
+from ridgeline.serve.response_store import ResponseStore
+from ridgeline.serve.responses import ResponsesAPI
+from ridgeline.serve.responses_protocol import ResponsesRequest
 from ridgeline.serve.served import ServedModel, _as_worker, build_engines
 from ridgeline.serve.server_thread import ServerThread
 from ridgeline.serve.weights import WEIGHTS_PATH, add_weight_routes
@@ -183,6 +195,34 @@ def create_app(engines: Mapping[str, LLMEngine | EngineWorker | Any], api_key: s
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, _complete)
+
+    responses_api = ResponsesAPI(ResponseStore(limits.max_stored_responses,
+                                               limits.max_stored_bytes), metrics, limits)
+    app.state.responses = responses_api
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = await _parse(request, ResponsesRequest, limits)
+        return await responses_api.create(request, req, lookup(req.model), t0)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses_api.get(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return await responses_api.cancel(response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        try:  # Anthropic's clients read Anthropic's error shape
+            t0 = time.perf_counter()
+            req = await _parse(request, MessagesRequest, limits)
+            return await create_message(request, req, lookup(req.model), metrics, limits, t0,
+                                        f"msg_{uuid.uuid4().hex}")
+        except RidgelineError as e:
+            return anthropic_error_response(e)
 
     add_weight_routes(app, served, enabled=weight_updates)
     return app

@@ -5,7 +5,9 @@ calls out of the reply, chat logprobs) and `_complete` (`/v1/completions`: many 
 to the room left in the context (`_max_tokens`), starts a `_Generation` and builds
 either the whole body or, for a stream, its per-choice chunk builder for
 `serve.streaming`. The choice fields both share (`return_token_ids`, logprob slices of
-one step, finite logprobs) come first.
+one step, finite logprobs) come first. `start_chat` (a `ChatTurn`: the chat request in
+the engine, before any reply is sent) is shared with `/v1/responses` and `/v1/messages`
+(`serve.responses`, `serve.messages`), which answer the same turn in their own shapes.
 
 Split out of `ridgeline.serve.app`, which describes the whole server and routes to these.
 Tests patch `_max_tokens` and `_delta_logprobs` here (where they are called).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -111,8 +114,22 @@ def _chat_prompt_ids(tokenizer: Any, req: ChatCompletionRequest, tools: Any,
                            param="messages") from None
 
 
-async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
-                metrics: ServerMetrics, t0: float) -> Response:
+@dataclass
+class ChatTurn:
+    """One chat request under way in the engine: its generation, how its replies are
+    read, and its prompt. `/v1/chat/completions`, `/v1/responses` and `/v1/messages` all
+    start one (`start_chat`) and differ only in how they send the reply back."""
+
+    gen: _Generation
+    replies: ChatReplies
+    prompt_ids: list[int]
+    created: int
+
+
+async def start_chat(req: ChatCompletionRequest, model: ServedModel, metrics: ServerMetrics,
+                     t0: float, request_id: str) -> ChatTurn:
+    """Render and tokenise the conversation, pick the tool-call constraint, and add the
+    request to the engine under `request_id`."""
     tokenizer = model.worker.engine.tokenizer
     if tokenizer is None:
         raise UnsupportedError(f"model {model.name!r} has no tokenizer, so no chat template",
@@ -134,9 +151,15 @@ async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel
                              model.worker.engine.max_model_len, "messages")
     replies = ChatReplies(model, tools, max_calls, prompt_ids, hermes=forced)
     params = replies.sampling(req.sampling_params(max_tokens, req.num_logprobs, constraint))
-    gen = _Generation(model, metrics, f"chatcmpl-{uuid.uuid4().hex}", t0)
+    gen = _Generation(model, metrics, request_id, t0)
     await gen.start([(prompt_ids, params)])
-    created = int(time.time())
+    return ChatTurn(gen, replies, prompt_ids, int(time.time()))
+
+
+async def _chat(request: Request, req: ChatCompletionRequest, model: ServedModel,
+                metrics: ServerMetrics, t0: float) -> Response:
+    turn = await start_chat(req, model, metrics, t0, f"chatcmpl-{uuid.uuid4().hex}")
+    gen, replies, prompt_ids, created = turn.gen, turn.replies, turn.prompt_ids, turn.created
 
     def finish_reason(c: CompletionOutput, made_calls: bool) -> str | None:
         if c.finish_reason == "stop" and made_calls:

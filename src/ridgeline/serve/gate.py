@@ -3,12 +3,13 @@ handler sees it, and reading its body once it does.
 
 `_Gate` is pure ASGI middleware around every HTTP request (so streamed responses pass
 through untouched): it gives the request its id (the ``x-request-id`` header), checks the
-API key on every path but /health, refuses a body over the limit (from Content-Length
-before a byte is read, or as soon as the bytes read pass it), answers a bug with a 500
-that names only the request id (the traceback goes to the log), and counts requests by
-endpoint and status. `_parse` then decodes and validates the bounded body off the event
-loop. Split out of `ridgeline.serve.app`, which describes the whole server; this module
-imports nothing from the rest of the app.
+API key (``Authorization: Bearer`` or Anthropic's ``x-api-key``) on every path but
+/health, refuses a body over the limit (from Content-Length before a byte is read, or as
+soon as the bytes read pass it), answers a bug with a 500 that names only the request id
+(the traceback goes to the log), and counts requests by endpoint and status; on
+/v1/messages its own error bodies come in Anthropic's shape. `_parse` then decodes and
+validates the bounded body off the event loop. Split out of `ridgeline.serve.app`, which
+describes the whole server; this module imports nothing from the rest of the app.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ridgeline.serve.protocol import ServerLimits, parse_request
 from ridgeline.serve.weights import WEIGHTS_PATH
 from ridgeline.wire import (
     RequestError,
+    as_anthropic_error,
     error_body,
     error_for,
     error_type,
@@ -36,8 +38,10 @@ from ridgeline.wire import (
 
 log = logging.getLogger(__name__)
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-              WEIGHTS_PATH}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+              "/v1/models", "/health", "/metrics", WEIGHTS_PATH}
+#: Anthropic's API: its errors come in Anthropic's shape, even those refused here.
+MESSAGES_PATH = "/v1/messages"
 
 
 def _clip(text: str, limit: int = 100) -> str:
@@ -84,11 +88,15 @@ class _Gate:
             return
         path = scope.get("path", "")
         endpoint = path if path in _ENDPOINTS else ("/v1/models/{id}" if path.startswith(
-            "/v1/models/") else "other")
+            "/v1/models/") else "/v1/responses/{id}" if path.startswith("/v1/responses/")
+            else "other")
         request_id = f"req-{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = request_id
         status = 500
         started = False
+
+        if path == MESSAGES_PATH:
+            send = _anthropic_errors(send)
 
         async def send_and_note(message: dict[str, Any]) -> None:
             nonlocal status, started
@@ -131,14 +139,60 @@ class _Gate:
         return None
 
     def _auth_problem(self, scope: dict[str, Any]) -> str | None:
+        """The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
+        ``x-api-key: <key>`` (Anthropic's)."""
         assert self.api_key is not None
-        header = dict(scope.get("headers") or []).get(b"authorization")
-        if not header:
-            return "no API key given; send the header 'Authorization: Bearer <key>'"
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        headers = dict(scope.get("headers") or [])
+        header, x_api_key = headers.get(b"authorization"), headers.get(b"x-api-key")
+        if not header and not x_api_key:
+            return ("no API key given; send the header 'Authorization: Bearer <key>' "
+                    "or 'x-api-key: <key>'")
+        if header:
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer":
+                return "incorrect API key provided"
+        else:
+            token = x_api_key or b""
+        if not hmac.compare_digest(token.strip(), self.api_key):
             return "incorrect API key provided"
         return None
+
+
+def _anthropic_errors(send: Any) -> Any:
+    """`send` that rewrites an OpenAI-shaped JSON error body (a 401 or 413 from here, a
+    405, a bug's 500) in Anthropic's shape; the route's own errors already are. The start
+    of an error response is held until its body, whose length changes."""
+    held: dict[str, Any] | None = None
+
+    async def send_anthropic(message: dict[str, Any]) -> None:
+        nonlocal held
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            held = message
+            return
+        if held is not None and message["type"] == "http.response.body":
+            start, held = held, None
+            body = message.get("body") or b""
+            if not message.get("more_body"):
+                body = _in_anthropic_shape(body, start["status"])
+                headers = [(k, v) for k, v in start.get("headers", [])
+                           if k.lower() != b"content-length"]
+                start = {**start, "headers": [*headers,
+                                              (b"content-length", str(len(body)).encode())]}
+                message = {**message, "body": body}
+            await send(start)
+        await send(message)
+
+    return send_anthropic
+
+
+def _in_anthropic_shape(body: bytes, status: int) -> bytes:
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(decoded, dict) or "error" not in decoded or decoded.get("type") == "error":
+        return body
+    return json.dumps(as_anthropic_error(decoded, status), separators=(",", ":")).encode()
 
 
 async def _send_error(send: Any, status: int, body: dict[str, Any],

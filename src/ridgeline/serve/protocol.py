@@ -49,6 +49,11 @@ class ServerLimits(BaseModel):
     max_logit_bias: int = Field(300, ge=0, description="logit_bias entries (OpenAI's cap)")
     max_weights_bytes: int = Field(64 * 2**30, ge=1, description="a POST /v1/weights body "
                                    "(a safetensors file of the model's weights)")
+    max_stored_responses: int = Field(1024, ge=1, description="responses kept for GET "
+                                      "/v1/responses/{id} and previous_response_id (in "
+                                      "memory, least recently used out first)")
+    max_stored_bytes: int = Field(256 * 2**20, ge=1, description="the approximate size of "
+                                  "the stored responses and their conversations together")
 
 
 def over_limit(param: str, what: str, limit: int, value: int) -> RequestError:
@@ -70,8 +75,10 @@ def parse_request(model: type[BaseModel], body: Any, limits: ServerLimits | None
     try:
         return model.model_validate(body, context={"limits": limits or ServerLimits()})
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])  # e.g. "messages.0.role"
+        # The deepest problem is the most specific: for `str | list[item]`, the item's
+        # own error, not "should be a valid string".
+        err = max(e.errors(), key=lambda x: len(_field_path(x["loc"]).split(".")))
+        loc = _field_path(err["loc"])  # e.g. "messages.0.role"
         if err["type"] == "missing":
             raise RequestError(f"missing required field {loc!r}", param=loc,
                                code="missing_required_parameter") from None
@@ -81,6 +88,18 @@ def parse_request(model: type[BaseModel], body: Any, limits: ServerLimits | None
         raise
     except RidgelineError as e:
         raise RequestError(e.message, hint=e.hint) from None
+
+
+#: The names pydantic gives the members of a union in an error's location.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """An error's location as the request's field path, without the names pydantic
+    gives the members of a union (``tool_choice.literal['none','auto']`` is
+    ``tool_choice``)."""
+    return ".".join(str(p) for p in loc if not (
+        isinstance(p, str) and ("[" in p or p[:1].isupper() or p in _TYPE_TAGS)))
 
 
 # ---- shared request fields --------------------------------------------------------------------

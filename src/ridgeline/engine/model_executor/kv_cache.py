@@ -109,6 +109,54 @@ class KVCache:
         return None
 
 
+class LatentKVCache(KVCache):
+    """Multi-head latent attention's cache (deepseek_v3): per layer one
+    [num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim] tensor holding each
+    token's compressed KV and its rope key, stored once. The attention path reads it as
+    both keys and values (`v[layer] is k[layer]`): in the absorbed form the scores are
+    taken against the whole latent and the output is a mix of it (the model drops the
+    rope columns of the output), so nothing is expanded per head or stored twice. Same
+    block and slot arithmetic as `KVCache`. A storage dtype other than the model's
+    (`model_dtype`) is cast on write and back on gather."""
+
+    def __init__(self, *, model_dtype: torch.dtype | None = None, **shape: object) -> None:
+        super().__init__(**shape)  # type: ignore[arg-type]
+        self.model_dtype = model_dtype or self.dtype
+        assert self.num_kv_heads == 1, "the latent is one head"
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k)
+
+    def _allocate_storage(self) -> list[torch.Tensor]:
+        shape = (self.num_blocks, self.block_size, 1, self.head_dim)
+        per_layer = self.num_blocks * self.block_size * self.head_dim
+        flat = _zeros(self.num_layers * per_layer, self.dtype, self.device)
+        for i in range(self.num_layers):
+            t = flat[i * per_layer:(i + 1) * per_layer].view(shape)
+            self.k.append(t)
+            self.v.append(t)  # the same tensor: values are read from the latent
+        return [flat]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Store the new tokens' latents [T, 1, latent_dim] (`v` is the same latent)."""
+        slots = self.k[layer].view(-1, 1, self.head_dim)
+        if not (slot_mapping.shape[0] >= decode_ops.SCATTER_MIN_ROWS
+                and decode_ops.scatter_rows(slots, slot_mapping, k)):
+            slots.index_copy_(0, slot_mapping, k.to(self.dtype))
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = (self.k[layer].index_select(0, block_ids).view(-1, 1, self.head_dim)
+                  .to(self.model_dtype))
+        return latent, latent
+
+
 def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed buffer. On CPU an anonymous mapping: the kernel hands out zero pages that
     become resident only when written, so an idle or lightly used pool costs no RAM, and

@@ -22,7 +22,8 @@ import torch
 
 from ridgeline.engine.config import KV_CACHE_DTYPES, normalize_kv_cache_dtype
 from ridgeline.engine.kernels import decode_ops
-from ridgeline.engine.model_executor.kv_cache import KVCache, _zeros
+from ridgeline.engine.model_executor.kv_cache import KVCache, LatentKVCache, _zeros
+from ridgeline.errors import ConfigError
 
 __all__ = ["KV_CACHE_DTYPES", "QuantizedKVCache", "kv_bytes_per_token", "make_kv_cache",
            "normalize_kv_cache_dtype"]
@@ -36,9 +37,14 @@ _SCALE_BYTES = 4  # float32 scale per (token, head)
 
 
 def kv_bytes_per_token(kind: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                       model_dtype: torch.dtype) -> int:
-    """Bytes of K and V (with scales) one token takes across all layers."""
+                       model_dtype: torch.dtype, latent: bool = False) -> int:
+    """Bytes of K and V (with scales) one token takes across all layers; `latent`: MLA's
+    cache (`LatentKVCache`), one latent of `head_dim` values a layer, no separate V."""
     kind = normalize_kv_cache_dtype(kind)
+    if latent:
+        _refuse_quantized_latent(kind)
+        dtype = model_dtype if kind == "auto" else _FLOATS[kind]
+        return LatentKVCache.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     if kind in QUANTIZED:
         return 2 * num_layers * num_kv_heads * (head_dim + _SCALE_BYTES)
     dtype = model_dtype if kind == "auto" else _FLOATS[kind]
@@ -47,19 +53,32 @@ def kv_bytes_per_token(kind: str, *, num_layers: int, num_kv_heads: int, head_di
 
 def make_kv_cache(kind: str, *, num_layers: int, num_blocks: int, block_size: int,
                   num_kv_heads: int, head_dim: int, model_dtype: torch.dtype,
-                  device: torch.device | str = "cpu", prefault: bool = False) -> KVCache:
+                  device: torch.device | str = "cpu", prefault: bool = False,
+                  latent: bool = False) -> KVCache:
     """The paged cache for `kind`; every variant returns keys/values in `model_dtype`.
-    `prefault`: make the pool resident in the background (`kv_cache.Prefaulter`)."""
+    `prefault`: make the pool resident in the background (`kv_cache.Prefaulter`);
+    `latent`: MLA's latent cache (`LatentKVCache`)."""
     kind = normalize_kv_cache_dtype(kind)
     shape = dict(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
                  num_kv_heads=num_kv_heads, head_dim=head_dim, device=device,
                  prefault=prefault)
+    if latent:
+        _refuse_quantized_latent(kind)
+        storage = model_dtype if kind == "auto" else _FLOATS[kind]
+        return LatentKVCache(dtype=storage, model_dtype=model_dtype,
+                             **shape)  # type: ignore[arg-type]
     if kind in QUANTIZED:
         return QuantizedKVCache(kind, model_dtype=model_dtype, **shape)  # type: ignore[arg-type]
     storage = model_dtype if kind == "auto" else _FLOATS[kind]
     if storage == model_dtype:
         return KVCache(dtype=storage, **shape)  # type: ignore[arg-type]
     return CastKVCache(storage, model_dtype=model_dtype, **shape)  # type: ignore[arg-type]
+
+
+def _refuse_quantized_latent(kind: str) -> None:
+    if kind in QUANTIZED:
+        raise ConfigError(f"kv_cache_dtype={kind!r} is not supported for a latent-attention "
+                          "(MLA) cache", hint="use auto, float32 or bfloat16")
 
 
 # ---- codecs -------------------------------------------------------------------------------

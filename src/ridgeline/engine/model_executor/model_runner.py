@@ -56,7 +56,9 @@ class KVPlan:
         bs = config.block_size
         per_token = sum(kv_bytes_per_token(config.kv_cache_dtype, num_layers=c.num_layers,
                                            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                           model_dtype=dtype) for c in model_configs)
+                                           model_dtype=dtype,
+                                           latent=c.latent_attention is not None)
+                        for c in model_configs)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             num_blocks = 1 + int(config.kv_cache_memory_mb * 2**20 // (per_token * bs))
@@ -125,7 +127,8 @@ class ModelRunner:
                               num_blocks=plan.num_blocks, block_size=config.block_size,
                               num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                               model_dtype=dtype, device=device,
-                              prefault=config.kv_cache_prefault)
+                              prefault=config.kv_cache_prefault,
+                              latent=cfg.latent_attention is not None)
         use_kernel = kernel and choose_kernel(config, cfg, cache)
         return cls(model, cache, device, use_kernel)
 

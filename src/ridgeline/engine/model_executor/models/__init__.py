@@ -6,6 +6,7 @@ import torch
 
 from ridgeline.engine.model_executor.models.config import ModelConfig, supported_architectures
 from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ridgeline.engine.model_executor.models.gemma3 import Gemma3ForCausalLM
 from ridgeline.engine.model_executor.models.llama import LlamaForCausalLM
 from ridgeline.engine.model_executor.models.qwen import (
@@ -21,6 +22,7 @@ MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 

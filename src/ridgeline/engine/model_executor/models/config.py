@@ -19,19 +19,41 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi K2's
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                "gemma3_text": "gemma3_text",
-               "qwen3_moe": "qwen3_moe"}
+               "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
+               "kimi_k2": "deepseek_v3"}
 
 
 def supported_architectures() -> str:
     return ", ".join(sorted(ARCHITECTURES))
 
 
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """DeepSeek-V3's multi-head latent attention (MLA): queries through a low-rank
+    projection (`q_lora_rank`; None: one plain q_proj), keys and values from a per-token
+    latent of `kv_lora_rank` values plus one decoupled RoPE key of `qk_rope_head_dim`
+    shared by every head. The cache holds that latent (`latent_dim` values a token)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's RoPE dims in (x0, x1), (x2, x3)... pairs
+    softmax_scale: float   # qk_head_dim ** -0.5, times YaRN's mscale ** 2 where set
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass
 class ModelConfig:
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3_text | deepseek_v3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +79,17 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # deepseek_v3's routing (moe.GroupedSigmoidMoeBlock; qwen3_moe's is a softmax): top-k
+    # within the best `topk_groups` of `num_expert_groups` groups, weights times
+    # `routed_scaling_factor`
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # shared experts as one dense MLP; 0: none
+    # deepseek_v3's latent attention; then the attention path sees one KV "head" of
+    # num_kv_heads=1, head_dim=latent_dim (MLA in absorbed form is multi-query attention
+    # over the latent), and the cache stores it once, as keys and values both
+    latent_attention: LatentAttentionConfig | None = None
     # each layer's sliding window (transformers' convention: a query at position p sees
     # the keys at (p - window, p]), 0 for full attention; empty: every layer is full
     layer_windows: tuple[int, ...] = ()
@@ -88,7 +121,7 @@ class ModelConfig:
         eos = getattr(cfg, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        return cls(
+        fields: dict[str, Any] = dict(
             family=family,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -110,9 +143,11 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             hf_config=cfg,
             layer_windows=_layer_windows(cfg, family),
-            **_moe_fields(cfg, family),
-            **_gemma3_fields(cfg, family),
         )
+        fields.update(_moe_fields(cfg, family))
+        fields.update(_gemma3_fields(cfg, family))
+        fields.update(_latent_attention_fields(cfg, family))
+        return cls(**fields)
 
 
 #: model types whose transformers model applies `sliding_window` (when set) to every
@@ -192,18 +227,31 @@ _FOREIGN_MOE_FIELDS = {
 }
 
 
-def _moe_fields(cfg: Any, family: str) -> dict[str, Any]:
-    """The MoE fields of `ModelConfig` from a transformers config (none for dense
-    families). Which layers are sparse follows Qwen3MoeDecoderLayer: every
-    `decoder_sparse_step`-th layer, except those in `mlp_only_layers`."""
-    if family != "qwen3_moe":
-        return {}
+#: the fields of `_FOREIGN_MOE_FIELDS` deepseek_v3 implements (the rest it refuses)
+_DEEPSEEK_MOE_FIELDS = ("n_shared_experts", "routed_scaling_factor", "n_group", "topk_group",
+                        "first_k_dense_replace", "scoring_func", "topk_method")
+
+
+def _refuse_foreign_moe_fields(cfg: Any, family: str, handled: tuple[str, ...] = ()) -> None:
     for name, neutral in _FOREIGN_MOE_FIELDS.items():
+        if name in handled:
+            continue
         value = getattr(cfg, name, neutral)
         if value not in (neutral, None):
             raise ConfigError(f"{family} config field {name}={value!r} is not supported "
                               "(it changes the experts' routing or math)",
                               hint=f"remove it or set it to {neutral!r}")
+
+
+def _moe_fields(cfg: Any, family: str) -> dict[str, Any]:
+    """The MoE fields of `ModelConfig` from a transformers config (none for dense
+    families). Which layers are sparse follows Qwen3MoeDecoderLayer: every
+    `decoder_sparse_step`-th layer, except those in `mlp_only_layers`."""
+    if family == "deepseek_v3":
+        return _deepseek_moe_fields(cfg)
+    if family != "qwen3_moe":
+        return {}
+    _refuse_foreign_moe_fields(cfg, family)
     num_experts = int(cfg.num_experts)
     top_k = int(cfg.num_experts_per_tok)
     step = int(cfg.decoder_sparse_step)
@@ -218,6 +266,84 @@ def _moe_fields(cfg: Any, family: str) -> dict[str, Any]:
     return dict(moe_layers=moe_layers, num_experts=num_experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(cfg.moe_intermediate_size),
                 norm_topk_prob=bool(cfg.norm_topk_prob))
+
+
+def _deepseek_moe_fields(cfg: Any) -> dict[str, Any]:
+    """DeepseekV3MoE's fields: the first `first_k_dense_replace` layers dense, the rest
+    sparse with sigmoid, bias-corrected, group-limited routing (DeepseekV3TopkRouter, the
+    "noaux_tc" method of DeepSeek's own code) and `n_shared_experts` shared experts."""
+    family = "deepseek_v3"
+    _refuse_foreign_moe_fields(cfg, family, _DEEPSEEK_MOE_FIELDS)
+    # fields of DeepSeek's own config.json that transformers does not read: refused
+    # where they ask for something else than what transformers (and we) compute
+    for name, implemented in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                              ("moe_layer_freq", 1)):
+        value = getattr(cfg, name, None)
+        if value not in (None, implemented):
+            raise ConfigError(f"{family} config field {name}={value!r} is not supported",
+                              hint=f"only {name}={implemented!r} is implemented")
+    num_experts = int(cfg.n_routed_experts)
+    top_k = int(cfg.num_experts_per_tok)
+    groups, topk_groups = cfg.n_group, cfg.topk_group
+    if not isinstance(groups, int) or not isinstance(topk_groups, int):
+        raise ConfigError(f"{family} n_group={groups!r} and topk_group={topk_groups!r} "
+                          "must be integers")
+    if num_experts < 1 or groups < 1 or num_experts % groups:
+        raise ConfigError(f"{family} n_group={groups} must divide n_routed_experts="
+                          f"{num_experts}")
+    if num_experts // groups < 2:  # a group's score is its top two experts' sum
+        raise ConfigError(f"{family} n_group={groups} leaves fewer than 2 experts a group")
+    if not 1 <= topk_groups <= groups:
+        raise ConfigError(f"{family} topk_group={topk_groups} must be between 1 and "
+                          f"n_group={groups}")
+    if not 1 <= top_k <= topk_groups * (num_experts // groups):
+        raise ConfigError(f"{family} num_experts_per_tok={top_k} must be between 1 and the "
+                          f"{topk_groups * (num_experts // groups)} experts of topk_group "
+                          "groups")
+    first_dense = int(cfg.first_k_dense_replace or 0)
+    shared = int(cfg.n_shared_experts or 0)
+    inter = int(cfg.moe_intermediate_size)
+    return dict(moe_layers=tuple(range(first_dense, cfg.num_hidden_layers)),
+                num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=inter, norm_topk_prob=bool(cfg.norm_topk_prob),
+                num_expert_groups=groups,
+                topk_groups=topk_groups,
+                routed_scaling_factor=float(cfg.routed_scaling_factor),
+                shared_expert_intermediate_size=inter * shared)
+
+
+def _latent_attention_fields(cfg: Any, family: str) -> dict[str, Any]:
+    """deepseek_v3's attention fields of `ModelConfig` (none for other families)."""
+    if family != "deepseek_v3":
+        return {}
+    if getattr(cfg, "quantization_config", None):
+        raise ConfigError("deepseek_v3 quantization_config (block-quantized fp8 weights) is "
+                          "not supported", hint="use a bfloat16 checkpoint")
+    _, scaling = _rope_parameters(cfg)
+    rope_type = "default" if scaling is None else scaling.get("rope_type",
+                                                              scaling.get("type"))
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"deepseek_v3 rope_parameters rope_type={rope_type!r} is not "
+                          "supported", hint="supported: default, yarn")
+    q_lora_rank = cfg.q_lora_rank
+    nope, rope = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
+    if rope % 2:
+        raise ConfigError(f"deepseek_v3 qk_rope_head_dim={rope} must be even")
+    # transformers' yarn_apply_mscale: YaRN's mscale_all_dim also scales the softmax
+    # (on every dim, not just the rotary ones that its attention_factor scales)
+    softmax_scale = (nope + rope) ** -0.5
+    mscale_all_dim = (scaling or {}).get("mscale_all_dim", 0)
+    if rope_type != "default" and mscale_all_dim:
+        factor = scaling["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        softmax_scale = softmax_scale * mscale * mscale
+    mla = LatentAttentionConfig(
+        q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+        kv_lora_rank=int(cfg.kv_lora_rank), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=int(cfg.v_head_dim),
+        rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
+        softmax_scale=softmax_scale)
+    return dict(latent_attention=mla, num_kv_heads=1, head_dim=mla.latent_dim, qk_norm=False)
 
 
 def _rope_parameters(cfg: Any) -> tuple[float, dict[str, Any] | None]:

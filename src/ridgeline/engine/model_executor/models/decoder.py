@@ -178,24 +178,31 @@ class DecoderForCausalLM(nn.Module):
         dtype; the float projection weights are freed."""
         # torch's int8 GEMM (batches above the C kernel's rows) crashes when the inner
         # dimension is not a multiple of 8: refuse such a model before anything is changed
-        inner = [self.cfg.hidden_size, self.cfg.intermediate_size,
-                 self.cfg.num_heads * self.cfg.head_dim]
-        if self.cfg.moe_layers:
-            inner.append(self.cfg.moe_intermediate_size)
-        odd = sorted({w for w in inner if w % 8})
+        odd = sorted({w for w in self._projection_inner_dims() if w % 8})
         if odd:
             raise ConfigError(f"weight_quant='int8' needs the model's inner dimensions to be "
                               f"multiples of 8; this {self.cfg.family} model has {odd}",
                               hint="use weight_quant: none (dtype: bfloat16 also halves "
                                    "the weight bytes)")
         for layer in self.layers:
-            layer.qkv_proj.quantize_int8()
-            layer.o_proj.quantize_int8()
-            layer.mlp.quantize_int8()  # a sparse layer's experts; its router stays float
+            self._quantize_layer(layer)
         q, scale = quantize_int8(self._head_weight())
         self.head_q, self.head_scales = q, scale.to(self.dtype)
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(self.lm_head.new_empty(0), requires_grad=False)
+
+    def _projection_inner_dims(self) -> list[int]:
+        """The input widths of the projections `quantize_weights` makes int8."""
+        inner = [self.cfg.hidden_size, self.cfg.intermediate_size,
+                 self.cfg.num_heads * self.cfg.head_dim]
+        if self.cfg.moe_layers:
+            inner.append(self.cfg.moe_intermediate_size)
+        return inner
+
+    def _quantize_layer(self, layer: nn.Module) -> None:
+        layer.qkv_proj.quantize_int8()
+        layer.o_proj.quantize_int8()
+        layer.mlp.quantize_int8()  # a sparse layer's experts; its router stays float
 
     # ---- weights ----------------------------------------------------------------------
 
@@ -203,8 +210,8 @@ class DecoderForCausalLM(nn.Module):
         if shard is None:
             return param
         cfg = self.cfg
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-            cfg.intermediate_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = param.shape[0] // 2  # a fused gate/up of a dense MLP or of shared experts
         spans = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv),
                  "gate": (0, inter), "up": (inter, 2 * inter)}
         lo, hi = spans[shard]

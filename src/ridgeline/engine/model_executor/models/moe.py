@@ -1,4 +1,5 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE) for a flat batch of tokens.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE; DeepSeek-V3's routing and shared experts
+in `GroupedSigmoidMoeBlock`) for a flat batch of tokens.
 
 A router (`gate`, a plain linear layer) scores every expert for every token; each token
 goes to its top-k experts, weighted by their softmax probabilities (renormalised to sum
@@ -33,6 +34,7 @@ from torch import nn
 
 from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.engine.model_executor.models.layers import (
+    DenseMLP,
     Linear,
     int8_linear,
     linear,
@@ -50,6 +52,31 @@ def softmax_top_k(router_logits: torch.Tensor, top_k: int, normalize: bool
     if normalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return expert_ids, weights.to(router_logits.dtype)
+
+
+def grouped_sigmoid_top_k(router_logits: torch.Tensor, correction_bias: torch.Tensor,
+                          top_k: int, num_groups: int, topk_groups: int, normalize: bool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter, step for step, float32
+    logits): sigmoid scores; the correction bias shifts them for choosing only; experts
+    come from the `topk_groups` groups whose two best (biased) scores sum highest; the
+    chosen experts' unbiased scores, renormalised with `normalize`, times `scaling`.
+    Returns (expert ids [T, k], float32 weights [T, k])."""
+    num_experts = router_logits.shape[-1]
+    scores = router_logits.sigmoid()
+    for_choice = scores + correction_bias
+    per_group = for_choice.view(-1, num_groups, num_experts // num_groups)
+    group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)
+    best_groups = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1)
+    expert_mask = (group_mask.unsqueeze(-1).expand(-1, num_groups, num_experts // num_groups)
+                   .reshape(-1, num_experts))
+    for_choice = for_choice.masked_fill(~expert_mask.bool(), float("-inf"))
+    expert_ids = torch.topk(for_choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, expert_ids)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return expert_ids, weights * scaling
 
 
 class FusedExperts(nn.Module):
@@ -150,3 +177,42 @@ class SparseMoeBlock(nn.Module):
 
     def quantize_int8(self) -> None:
         self.experts.quantize_int8()
+
+
+class GroupedSigmoidMoeBlock(SparseMoeBlock):
+    """DeepSeek-V3's sparse MLP (DeepseekV3MoE): `grouped_sigmoid_top_k` routing over the
+    fused experts, plus the shared experts (one dense SwiGLU MLP every token goes
+    through). The router, its weight and its correction bias are float32 whatever the
+    model dtype, as transformers keeps them (`_keep_in_fp32_modules_strict`): a rounded
+    score could change which experts a token picks. Parameter names follow transformers'
+    (`gate.weight`, `gate.e_score_correction_bias`, `shared_experts.*`), the bias here as
+    `e_score_correction_bias`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                 ) -> None:
+        super().__init__(cfg, dtype, device)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, torch.float32, device)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
+            requires_grad=False)
+        self.num_groups, self.topk_groups = cfg.num_expert_groups, cfg.topk_groups
+        self.scaling = cfg.routed_scaling_factor
+        inter = cfg.shared_expert_intermediate_size
+        self.shared_experts = (DenseMLP(cfg.hidden_size, inter, False, dtype, device)
+                               if inter else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_sigmoid_top_k(self.gate(x.float()), self.e_score_correction_bias,
+                                     self.top_k, self.num_groups, self.topk_groups,
+                                     self.normalize, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # the float32 weights multiply rows of x's dtype in place
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def quantize_int8(self) -> None:
+        super().quantize_int8()
+        if self.shared_experts is not None:
+            self.shared_experts.quantize_int8()

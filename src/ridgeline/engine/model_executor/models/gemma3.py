@@ -26,6 +26,7 @@ from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_a
 from ridgeline.engine.model_executor.kv_cache import KVCache
 from ridgeline.engine.model_executor.models.config import ModelConfig, rope_inv_freq
 from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.decoder import _LAYER_PARAMS as DECODER_LAYER_PARAMS
 from ridgeline.engine.model_executor.models.layers import (
     Linear,
     RotaryEmbedding,
@@ -110,25 +111,13 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(x)))
 
 
-# checkpoint name (HF layout) under model.layers.N. -> (our parameter, shard of a fused one)
+# checkpoint names under model.layers.N.: the decoder's, with Gemma's four norms per layer
+# (names this model has no parameter for are skipped or refused by the decoder's loader)
 _LAYER_PARAMS = {
-    "input_layernorm.weight": ("input_norm.weight", None),
+    **DECODER_LAYER_PARAMS,
     "post_attention_layernorm.weight": ("post_attention_norm.weight", None),
     "pre_feedforward_layernorm.weight": ("pre_feedforward_norm.weight", None),
     "post_feedforward_layernorm.weight": ("post_feedforward_norm.weight", None),
-    "self_attn.q_proj.weight": ("qkv_proj.weight", "q"),
-    "self_attn.k_proj.weight": ("qkv_proj.weight", "k"),
-    "self_attn.v_proj.weight": ("qkv_proj.weight", "v"),
-    "self_attn.q_proj.bias": ("qkv_proj.bias", "q"),
-    "self_attn.k_proj.bias": ("qkv_proj.bias", "k"),
-    "self_attn.v_proj.bias": ("qkv_proj.bias", "v"),
-    "self_attn.o_proj.weight": ("o_proj.weight", None),
-    "self_attn.o_proj.bias": ("o_proj.bias", None),
-    "self_attn.q_norm.weight": ("q_norm.weight", None),
-    "self_attn.k_norm.weight": ("k_norm.weight", None),
-    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", "gate"),
-    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", "up"),
-    "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
 }
 _IGNORED = re.compile(r"(rotary_emb\.\w*inv_freq|embed_tokens\.embed_scale)$")
 

@@ -15,8 +15,10 @@ numbers, held-out takes a median; ...). The held-out instances use their own see
 Prints one JSON object: `heldout_pass_rate` {base, sft, sft_rl} (means over seeds,
 0-1), `gain_points_sft_rl_over_base`, `gain_points_sft_rl_over_sft`, per seed each
 evaluation's pass@1 with its 95% bootstrap interval over tasks, infrastructure errors
-apart, `checkpoints` (each seed's final RL checkpoint), `peak_rss_gb` of this process,
-minutes per seed and the machine. Plots (held-out pass rates with intervals, SFT loss,
+apart, `checkpoints` (each seed's final RL checkpoint), `peak_rss_gb` (the largest
+resident memory of any stage: each evaluation, SFT and RL runs in its own process, as the
+`ridgeline` commands do, with its own peak beside its result), minutes per seed and the
+machine. Plots (held-out pass rates with intervals, SFT loss,
 RL reward) go to OUT/plots/. Goal (issue 27): SFT+RL >= base + 25 points and >= SFT + 5
 points on every seed, within 1 hour of CPU per seed.
 """
@@ -25,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,20 @@ def heldout_tasks(root: Path, instances: int) -> Path:
     return root
 
 
+def in_own_process(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`fn(*args)` in a fresh (spawned) process, as a user runs `ridgeline eval`, `sft`
+    and `train` one after another: each stage's memory is its own and is returned to the
+    system when it ends, and its high-water mark is measured alone (`peak_rss_gb`)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(_measured, fn, *args).result()
+
+
+def _measured(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    out = fn(*args)
+    out["peak_rss_gb"] = round(peak_rss_gb() or 0.0, 2)
+    return out
+
+
 def evaluate(model: str, tasks_dir: Path, out: Path, seed: int, samples: int) -> dict[str, Any]:
     # the agent as rollouts run it (RL's prompts and limits), sampling as in training
     agent = rollout_agent_config(ROLLOUT).model_copy(update={"sampling": Sampling(
@@ -85,7 +104,8 @@ def run_seed(seed: int, out: Path, heldout: Path, minutes: float, args: argparse
     t0 = time.perf_counter()
     res: dict[str, Any] = {"seed": seed}
     log(f"seed {seed}: base model on the held-out families")
-    res["base"] = evaluate("default", heldout, out / "eval-base", seed, args.samples)
+    res["base"] = in_own_process(evaluate, "default", heldout, out / "eval-base", seed,
+                                 args.samples)
     log(f"seed {seed}: base {res['base']['pass_rate']:.3f}; SFT")
     sft_cfg = SFTConfig.model_validate({
         "tasks": {"families": {"split": "train", "instances": args.sft_instances,
@@ -93,10 +113,9 @@ def run_seed(seed: int, out: Path, heldout: Path, minutes: float, args: argparse
         "epochs": args.sft_epochs, "batch_size": 8, "seed": seed, "out": str(out / "sft"),
         "trainer": {"lr": args.sft_lr, "micro_batch_size": 4},
         "rollout": ROLLOUT.model_dump(), "checkpoint_every": 50})
-    s = sft(sft_cfg)
-    res["sft_steps"] = s.steps_done
-    res["sft_episodes"] = s.episodes
-    res["sft"] = evaluate(str(out / "sft"), heldout, out / "eval-sft", seed, args.samples)
+    res["sft_run"] = in_own_process(run_sft, sft_cfg)
+    res["sft"] = in_own_process(evaluate, str(out / "sft"), heldout, out / "eval-sft", seed,
+                                args.samples)
     log(f"seed {seed}: SFT {res['sft']['pass_rate']:.3f}; RL from it")
     used = (time.perf_counter() - t0) / 60
     # RL gets what is left of the hour, minus room for the last evaluation
@@ -112,15 +131,28 @@ def run_seed(seed: int, out: Path, heldout: Path, minutes: float, args: argparse
         "loop": {"group_size": 4, "batch_groups": 4, "eta": 1, "rollout_threads": 2,
                  "filters": {"limit_policy": "score"}},
         "rollout": ROLLOUT.model_dump(), "engine": {"max_num_seqs": 32}})
-    r = train(rl_cfg)
-    res["rl_steps"] = r.steps_done
-    res["rl_reward"] = [m.get("reward_mean") for m in r.history]
-    res["sft_rl"] = evaluate(str(out / "rl"), heldout, out / "eval-sft-rl", seed, args.samples)
+    res["rl_run"] = in_own_process(run_rl, rl_cfg)
+    res["rl_reward"] = res["rl_run"].pop("reward")
+    res["sft_rl"] = in_own_process(evaluate, str(out / "rl"), heldout, out / "eval-sft-rl",
+                                   seed, args.samples)
     res["checkpoint"] = str(out / "rl" / "checkpoint")
     res["minutes"] = round((time.perf_counter() - t0) / 60, 1)
-    log(f"seed {seed}: SFT+RL {res['sft_rl']['pass_rate']:.3f} after {r.steps_done} RL steps, "
+    res["peak_rss_gb"] = max(res[k]["peak_rss_gb"]
+                             for k in ("base", "sft_run", "sft", "rl_run", "sft_rl"))
+    log(f"seed {seed}: SFT+RL {res['sft_rl']['pass_rate']:.3f} after "
+        f"{res['rl_run']['steps']} RL steps, "
         f"{res['minutes']} min")
     return res
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    s = sft(cfg)
+    return {"steps": s.steps_done, "episodes": s.episodes}
+
+
+def run_rl(cfg: TrainConfig) -> dict[str, Any]:
+    r = train(cfg)
+    return {"steps": r.steps_done, "reward": [m.get("reward_mean") for m in r.history]}
 
 
 def plot(out: Path, seeds: list[dict[str, Any]]) -> list[str]:
@@ -204,8 +236,9 @@ def main() -> None:
         "gain_points_sft_rl_over_sft": round(100 * (rates["sft_rl"] - rates["sft"]), 1),
         "per_seed": seeds,
         "checkpoints": {str(s["seed"]): s["checkpoint"] for s in seeds},
-        # the high-water mark of this process's resident memory (SFT, RL and the evals)
-        "peak_rss_gb": round(peak_rss_gb() or 0.0, 2),
+        # the largest resident memory of any stage (each runs in its own process, as
+        # `ridgeline eval / sft / train` do); per stage under per_seed[i][stage]
+        "peak_rss_gb": max(s["peak_rss_gb"] for s in seeds),
         "minutes_total": round((time.perf_counter() - t0) / 60, 1),
         "minutes_budget_per_seed": args.minutes, "goal_points": {"over_base": 25, "over_sft": 5},
         "plots": plot(args.out, seeds), "machine": machine(),

@@ -110,15 +110,44 @@ def test_preemption_and_chunked_prefill_keep_the_grammar(model, tok):
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
 
 
-def test_speculation_keeps_greedy_output_under_a_grammar(model, tok):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_keeps_greedy_output_under_a_grammar(model, tok, method):
+    """Drafts are checked against the grammar and each verified row is masked by the
+    grammar's state after its draft prefix: the same greedy output as constrained
+    decoding one token at a time, with proposals really verified (a draft that is the
+    target itself proposes its unmasked choices: kept where the grammar agrees)."""
     params = SamplingParams(temperature=0, max_tokens=80,
                             structured_outputs=StructuredOutputs(json=COMPACT))
     plain = LLM.from_hf_model(model, tok, num_kv_blocks=300)
-    fast = LLM.from_hf_model(model, tok, num_kv_blocks=300, speculative={
-        "method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
-    a = [o.outputs[0].text for o in plain.generate(PROMPTS, params)]
-    b = [o.outputs[0].text for o in fast.generate(PROMPTS, params)]
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False, "ngram_min": 1}
+    fast = LLM.from_hf_model(model, tok, num_kv_blocks=300, speculative=spec,
+                             **({"draft_model": model} if method == "draft" else {}))
+    a = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    b = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, params)]
     assert a == b
+    stats = fast.engine.stats()
+    assert stats.spec_proposed_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("same_draft", [True, False])
+def test_sampled_speculation_under_a_grammar_stays_valid(model, tok, same_draft):
+    """Sampling with a draft model that drafts under the grammar too: every output
+    conforms. A draft identical to the target has q = p on every row (both masked by the
+    grammar's state after the same prefix), so every proposal is accepted; another draft
+    gets both outcomes of verification."""
+    draft = model if same_draft else tiny_model("llama", vocab=len(tok), seed=11)
+    fast = LLM.from_hf_model(model, tok, num_kv_blocks=300, draft_model=draft, speculative={
+        "method": "draft", "num_speculative_tokens": 4, "adaptive": False})
+    outs = fast.generate(PROMPTS, sampled(StructuredOutputs(json=COMPACT), max_tokens=120))
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    stats = fast.engine.stats()
+    if same_draft:
+        assert stats.spec_proposed_tokens > 0 and stats.spec_acceptance_rate == 1.0
+    else:
+        assert 0 < stats.spec_accepted_tokens < stats.spec_proposed_tokens
 
 
 @pytest.mark.parametrize("kwargs,words", [

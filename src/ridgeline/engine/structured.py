@@ -19,9 +19,14 @@ How it flows through the engine:
   record as the behaviour policy).
 - `Scheduler.update_from_output` advances the matcher with every token the sequence
   takes; once the grammar is complete only EOS is allowed, so the output ends there.
-- Preemption by recompute keeps a sequence's tokens, so its matcher stays valid; the
-  speculator proposes nothing for a constrained sequence (its output is the same, only not
-  sped up).
+- Preemption by recompute keeps a sequence's tokens, so its matcher stays valid.
+- Speculative decoding (`spec_decode/speculator.py`): a constrained sequence's draft is
+  cut to the prefix its grammar would take (`Grammar.valid_prefix`, the matcher does not
+  move); at verification each of its rows is masked with the grammar's state after that
+  prefix of the draft (`mask_draft_logits`: a copy of the matcher steps through the
+  draft), so the accepted tokens, the resampled one and their logprobs are exactly those
+  of constrained decoding one token at a time (greedy output identical); the scheduler
+  then advances the matcher by the tokens kept.
 """
 
 from __future__ import annotations
@@ -153,6 +158,27 @@ class Grammar:
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (a speculative draft) the grammar would take in a row
+        from here; the matcher does not move."""
+        return int(self._m.validate_tokens(list(tokens))) if tokens else 0
+
+    def fill_draft_masks(self, bitmask: torch.Tensor, first_row: int, draft: list[int]
+                         ) -> None:
+        """Rows `first_row` .. `first_row + len(draft)`: the masks before each draft token
+        and after the whole draft (where the target scores them), stepping a copy of the
+        matcher through the draft (a rollback would miscount an end-of-sequence token,
+        which llguidance does not record); `draft` must be a `valid_prefix`."""
+        self.fill_mask(bitmask, first_row)
+        if not draft:
+            return
+        ahead = self.copy()
+        for j, token in enumerate(draft):
+            if not ahead.accept(token):
+                raise EngineError(f"grammar refused draft token {token} it had validated: "
+                                  f"{ahead.error}")
+            ahead.fill_mask(bitmask, first_row + j + 1)
+
     @property
     def done(self) -> bool:
         """Complete: nothing but the end of the output may follow."""
@@ -245,6 +271,33 @@ def mask_logits(logits: torch.Tensor, grammars: list[Grammar | None]) -> torch.T
     bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
     for j, i in enumerate(rows):
         grammars[i].fill_mask(bitmask, j)   # type: ignore[union-attr]
+    sub = masked[rows]
+    apply_token_bitmask_inplace(sub, bitmask)
+    masked[rows] = sub
+    return masked
+
+
+def mask_draft_logits(logits: torch.Tensor, grammars: list[Grammar | None],
+                      drafts: list[list[int]]) -> torch.Tensor:
+    """A speculative step's logits (float32; len(drafts[i]) + 1 consecutive rows for
+    sequence i: the target's scores after each prefix of its draft) with each row masked
+    by the grammar's state after that prefix, so verification accepts, resamples and
+    records logprobs exactly as constrained decoding one token at a time would. Returns a
+    new tensor; rows of sequences without a grammar unchanged."""
+    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace
+    rows: list[int] = []
+    row = 0
+    for g, d in zip(grammars, drafts):
+        if g is not None:
+            rows.extend(range(row, row + len(d) + 1))
+        row += len(d) + 1
+    masked = logits.clone()
+    bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
+    at = 0
+    for g, d in zip(grammars, drafts):
+        if g is not None:
+            g.fill_draft_masks(bitmask, at, d)
+            at += len(d) + 1
     sub = masked[rows]
     apply_token_bitmask_inplace(sub, bitmask)
     masked[rows] = sub

@@ -22,6 +22,7 @@ from ridgeline.engine.spec_decode.acceptance import AcceptanceModel, HeadCalibra
 from ridgeline.engine.spec_decode.cost_model import StepCost, expected_kept
 from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
 from ridgeline.engine.spec_decode.suffix_index import GlobalIndex, Match, SuffixIndex, walk
+from ridgeline.engine.structured import Grammar, mask_logits
 
 if TYPE_CHECKING:
     from ridgeline.engine.spec_decode.draft_heads import DraftHeads
@@ -170,7 +171,10 @@ class DraftProposer:
             first.append((seq.block_table, c, seq.token_ids[c:], 1))
             st.draft_computed = seq.num_tokens
         seqs = [seq for seq, _ in items]
-        tokens, probs = self._pick(self.runner.forward(first), seqs, sampler)
+        # a constrained sequence drafts under its grammar too (a copy that steps along
+        # the draft): its proposals are ones the target could emit, and q is masked alike
+        ahead = [None if seq.grammar is None else seq.grammar.copy() for seq in seqs]
+        tokens, probs = self._pick(self.runner.forward(first), seqs, sampler, ahead)
         drafts = [[t] for t in tokens]
         qs: list[list[torch.Tensor]] = [[] if p is None else [p] for p in probs]
         for j in range(1, max(k for _, k in items)):
@@ -185,7 +189,8 @@ class DraftProposer:
             logits = self.runner.forward(batch)
             if self.cost is not None:
                 self.cost.observe_draft(time.perf_counter() - start)
-            tokens, probs = self._pick(logits, [seqs[i] for i in live], sampler)
+            tokens, probs = self._pick(logits, [seqs[i] for i in live], sampler,
+                                       [ahead[i] for i in live])
             for i, t, p in zip(live, tokens, probs):
                 drafts[i].append(t)
                 if p is not None:
@@ -206,16 +211,19 @@ class DraftProposer:
             self.complete[b] = key
             st.draft_marked = i + 1
 
-    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler
-              ) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence], sampler: Sampler,
+              grammars: list[Grammar | None]) -> tuple[list[int], list[torch.Tensor | None]]:
         """The draft's token for each row, and q (the distribution it was drawn from) for
-        rows that sample."""
+        rows that sample; rows with a grammar are masked by it first, and it takes the
+        token picked."""
         v = self.target_vocab
         if logits.shape[1] > v:  # tokens the target cannot emit are never proposed
             logits = logits[:, :v]
         elif logits.shape[1] < v:
             pad = logits.new_full((logits.shape[0], v - logits.shape[1]), float("-inf"))
             logits = torch.cat([logits, pad], dim=1)
+        if any(g is not None for g in grammars):
+            logits = mask_logits(logits.float(), grammars)
         tokens = logits.argmax(dim=-1)
         probs: list[torch.Tensor | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
@@ -226,7 +234,11 @@ class DraftProposer:
             tokens[idx] = sampler.draw(q, row_seqs)
             for j, i in enumerate(rows):
                 probs[i] = q[j]
-        return tokens.tolist(), probs
+        picked = tokens.tolist()
+        for g, t in zip(grammars, picked):
+            if g is not None:
+                g.accept(t)
+        return picked, probs
 
 
 class HeadsProposer:

@@ -32,6 +32,7 @@ from ridgeline.engine.spec_decode.cost_model import StepCost, cut_proposal
 from ridgeline.engine.spec_decode.proposal import Proposal, SpecState
 from ridgeline.engine.spec_decode.proposers import DraftProposer, HeadsProposer, NgramProposer
 from ridgeline.engine.spec_decode.rejection_sampler import rejection_sample
+from ridgeline.engine.structured import mask_draft_logits
 from ridgeline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -94,8 +95,6 @@ class Speculator:
                 continue  # a prefill chunk: nothing to guess yet
             if seq.params.uses_penalties:
                 continue  # penalties change with every accepted token
-            if seq.grammar is not None:
-                continue  # a rejected draft would have advanced its grammar
             k = self.state(seq).plan_k(cfg, self.proposer.sizes_proposals,
                                        partial(self.cost.best_k, batch=batch, planned=planned))
             if seq.params.max_tokens is not None:  # the step emits up to k + 1 tokens
@@ -121,6 +120,11 @@ class Speculator:
         planned = sum(n for _, n in scheduled) - batch
         out: dict[Sequence, Proposal] = {}
         for (seq, _), prop in zip(items, proposals):
+            if seq.grammar is not None:  # tokens the grammar refuses could never be kept
+                valid = seq.grammar.valid_prefix(prop.token_ids)
+                prop.token_ids = prop.token_ids[:valid]
+                if prop.probs is not None:
+                    prop.probs = prop.probs[:valid]
             keep = cut_proposal(prop, self.cfg, self.cost, batch, planned)
             if keep < len(prop.token_ids):
                 prop.token_ids = prop.token_ids[:keep]
@@ -156,7 +160,11 @@ class Speculator:
             for i, seq in enumerate(plain):
                 emitted[seq] = [(res.token_ids[i], res.logprobs[i], res.top_logprobs[i])]
         spec = [s for s in output.samplers if s in proposals]
-        results = rejection_sample(logits[torch.tensor(spec_rows, device=logits.device)],
+        spec_logits = logits[torch.tensor(spec_rows, device=logits.device)]
+        if any(s.grammar is not None for s in spec):  # each row under its draft prefix
+            spec_logits = mask_draft_logits(spec_logits.float(), [s.grammar for s in spec],
+                                            [proposals[s].token_ids for s in spec])
+        results = rejection_sample(spec_logits,
                                    spec, [proposals[s].token_ids for s in spec],
                                    [proposals[s].probs for s in spec], sampler)
         self.num_spec_steps += 1

@@ -15,6 +15,10 @@ float32, bfloat16 or (decode) int8; q and out float32 or bfloat16, read and writ
 such. `avx2_library()` and `portable_library()` build the narrower paths on CPUs that
 compile a wider one, for tests and benchmarks; `kernel_path()` says which path a build has.
 
+Attention sinks (gpt-oss: a learned logit per query head that joins the softmax's
+denominator, with no value) are an optional float32 [heads] argument of both kernels:
+the online softmax's final sum gains exp(sink - max), the max taken over the sink too.
+
 Built on first use (`kernel_build`) and called through ctypes, which releases the GIL, so
 work items are split over a few Python threads. Without a compiler the engine falls back
 to the PyTorch path, which computes the same thing.
@@ -58,19 +62,20 @@ def _build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(target))
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    # the decode entry points with a trailing sliding window (0: the whole context); the
-    # plain ones, without it, are the decode stack's (it calls them by pointer)
+    # the decode entry points with a trailing sliding window (0: the whole context) and
+    # attention sinks (NULL: none); the plain ones, without them, are the decode stack's
+    # (it calls them by pointer)
     for fn in (lib.paged_attention_window_f32, lib.paged_attention_window_bf16):
         fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
-                       i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
+                       i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64, ptr]
         fn.restype = ctypes.c_int
     fn = lib.paged_attention_window_i8
     fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                   i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
+                   i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64, ptr]
     fn.restype = ctypes.c_int
     fn = lib.paged_prefill_attention
     fn.argtypes = [ptr, i64, i64, c_int, ptr, ptr, c_int, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                   c_int, ptr, i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64]
+                   c_int, ptr, i64, i64, c_int, c_int, c_int, c_int, ctypes.c_float, i64, ptr]
     fn.restype = ctypes.c_int
     for fn in (lib.paged_attention_vector_width, lib.paged_attention_path,
                lib.paged_prefill_lanes, lib.paged_attention_bf16_dot):
@@ -168,11 +173,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | None = None,
                            cuts: list[int] | None = None,
                            lib: ctypes.CDLL | None = None, *, window: int = 0,
-                           scale: float | None = None) -> None:
+                           scale: float | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     """out[rows of each sequence] = attention of q's rows over the paged context (with
     `window` > 0, transformers' sliding window: a row at position p sees the keys at
     positions (p - window, p], and blocks before the first row's window are not read);
-    scores are scaled by `scale` (default head_dim ** -0.5).
+    scores are scaled by `scale` (default head_dim ** -0.5); `sinks`: each query head's
+    attention sink ([heads], any float dtype), a logit in the softmax's denominator only.
 
     q, out: [T, heads, d] with unit stride on d (rows and q's heads may be strided; out's
     heads d apart), both float32 or both bfloat16, read and written as such (other dtypes
@@ -187,7 +194,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if _needs_float32(q, out):
         return _in_float32(lambda q32, out32: paged_decode_attention(
             q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, k_scale,
-            v_scale, cuts, lib, window=window, scale=scale), q, out)
+            v_scale, cuts, lib, window=window, scale=scale, sinks=sinks), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
@@ -205,10 +212,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     args = (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), *caches,
             block_table.data_ptr(), block_table.stride(0), q_start.data_ptr(),
             q_len.data_ptr(), ctx_len.data_ptr(), out.data_ptr(), out.stride(0))
-    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window)
+    sinks = _sinks(sinks, q.shape[1])
+    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window,
+            None if sinks is None else sinks.data_ptr())
     if cuts is None:
         cuts = split_work(ctx_len.tolist(), kvh, torch.get_num_threads())
     run_shares(kernel, args, tail, cuts, "paged attention")
+
+
+def _sinks(sinks: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """The kernels' sinks argument: contiguous float32 [heads] (the caller keeps the
+    returned tensor alive through the call)."""
+    if sinks is None:
+        return None
+    sinks = sinks.detach().to(torch.float32).contiguous()
+    if sinks.shape != (heads,) or not sinks.is_cpu:
+        raise ValueError(f"sinks must be one value per query head ({heads}), on the CPU; "
+                         f"got {tuple(sinks.shape)}")
+    return sinks
 
 
 def run_shares(kernel: Callable[..., int], args: tuple, tail: tuple, cuts: list[int],
@@ -295,12 +316,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             q_len: torch.Tensor, ctx_len: torch.Tensor, out: torch.Tensor,
                             work: torch.Tensor | None = None, cuts: list[int] | None = None,
                             lib: ctypes.CDLL | None = None, *, window: int = 0,
-                            scale: float | None = None) -> None:
+                            scale: float | None = None,
+                            sinks: torch.Tensor | None = None) -> None:
     """Causal attention of long query runs over the paged cache: sequence n's q_len[n]
     new rows (flat rows q_start[n]...) are positions [ctx_len - q_len, ctx_len) and each
     attends to positions [0, its own] of the cache (with `window` > 0: (its own - window,
     its own], transformers' sliding window; scores scaled by `scale`, default
-    head_dim ** -0.5), which already holds their keys and
+    head_dim ** -0.5; `sinks` as in `paged_decode_attention`), which already holds their
+    keys and
     values (the engine writes them first), so fresh prompts (ctx_len == q_len) and later
     chunks over cached context are the same call.
 
@@ -313,7 +336,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if _needs_float32(q, out):
         return _in_float32(lambda q32, out32: paged_prefill_attention(
             q32, k_cache, v_cache, block_table, q_start, q_len, ctx_len, out32, work, cuts,
-            lib, window=window, scale=scale), q, out)
+            lib, window=window, scale=scale, sinks=sinks), q, out)
     lib = lib if lib is not None else load()
     assert lib is not None
     _, bs, kvh, d = k_cache.shape
@@ -332,5 +355,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), block_table.data_ptr(),
             block_table.stride(0), q_start.data_ptr(), q_len.data_ptr(), ctx_len.data_ptr(),
             out.data_ptr(), out.stride(0), bf16, work.data_ptr())
-    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window)
+    sinks = _sinks(sinks, q.shape[1])
+    tail = (kvh, g, d, bs, ctypes.c_float(d ** -0.5 if scale is None else scale), window,
+            None if sinks is None else sinks.data_ptr())
     run_shares(lib.paged_prefill_attention, args, tail, cuts, "paged prefill attention")

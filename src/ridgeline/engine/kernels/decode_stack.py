@@ -128,6 +128,7 @@ def applies(model: Any, rows: int, cache: Any, meta: Any, linear_rows: int) -> b
             or torch.is_grad_enabled() or model.cfg.qk_norm
             or model.cfg.moe_layers  # the C stack runs dense SwiGLU MLPs only
             or any(model.cfg.layer_windows)  # and attends to the whole context
+            or model.cfg.attention_sinks  # without sinks
             or model.cfg.head_dim > decode_ops.MAX_HEAD_DIM or model.embed.device.type != "cpu"
             or rows > max_rows(dtype, model.quantized, linear_rows)
             or load() is None):

@@ -26,6 +26,12 @@ kernels get the window and skip the blocks before it, the PyTorch paths a mask w
 window's lower bound too (built once per step and window, on first use). Blocks before
 every sliding layer's window may have been released by the scheduler: their table
 entries are then the null block, which neither path reads unmasked.
+
+Attention sinks (gpt-oss: `paged_attention(..., sinks=)`, a learned logit per query head
+that joins the softmax's denominator and is then dropped) work on every path: the C
+kernels take them (the online softmax's final sum gains exp(sink - max)); the PyTorch
+paths run the fused CPU attention op that also returns each row's logsumexp, and scale
+its output by sum / (sum + exp(sink)) = sigmoid(lse - sink) (`_attend_with_sinks`).
 """
 
 from __future__ import annotations
@@ -276,12 +282,45 @@ def _additive(allowed: torch.Tensor) -> torch.Tensor:
                                                                         float("-inf"))
 
 
+def _attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       sinks: torch.Tensor, *, mask: torch.Tensor | None = None,
+                       is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """sdpa(q [b, h, n, d], k/v [b, kvh, L, d]) with attention sinks (float32, broadcast
+    to [b, h, n]): softmax over the scores and the sink, the sink's share dropped. `mask`:
+    boolean (True: seen) or additive."""
+    if mask is not None:
+        mask = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                .masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool
+                else mask.to(q.dtype))  # the fused op takes an additive mask of q's dtype
+    if q.is_cpu and _FLASH_CPU is not None:
+        out, lse = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+        return out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype)
+    # elsewhere transformers' eager formula (the score matrix materialised)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5 if scale is None
+                                                   else scale)
+    if is_causal:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask.float())
+    both = torch.cat([scores, sinks.float().expand(*scores.shape[:-1]).unsqueeze(-1)], -1)
+    return both.softmax(-1)[..., :-1].to(v.dtype) @ v
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     layer: int, meta: AttentionMetadata, *,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, heads, d], k/v [T, kv_heads, d] (after RoPE) -> output [T, heads * d].
     Scores are scaled by `scale` (default head_dim ** -0.5); the layer's sliding window
-    comes from `meta.layer_windows`."""
+    comes from `meta.layer_windows`; `sinks`: float32 [heads], each query head's attention
+    sink (None: no sinks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     g = num_heads // num_kv_heads
@@ -295,14 +334,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         if raw is not None:
             cpu_kernels.paged_decode_attention(q, raw[0], raw[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
-                                               cuts=kb.cuts, window=window, scale=scale)
+                                               cuts=kb.cuts, window=window, scale=scale,
+                                               sinks=sinks)
         else:
             codes = cache.int8_blocks(layer)
             assert codes is not None, "the C kernel needs a float32, bfloat16 or int8 CPU cache"
             cpu_kernels.paged_decode_attention(q, codes[0], codes[1], kb.block_table,
                                                kb.q_start, kb.q_len, kb.ctx_len, out,
                                                k_scale=codes[2], v_scale=codes[3],
-                                               cuts=kb.cuts, window=window, scale=scale)
+                                               cuts=kb.cuts, window=window, scale=scale,
+                                               sinks=sinks)
 
     if meta.prefill is not None:
         pb = meta.prefill
@@ -310,7 +351,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         assert raw is not None, "the prefill kernel needs a float32 or bfloat16 CPU cache"
         cpu_kernels.paged_prefill_attention(q, raw[0], raw[1], pb.block_table, pb.q_start,
                                             pb.q_len, pb.ctx_len, out, pb.work, pb.cuts,
-                                            window=window, scale=scale)
+                                            window=window, scale=scale, sinks=sinks)
 
     # 4-D inputs: only those take the fused CPU kernel (3-D ones fall back to the slow
     # reference path that materialises the whole score matrix).
@@ -318,7 +359,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         qs = q[start:start + n].transpose(0, 1)[None]
         ks = k[start:start + n].transpose(0, 1)[None]
         vs = v[start:start + n].transpose(0, 1)[None]
-        if window > 0 and n > window:
+        if sinks is not None:
+            o = _attend_with_sinks(
+                qs, ks, vs, sinks.view(1, num_heads, 1), scale=scale,
+                mask=meta.causal_window_mask(n, 0, window, q.device) if 0 < window < n
+                else None, is_causal=not 0 < window < n)
+        elif window > 0 and n > window:
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=meta.causal_window_mask(n, 0, window, q.device),
                 enable_gqa=g > 1, scale=scale)
@@ -333,8 +379,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         vc = vc[:ctx].transpose(0, 1)[None]
         if window > 0:
             mask = meta.causal_window_mask(n, ctx - n, window, q.device)
-        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], kc, vc,
-                                           attn_mask=mask, enable_gqa=g > 1, scale=scale)
+        qs = q[start:start + n].transpose(0, 1)[None]
+        if sinks is not None:
+            o = _attend_with_sinks(qs, kc, vc, sinks.view(1, num_heads, 1), mask=mask,
+                                   scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, enable_gqa=g > 1,
+                                               scale=scale)
         out[start:start + n] = o[0].transpose(0, 1)
 
     for grp in meta.groups:
@@ -348,8 +399,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         else:
             qg = (qg.view(n, ql, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
                   .reshape(n, num_kv_heads, g * ql, head_dim))
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=grp.window_mask(window),
-                                           scale=scale)
+        if sinks is not None:  # rows of a KV head: (query head in group, query)
+            rows = sinks.view(1, num_kv_heads, g, 1).expand(1, num_kv_heads, g, ql)
+            o = _attend_with_sinks(qg, kc, vc, rows.reshape(1, num_kv_heads, g * ql),
+                                   mask=grp.window_mask(window), scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=grp.window_mask(window),
+                                               scale=scale)
         if ql == 1:
             out.index_copy_(0, grp.token_index, o.reshape(n, num_heads, head_dim))
         else:

@@ -24,6 +24,17 @@ static inline unsigned short bf16_round(float f) {  /* PyTorch's: nearest even, 
   return (unsigned short)(u >> 16);
 }
 
+/* The factor that normalises a query vector's output, acc * it, from its online softmax's
+   sum l = sum exp(s - m) over the keys (m: its running max; acc = sum exp(s - m) v). With
+   attention sinks (gpt-oss: a learned logit per query head that joins the softmax's
+   denominator and has no value) the sum gains exp(sink - m), taken against m' = max(m,
+   sink) so that neither term overflows. */
+static inline float norm_factor(float l, float m, const float* sinks, int64_t head) {
+  if (!sinks) return 1.f / l;
+  const float s = sinks[head], mm = m > s ? m : s, f = expf(m - mm);
+  return f / (l * f + expf(s - mm));
+}
+
 /* q element x of a query vector stored as float32 or bfloat16 (QB) */
 #define QLOAD(QB, src, x) \
   ((QB) ? bf16_load((const unsigned short*)(src) + (x)) : ((const float*)(src))[x])
@@ -400,7 +411,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
@@ -552,7 +563,8 @@ static inline __attribute__((always_inline)) int attention_body(
     for (int a = 0; a < ng * nq; ++a) {
       const int jj = a / nq, gi = a % nq / ql, r = a % ql;
       const int64_t at = (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[a]));
+      const __m512 inv = _mm512_set1_ps(norm_factor(_mm512_reduce_add_ps(lsum[a]), m[a],
+                                                    sinks, (j0 + jj) * g + gi));
       for (int c = 0; c < nvec; ++c) {
 #if defined(__AVX512BF16__)
         const __m512 o = _mm512_mul_ps(DOT ? unpermute_pairs(acc[a], c)
@@ -752,7 +764,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   (void)DOT;  /* vdpbf16ps scores are the AVX-512 path's */
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
@@ -869,7 +881,8 @@ static inline __attribute__((always_inline)) int attention_body(
     for (int a = 0; a < ng * nq; ++a) {
       const int jj = a / nq, gi = a % nq / ql, r = a % ql;
       const int64_t at = (q_start[i] + r) * out_row_stride + ((j0 + jj) * g + gi) * d;
-      const __m256 inv = _mm256_set1_ps(1.f / hsum8(lsum[a]));
+      const __m256 inv = _mm256_set1_ps(norm_factor(hsum8(lsum[a]), m[a], sinks,
+                                                    (j0 + jj) * g + gi));
       for (int c = 0; c < nvec; ++c) {
         const __m256 o = _mm256_mul_ps(_mm256_load_ps(acc[a] + 8 * c), inv);
         if (QB) {
@@ -938,7 +951,7 @@ static inline __attribute__((always_inline)) int attention_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride,
     int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   (void)DOT;  /* vdpbf16ps scores are the AVX-512 path's */
   const int QUANT = MODE == 1;
   const int64_t esize = MODE == 1 ? 1 : MODE == 2 ? 2 : 4;
@@ -1047,7 +1060,7 @@ static inline __attribute__((always_inline)) int attention_body(
     for (int a = 0; a < nq; ++a) {
       const int gi = a / ql, r = a % ql;
       const int64_t at = (q_start[i] + r) * out_row_stride + (j * g + gi) * d;
-      const float inv = 1.f / l[a];
+      const float inv = norm_factor(l[a], m[a], sinks, j * g + gi);
       for (int x = 0; x < d; ++x) {
         if (QB) ((unsigned short*)out)[at + x] = bf16_round(acc[a][x] * inv);
         else ((float*)out)[at + x] = acc[a][x] * inv;
@@ -1204,7 +1217,7 @@ static inline __attribute__((always_inline)) int prefill_body(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   const int64_t esize = MODE == 2 ? 2 : 4;
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
   const int row_read = (int)(d * esize);
@@ -1365,6 +1378,14 @@ static inline __attribute__((always_inline)) int prefill_body(
     float inv[PLANES] __attribute__((aligned(64)));
     for (int v = 0; v < na; ++v)
       _mm512_store_ps(inv + 16 * v, _mm512_div_ps(_mm512_set1_ps(1.f), l[v]));
+    if (sinks) {
+      float ml[PLANES] __attribute__((aligned(64))), ll[PLANES] __attribute__((aligned(64)));
+      for (int v = 0; v < na; ++v) {
+        _mm512_store_ps(ml + 16 * v, m[v]);
+        _mm512_store_ps(ll + 16 * v, l[v]);
+      }
+      for (int a = 0; a < nq; ++a) inv[a] = norm_factor(ll[a], ml[a], sinks, j * g + a % g);
+    }
     for (int a = 0; a < nq; ++a) {
       const int64_t r = a / g, h = a % g;
       const int64_t at = (q_start[i] + r0 + r) * out_row_stride + (j * g + h) * d;
@@ -1387,10 +1408,10 @@ static int prefill_dispatch(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
 #define PREFILL_ARGS q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache, block_table, \
     table_stride, q_start, q_len, ctx_len, out, out_row_stride, out_bf16, work, item_begin, \
-    item_end, kvh, g, d, bs, scale, window
+    item_end, kvh, g, d, bs, scale, window, sinks
   if (!cache_bf16) return prefill_body(0, 0, PREFILL_ARGS);
 #if defined(__AVX512BF16__)
   if (q_bf16) return prefill_body(2, 1, PREFILL_ARGS);
@@ -1409,7 +1430,7 @@ static int prefill_dispatch(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   if (d > MAXD || bs > MAXBS || d % 8 != 0) return -1;
   const int64_t esize = cache_bf16 ? 2 : 4;
   const int64_t row_bytes = (int64_t)kvh * d * esize;
@@ -1479,7 +1500,7 @@ static int prefill_dispatch(
     }
     for (int a = 0; a < nq; ++a) {
       const int64_t at = (q_start[i] + r0 + a / g) * out_row_stride + (j * g + a % g) * d;
-      const float inv = 1.f / l[a];
+      const float inv = norm_factor(l[a], m[a], sinks, j * g + a % g);
       for (int x = 0; x < d; ++x) {
         if (out_bf16) ((unsigned short*)out)[at + x] = bf16_round(acc[a][x] * inv);
         else ((float*)out)[at + x] = acc[a][x] * inv;
@@ -1494,7 +1515,8 @@ static int prefill_dispatch(
    row of the tile, rows in the tile, rows * g <= PLANES). Sequence n's q_len
    new rows (flat rows q_start[n]...) sit at positions [ctx_len - q_len, ctx_len) and each
    attends to cache positions [0, its own], or with window > 0 to (its own - window, its
-   own] (transformers' sliding window). q/out: [T, heads, d] float32 or bfloat16 (the
+   own] (transformers' sliding window); `sinks`: NULL, or float32 [heads], each query
+   head's attention sink (see norm_factor). q/out: [T, heads, d] float32 or bfloat16 (the
    flags), unit stride on d, out's heads d apart; K/V [blocks, bs, kvh, d], float32 or
    bfloat16. Returns 0, or < 0 for arguments out of range. */
 int paged_prefill_attention(
@@ -1504,11 +1526,11 @@ int paged_prefill_attention(
     const int64_t* q_start, const int64_t* q_len, const int64_t* ctx_len,
     void* out, int64_t out_row_stride, int out_bf16,
     const int64_t* work, int64_t item_begin, int64_t item_end,
-    int kvh, int g, int d, int bs, float scale, int64_t window) {
+    int kvh, int g, int d, int bs, float scale, int64_t window, const float* sinks) {
   return prefill_dispatch(q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache,
                           cache_bf16, block_table, table_stride, q_start, q_len, ctx_len, out,
                           out_row_stride, out_bf16, work, item_begin, item_end, kvh, g, d,
-                          bs, scale, window);
+                          bs, scale, window, sinks);
 }
 
 int paged_prefill_lanes(void) { return PLANES; }
@@ -1517,7 +1539,7 @@ int paged_prefill_lanes(void) { return PLANES; }
    q_bf16 (read and written as such). Returns 0, or < 0 for arguments out of range. */
 #define DECODE_ARGS(...) q, q_row_stride, q_head_stride, k_cache, v_cache, __VA_ARGS__, \
     block_table, table_stride, q_start, q_len, ctx_len, out, out_row_stride, item_begin, \
-    item_end, kvh, g, d, bs, scale, window
+    item_end, kvh, g, d, bs, scale, window, sinks
 #define DECODE_NAMES q, q_row_stride, q_head_stride, q_bf16, k_cache, v_cache
 #define DECODE_TAIL_NAMES block_table, table_stride, q_start, q_len, ctx_len, out, \
     out_row_stride, item_begin, item_end, kvh, g, d, bs, scale
@@ -1532,13 +1554,16 @@ int paged_prefill_lanes(void) { return PLANES; }
     int kvh, int g, int d, int bs, float scale
 
 /* With window > 0 (transformers' sliding window) a row at position p sees the keys at
-   positions (p - window, p]; the blocks before the first row's window are not read. */
-int paged_attention_window_f32(DECODE_PARAMS(float), DECODE_TAIL, int64_t window) {
+   positions (p - window, p]; the blocks before the first row's window are not read.
+   sinks: NULL, or float32 [heads], each query head's attention sink (norm_factor). */
+int paged_attention_window_f32(DECODE_PARAMS(float), DECODE_TAIL, int64_t window,
+    const float* sinks) {
   if (q_bf16) return attention_body(0, 1, 0, DECODE_ARGS(0, 0));
   return attention_body(0, 0, 0, DECODE_ARGS(0, 0));
 }
 
-int paged_attention_window_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL, int64_t window) {
+int paged_attention_window_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL, int64_t window,
+                                const float* sinks) {
 #if KERNEL_PATH == 2 && defined(__AVX512BF16__)
   if (q_bf16) return attention_body(2, 1, 1, DECODE_ARGS(0, 0));
 #endif
@@ -1547,23 +1572,25 @@ int paged_attention_window_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL, int6
 }
 
 int paged_attention_window_i8(DECODE_PARAMS(signed char), const float* k_scale,
-                              const float* v_scale, DECODE_TAIL, int64_t window) {
+                              const float* v_scale, DECODE_TAIL, int64_t window,
+                              const float* sinks) {
   if (q_bf16) return attention_body(1, 1, 0, DECODE_ARGS(k_scale, v_scale));
   return attention_body(1, 0, 0, DECODE_ARGS(k_scale, v_scale));
 }
 
 /* The whole context (the decode stack calls these by pointer, with this signature) */
 int paged_attention_f32(DECODE_PARAMS(float), DECODE_TAIL) {
-  return paged_attention_window_f32(DECODE_NAMES, DECODE_TAIL_NAMES, 0);
+  return paged_attention_window_f32(DECODE_NAMES, DECODE_TAIL_NAMES, 0, 0);
 }
 
 int paged_attention_bf16(DECODE_PARAMS(unsigned short), DECODE_TAIL) {
-  return paged_attention_window_bf16(DECODE_NAMES, DECODE_TAIL_NAMES, 0);
+  return paged_attention_window_bf16(DECODE_NAMES, DECODE_TAIL_NAMES, 0, 0);
 }
 
 int paged_attention_i8(DECODE_PARAMS(signed char), const float* k_scale,
                        const float* v_scale, DECODE_TAIL) {
-  return paged_attention_window_i8(DECODE_NAMES, k_scale, v_scale, DECODE_TAIL_NAMES, 0);
+  return paged_attention_window_i8(DECODE_NAMES, k_scale, v_scale, DECODE_TAIL_NAMES, 0,
+                                   0);
 }
 
 /* 1 when bfloat16 q with a bfloat16 cache scores by vdpbf16ps (AVX512_BF16 compiled in) */

@@ -8,6 +8,7 @@ from ridgeline.engine.model_executor.models.config import ModelConfig, supported
 from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
 from ridgeline.engine.model_executor.models.deepseek_v3 import DeepseekV3ForCausalLM
 from ridgeline.engine.model_executor.models.gemma3 import Gemma3ForCausalLM
+from ridgeline.engine.model_executor.models.gpt_oss import GptOssForCausalLM
 from ridgeline.engine.model_executor.models.llama import LlamaForCausalLM
 from ridgeline.engine.model_executor.models.qwen import (
     Qwen2ForCausalLM,
@@ -23,6 +24,7 @@ MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "gemma3_text": Gemma3ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

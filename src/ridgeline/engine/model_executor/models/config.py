@@ -20,11 +20,12 @@ ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # also Kimi K2's
+    "GptOssForCausalLM": "gpt_oss",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                "gemma3_text": "gemma3_text",
                "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3",
-               "kimi_k2": "deepseek_v3"}
+               "kimi_k2": "deepseek_v3", "gpt_oss": "gpt_oss"}
 
 
 def supported_architectures() -> str:
@@ -53,7 +54,7 @@ class LatentAttentionConfig:
 
 @dataclass
 class ModelConfig:
-    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3_text | deepseek_v3
+    family: str  # llama | qwen2 | qwen3 | qwen3_moe | gemma3_text | deepseek_v3 | gpt_oss
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -98,6 +99,11 @@ class ModelConfig:
     attention_scale: float | None = None
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None
+    # gpt_oss: a learned sink logit per query head in each layer's softmax; experts with
+    # biases and the clamped SwiGLU (`moe.clamped_swiglu`), routed by moe.GptOssMoeBlock
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     hf_config: Any = None  # the transformers config it came from, if any
@@ -113,7 +119,8 @@ class ModelConfig:
             raise UnsupportedError(f"model architecture {name!r} is not supported",
                                    hint=f"supported: {supported_architectures()}")
         act = getattr(cfg, "hidden_act", "silu")
-        if family != "gemma3_text" and act not in ("silu", "swish"):  # gemma3: its own check
+        # gemma3: its own check; gpt_oss's experts ignore hidden_act (as transformers')
+        if family not in ("gemma3_text", "gpt_oss") and act not in ("silu", "swish"):
             raise UnsupportedError(f"activation {act!r} is not supported", hint="only silu")
         num_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
@@ -147,13 +154,14 @@ class ModelConfig:
         fields.update(_moe_fields(cfg, family))
         fields.update(_gemma3_fields(cfg, family))
         fields.update(_latent_attention_fields(cfg, family))
+        fields.update(_gpt_oss_fields(cfg, family))
         return cls(**fields)
 
 
 #: model types whose transformers model applies `sliding_window` (when set) to every
 #: layer; qwen2, qwen3 and gemma3_text follow `layer_types`; Llama ignores the field
 _EVERY_LAYER_SLIDING = ("mistral", "qwen3_moe")
-_LAYER_TYPE_SLIDING = ("qwen2", "qwen3", "gemma3_text")
+_LAYER_TYPE_SLIDING = ("qwen2", "qwen3", "gemma3_text", "gpt_oss")
 
 
 def _layer_windows(cfg: Any, family: str) -> tuple[int, ...]:
@@ -344,6 +352,46 @@ def _latent_attention_fields(cfg: Any, family: str) -> dict[str, Any]:
         rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
         softmax_scale=softmax_scale)
     return dict(latent_attention=mla, num_kv_heads=1, head_dim=mla.latent_dim, qk_norm=False)
+
+
+def _gpt_oss_fields(cfg: Any, family: str) -> dict[str, Any]:
+    """gpt_oss's fields of `ModelConfig` (GptOssForCausalLM: every layer's MLP a sparse
+    block of `num_local_experts` experts of `intermediate_size`), refusing the settings it
+    does not implement."""
+    if family != "gpt_oss":
+        return {}
+    quant = getattr(cfg, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else \
+            getattr(quant, "quant_method", quant)
+        raise ConfigError(f"gpt_oss quantization_config (quant_method={method!r}: "
+                          "MXFP4 expert weights) is not supported",
+                          hint="use a bfloat16 checkpoint: load it in transformers with "
+                               "Mxfp4Config(dequantize=True) and save_pretrained it")
+    _refuse_foreign_moe_fields(cfg, family, ("swiglu_limit",))
+    _, scaling = _rope_parameters(cfg)
+    rope_type = "default" if scaling is None else scaling.get("rope_type",
+                                                              scaling.get("type"))
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"gpt_oss rope_parameters rope_type={rope_type!r} is not supported",
+                          hint="supported: default, linear, llama3, yarn")
+    partial = (scaling or {}).get("partial_rotary_factor",
+                                  getattr(cfg, "partial_rotary_factor", None) or 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"gpt_oss partial_rotary_factor={partial!r} is not supported",
+                          hint="only 1.0 (RoPE over the whole head)")
+    limit, alpha = getattr(cfg, "swiglu_limit", None), getattr(cfg, "swiglu_alpha", 1.702)
+    if not isinstance(limit, (int, float)) or limit <= 0:
+        raise ConfigError(f"gpt_oss swiglu_limit={limit!r} must be a positive number")
+    if not isinstance(alpha, (int, float)):
+        raise ConfigError(f"gpt_oss swiglu_alpha={alpha!r} must be a number")
+    num_experts, top_k = int(cfg.num_local_experts), int(cfg.num_experts_per_tok)
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(f"gpt_oss num_experts_per_tok={top_k} must be between 1 and "
+                          f"num_local_experts={num_experts}")
+    return dict(moe_layers=tuple(range(cfg.num_hidden_layers)), num_experts=num_experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=int(cfg.intermediate_size),
+                attention_sinks=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha))
 
 
 def _rope_parameters(cfg: Any) -> tuple[float, dict[str, Any] | None]:

@@ -1,5 +1,5 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE; DeepSeek-V3's routing and shared experts
-in `GroupedSigmoidMoeBlock`) for a flat batch of tokens.
+in `GroupedSigmoidMoeBlock`; gpt-oss's in `GptOssMoeBlock`) for a flat batch of tokens.
 
 A router (`gate`, a plain linear layer) scores every expert for every token; each token
 goes to its top-k experts, weighted by their softmax probabilities (renormalised to sum
@@ -21,6 +21,11 @@ token 0.23 / 0.86, 64 tokens 14.5 / 22.7, 256 tokens 25.2 / 31.0, 1024 tokens 80
 all rows at once and concatenating the experts' outputs measured faster than a gather and
 an `index_add_` per expert at every size (the per-call costs of the latter at decode).
 
+gpt-oss's experts run through the same execution with two options of `FusedExperts`:
+biases on both projections, and another activation (`clamped_swiglu`, on gate and up rows
+interleaved, the order of gpt-oss's checkpoints, so its fused tensor loads as a plain
+transposed view).
+
 Routing is a separate step (`SparseMoeBlock.route`) so that other schemes (DeepSeek-V3's
 sigmoid scores with a correction bias and group-limited top-k; shared experts, a
 `layers.DenseMLP` added to the routed ones) can subclass the block without touching the
@@ -28,6 +33,9 @@ expert execution.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -79,19 +87,42 @@ def grouped_sigmoid_top_k(router_logits: torch.Tensor, correction_bias: torch.Te
     return expert_ids, weights * scaling
 
 
+def clamped_swiglu(gate_up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of a fused [rows, 2n] gate/up projection whose columns
+    alternate gate, up (its checkpoints' order) -> [rows, n]: the gate clamped above at
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate), in
+    transformers' order of operations."""
+    gate = gate_up[:, ::2].clamp(max=limit)
+    up = gate_up[:, 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class FusedExperts(nn.Module):
-    """`num_experts` SwiGLU experts in two fused tensors; after `quantize_int8()` int8
-    weights with a scale per output channel of each expert (the float tensors freed)."""
+    """`num_experts` experts in two fused tensors; after `quantize_int8()` int8 weights
+    with a scale per output channel of each expert (the float tensors freed). By default
+    SwiGLU without biases; `bias`: a bias per output of both projections (`gate_up_bias`
+    [E, 2I], `down_bias` [E, H], kept in the model dtype under int8); `activation`: the
+    function from the gate/up product [rows, 2I] to [rows, I] (default `swiglu`, gate rows
+    first)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, *, bias: bool = False,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.activation = activation or swiglu
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden,
                                                      dtype=dtype, device=device),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype,
                                                   device=device), requires_grad=False)
+        self.register_parameter("gate_up_bias", None)
+        self.register_parameter("down_bias", None)
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * inter, dtype=dtype,
+                                                         device=device), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype,
+                                                      device=device), requires_grad=False)
         self.register_buffer("gate_up_q", None, persistent=False)
         self.register_buffer("gate_up_scales", None, persistent=False)
         self.register_buffer("down_q", None, persistent=False)
@@ -102,11 +133,13 @@ class FusedExperts(nn.Module):
         """Each expert's (gate_up, down) weights, and int8 scales, as views made once:
         `linear` caches oneDNN's packed copy of a weight by tensor identity (and version,
         which views share with the fused tensor, so in-place updates repack)."""
+        biases = [(None, None) if self.gate_up_bias is None
+                  else (self.gate_up_bias[e], self.down_bias[e]) for e in range(self.num_experts)]
         if self.gate_up_q is not None:
             self._experts = [(self.gate_up_q[e], self.gate_up_scales[e], self.down_q[e],
-                              self.down_scales[e]) for e in range(self.num_experts)]
+                              self.down_scales[e], *biases[e]) for e in range(self.num_experts)]
         else:
-            self._experts = [(self.gate_up_proj[e], None, self.down_proj[e], None)
+            self._experts = [(self.gate_up_proj[e], None, self.down_proj[e], None, *biases[e])
                              for e in range(self.num_experts)]
 
     @property
@@ -125,11 +158,12 @@ class FusedExperts(nn.Module):
         self._bind_experts()
 
     def _expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up, gate_up_scales, down, down_scales = self._experts[e]
+        gate_up, gate_up_scales, down, down_scales, gate_up_bias, down_bias = self._experts[e]
+        act = self.activation
         if gate_up_scales is not None:
-            return int8_linear(swiglu(int8_linear(rows, gate_up, gate_up_scales)), down,
-                               down_scales)
-        return linear(swiglu(linear(rows, gate_up)), down)
+            return int8_linear(act(int8_linear(rows, gate_up, gate_up_scales, gate_up_bias)),
+                               down, down_scales, down_bias)
+        return linear(act(linear(rows, gate_up, gate_up_bias)), down, down_bias)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -216,3 +250,27 @@ class GroupedSigmoidMoeBlock(SparseMoeBlock):
         super().quantize_int8()
         if self.shared_experts is not None:
             self.shared_experts.quantize_int8()
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    """gpt-oss's sparse MLP (GptOssMLP): the router a linear layer with a bias; each token
+    takes the experts of its top-k logits, weighted by a softmax over those k logits (in
+    the logits' dtype, as transformers); the experts have biases and `clamped_swiglu`
+    (gate and up interleaved: `gate_up_proj` [E, 2I, H] is the transpose of the
+    checkpoint's [E, H, 2I]). Parameter names: `gate.*` is the checkpoint's `router.*`,
+    `experts.gate_up_bias` / `down_bias` its `gate_up_proj_bias` / `down_proj_bias`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+                 ) -> None:
+        nn.Module.__init__(self)  # not SparseMoeBlock's: other router and experts
+        assert cfg.swiglu_limit is not None, "gpt_oss configs set swiglu_limit"
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, True, dtype, device)
+        self.experts = FusedExperts(
+            cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, device,
+            bias=True, activation=partial(clamped_swiglu, alpha=cfg.swiglu_alpha,
+                                          limit=cfg.swiglu_limit))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, expert_ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+        return expert_ids, torch.softmax(top, dim=-1, dtype=top.dtype)

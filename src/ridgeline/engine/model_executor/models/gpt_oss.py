@@ -1,0 +1,144 @@
+"""gpt-oss (transformers' GptOssForCausalLM): pre-norm GQA decoder layers that alternate
+sliding-window and full attention (`layer_types`), q/k/v/o projections with biases, RoPE
+(YaRN as its config says, through `config.rope_inv_freq`), attention sinks, and in every
+layer a sparse mixture of experts (`moe.GptOssMoeBlock`: a router with a bias, a softmax
+over each token's top-k logits, experts with biases and the clamped SwiGLU).
+
+Attention sinks: each query head has a learned logit that joins its softmax's denominator
+and is then dropped (the probabilities over the keys sum to less than one). The layer
+passes them to `attention.paged_attention`, and every path there honours them: the C
+decode and prefill kernels (`cpu_kernels`, the online softmax's final sum gains
+exp(sink - max)), and the PyTorch paths for fresh prompts, chunks over cached context and
+batched decode groups (the fused CPU attention op's logsumexp rescales its output by
+sigmoid(lse - sink)). The C decode stack (`kernels/decode_stack`) computes the shared
+dense layer only and is never used for this model (its forward is the plain layer loop).
+
+Checkpoint layout (transformers 5, also what `save_pretrained` writes): the experts fused,
+`mlp.experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved and
+`mlp.experts.down_proj` [E, I, H], each with a bias; both load as transposed views of our
+[E, 2I, H] / [E, H, I] tensors (the interleaving kept: `moe.clamped_swiglu` reads it), so
+`update_weights` and `weight_shapes` speak the checkpoint's shapes. MXFP4 checkpoints
+(`quantization_config`) are refused by `ModelConfig.from_hf`.
+
+The model reuses `DecoderForCausalLM` for the LM head, int8 weights (attention and expert
+projections int8; router, biases and sinks stay float) and weight loading, with its own
+layer class and checkpoint names (as gemma3).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ridgeline.engine.kernels import decode_ops
+from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_attention
+from ridgeline.engine.model_executor.kv_cache import KVCache
+from ridgeline.engine.model_executor.models.config import ModelConfig, rope_inv_freq
+from ridgeline.engine.model_executor.models.decoder import _LAYER_PARAMS as DECODER_LAYER_PARAMS
+from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
+from ridgeline.engine.model_executor.models.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
+from ridgeline.engine.model_executor.models.moe import GptOssMoeBlock
+from ridgeline.errors import ModelLoadError
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str) -> None:
+        super().__init__()
+        self.index = index
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = Linear(cfg.hidden_size, (h + 2 * kvh) * d, cfg.qkv_bias, dtype, device)
+        self.o_proj = Linear(h * d, cfg.hidden_size, cfg.o_bias, dtype, device)
+        # float32 whatever the model dtype: the kernels read float32, and a bfloat16
+        # checkpoint's values convert exactly
+        self.sinks = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device),
+                                  requires_grad=False)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = GptOssMoeBlock(cfg, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden] -> the layer's output; x itself is updated in place."""
+        t = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(self.input_norm(x))
+        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
+        if decode_ops.usable(x) and d <= decode_ops.MAX_HEAD_DIM:  # in place, one C call
+            qk = decode_ops.rotary_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+        else:
+            qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
+        attn = paged_attention(qk[:, :h], qk[:, h:], v, cache, self.index, meta,
+                               sinks=self.sinks)
+        return x.add_(self.mlp(self.post_norm(x, self.o_proj(attn))))  # x += attn, norm
+
+
+# checkpoint names under model.layers.N.: the decoder's attention and norms, the sinks,
+# the router and the fused experts ("T": a transposed view of our tensor)
+_LAYER_PARAMS = {
+    **{name: DECODER_LAYER_PARAMS[name] for name in (
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.{kind}" for p in "qkvo" for kind in ("weight", "bias")))},
+    "self_attn.sinks": ("sinks", None),
+    "mlp.router.weight": ("mlp.gate.weight", None),
+    "mlp.router.bias": ("mlp.gate.bias", None),
+    "mlp.experts.gate_up_proj": ("mlp.experts.gate_up_proj", "T"),
+    "mlp.experts.gate_up_proj_bias": ("mlp.experts.gate_up_bias", None),
+    "mlp.experts.down_proj": ("mlp.experts.down_proj", "T"),
+    "mlp.experts.down_proj_bias": ("mlp.experts.down_bias", None),
+}
+_IGNORED = re.compile(r"rotary_emb\.\w*inv_freq$")
+
+
+class GptOssForCausalLM(DecoderForCausalLM):
+    family = "gpt_oss"
+    layer_params = _LAYER_PARAMS
+    ignored_weights = _IGNORED
+
+    def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu") -> None:
+        # nn.Module's init, not DecoderForCausalLM's (which would allocate its own
+        # layers); the attributes the inherited methods use are set here
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
+                                              device=device), requires_grad=False)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, dtype, device)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
+            requires_grad=False)
+        inv_freq, scaling = rope_inv_freq(cfg)  # YaRN: transformers' own initialisation
+        self.rotary = RotaryEmbedding(inv_freq, scaling, max_len, dtype, device)
+        self.register_buffer("head_q", None, persistent=False)   # int8 LM head (quantized)
+        self.register_buffer("head_scales", None, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden], for a flat batch of tokens."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.lookup(positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
+        if shard == "T":  # the checkpoint's [E, in, out] experts are ours [E, out, in]
+            return param.transpose(1, 2)
+        return super()._shard(param, shard)
+
+    def _expert_weight(self, name: str, mlp: nn.Module, expert: int, proj: str
+                       ) -> torch.Tensor:
+        raise ModelLoadError(f"checkpoint tensor {name}: gpt_oss experts load fused "
+                             "(mlp.experts.gate_up_proj, gate and up interleaved), not one "
+                             "tensor per expert", hint="save the model with transformers")

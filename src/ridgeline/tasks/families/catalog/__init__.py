@@ -2,6 +2,7 @@
 
 from ridgeline.tasks.families.catalog import (  # noqa: F401
     archives,
+    building_blocks,
     data,
     files,
     git,

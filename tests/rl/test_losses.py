@@ -229,6 +229,13 @@ def _bad(**kw):
     (_bad(kl_coef=0.1), "ref_logprobs"),
     (_bad(eps_low=1.0), "eps_low"),
     (_bad(max_behaviour_weight=0.0), "max_behaviour_weight"),
+    (_bad(rollout_correction="clip"), "rollout correction"),
+    (_bad(correction_level="batch"), "level"),
+    (_bad(rollout_correction="mis"), "needs max_behaviour_weight"),
+    (_bad(rollout_correction="mis", max_behaviour_weight=2.0, min_behaviour_weight=3.0),
+     "below"),
+    (_bad(min_behaviour_weight=0.5, max_behaviour_weight=2.0), "only applies"),
+    (_bad(correction_level="sequence"), "without a cap"),
 ])
 def test_bad_arguments_raise_config_error(call, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -288,3 +295,83 @@ def test_token_logprobs_gradient_flows_to_the_logits() -> None:
 def test_token_logprobs_bad_arguments(logits: torch.Tensor, ids: torch.Tensor) -> None:
     with pytest.raises(ConfigError):
         token_logprobs(logits, ids)
+
+
+# ---- rollout corrections: w = pi_prox / pi_behav per token or per sequence ---------------
+
+def _weighted(log_w: list[list[float]], mask: list[list[float]] | None = None, **kw):
+    """Loss, metrics and d loss / d new for tokens with ratio 1 to the proximal policy,
+    advantage 1 and behaviour weight exp(log_w): each token's loss is -w (token-mean)."""
+    log_w_t = torch.tensor(log_w)
+    prox = torch.full_like(log_w_t, -1.0)
+    new = prox.clone().requires_grad_(True)
+    mask_t = torch.ones_like(log_w_t) if mask is None else torch.tensor(mask)
+    loss, m = policy_loss(new, prox - log_w_t, torch.ones(len(log_w)), mask_t,
+                          proximal_logprobs=prox, **kw)
+    loss.backward()
+    return loss.item(), m, new.grad
+
+
+def test_mis_zeroes_the_tokens_outside_the_thresholds_and_tis_truncates_them() -> None:
+    log_w = [[LN(0.2), LN(0.8), LN(1.5), LN(4.0)]]
+    loss, m, grad = _weighted(log_w, rollout_correction="mis", max_behaviour_weight=2.0,
+                              min_behaviour_weight=0.5)
+    # kept: 0.8 and 1.5; masked tokens weigh 0 but stay in the mean's denominator
+    assert loss == pytest.approx(-(0.8 + 1.5) / 4)
+    assert grad.tolist()[0] == pytest.approx([0.0, -0.8 / 4, -1.5 / 4, 0.0])
+    assert m["behaviour_weight_masked"] == 0.5 and m["behaviour_weight_capped"] == 0.0
+    assert m["behaviour_weight"] == pytest.approx((0.8 + 1.5) / 4)
+    loss, m, grad = _weighted(log_w, rollout_correction="tis", max_behaviour_weight=2.0)
+    assert loss == pytest.approx(-(0.2 + 0.8 + 1.5 + 2.0) / 4)
+    assert m["behaviour_weight_capped"] == 0.25 and m["behaviour_weight_masked"] == 0.0
+    # mis without a lower bound keeps the small weights
+    loss, m, _ = _weighted(log_w, rollout_correction="mis", max_behaviour_weight=2.0)
+    assert loss == pytest.approx(-(0.2 + 0.8 + 1.5) / 4) and m["behaviour_weight_masked"] == 0.25
+    # none: w = 1, the mismatch ignored
+    loss, m, _ = _weighted(log_w, rollout_correction="none")
+    assert loss == pytest.approx(-1.0) and m["behaviour_weight"] == 1.0
+
+
+def test_sequence_level_weights_are_the_product_over_each_sequence() -> None:
+    # sequence 0: w = 2 * 1.5 = 3 (over the cap 2.5), sequence 1: 0.5 * 2 = 1 (2 tokens, the
+    # third is masked out of the loss and does not count)
+    log_w = [[LN(2.0), LN(1.5), 0.0], [LN(0.5), LN(2.0), 7.0]]
+    mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
+    loss, m, grad = _weighted(log_w, mask, rollout_correction="tis", correction_level="sequence",
+                              max_behaviour_weight=2.5)
+    assert loss == pytest.approx(-(2.5 * 2 + 1.0 * 2) / 4)
+    assert grad.tolist() == [[pytest.approx(-2.5 / 4)] * 2 + [0.0],
+                             [pytest.approx(-1.0 / 4)] * 2 + [0.0]]
+    assert m["behaviour_weight_capped"] == 0.5
+    loss, m, grad = _weighted(log_w, mask, rollout_correction="mis", correction_level="sequence",
+                              max_behaviour_weight=2.5)
+    assert loss == pytest.approx(-(1.0 * 2) / 4) and m["behaviour_weight_masked"] == 0.5
+    assert grad[0].abs().sum() == 0     # the whole sequence is masked
+    # geometric: sequence 0's weight is sqrt(3) (under the cap), sequence 1's is 1
+    loss, m, _ = _weighted(log_w, mask, rollout_correction="mis", correction_level="geometric",
+                           max_behaviour_weight=2.5)
+    assert loss == pytest.approx(-(3 ** 0.5 * 2 + 2) / 4) and m["behaviour_weight_masked"] == 0
+
+
+def test_a_sequence_product_beyond_float_range_is_masked_or_truncated_not_inf() -> None:
+    log_w = [[50.0] * 4]          # e^200: inf in float32
+    for correction in ("tis", "mis"):
+        loss, m, grad = _weighted(log_w, rollout_correction=correction,
+                                  correction_level="sequence", max_behaviour_weight=2.0)
+        assert math.isfinite(loss) and torch.isfinite(grad).all()
+        assert m["behaviour_weight"] == (2.0 if correction == "tis" else 0.0)
+
+
+def test_mismatch_metrics_on_hand_computed_tokens() -> None:
+    # trainer vs behaviour: token log ratios ln 2 and 0 in sequence 0, -ln 2 in sequence 1
+    behav = torch.tensor([[-1.0, -2.0], [-1.0, -3.0]])
+    trainer = behav + torch.tensor([[LN(2.0), 0.0], [-LN(2.0), 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    _, m = policy_loss(trainer, behav, torch.ones(2), mask)
+    k3 = [(2 - 1 - LN(2)), 0.0, (0.5 - 1 + LN(2))]      # r - 1 - log r, r = pi / mu
+    assert m["mismatch/kl_k3"] == pytest.approx(sum(k3) / 3)
+    assert m["mismatch/kl_k1"] == pytest.approx((-LN(2) + 0 + LN(2)) / 3)
+    # per sequence mean of log mu - log pi: -ln2 / 2 and ln 2; then over the sequences
+    assert m["mismatch/log_ppl_ratio"] == pytest.approx((-LN(2) / 2 + LN(2)) / 2)
+    _, same = policy_loss(behav.clone(), behav, torch.ones(2), mask)
+    assert same["mismatch/kl_k3"] == 0.0 and same["mismatch/log_ppl_ratio"] == 0.0

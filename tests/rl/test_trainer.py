@@ -4,6 +4,8 @@ after a step, the synced engine generates what the updated model generates."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tests.helpers.engine_fixtures import hf_greedy, random_prompts, tiny_model
@@ -252,3 +254,67 @@ def test_micro_batches_hold_at_most_the_token_budget_and_keep_the_gradient(setup
     assert [len(p) for p in alone._micro_batches(batch)] == [1] * len(batch)
     torch.testing.assert_close(trainer.gradient(batch), whole.gradient(batch),
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_chunked_logprobs_equal_the_whole_head_and_keep_no_vocab_sized_tensor(
+        setup, checkpointing):
+    """logprob_chunk_tokens: values, entropies and gradients (every parameter) equal the
+    one-chunk path's, and nothing of [policy tokens, V] is saved for backward: the head's
+    logits are recomputed one chunk at a time."""
+    model, llm = setup
+    batch = TokenBatch.of(multi_turn_episodes(llm, turns=2), [1.0, -0.5, 0.5, -1.0])
+    n = int(batch.loss_mask.sum())
+    vocab = model.config.vocab_size
+    results = {}
+    for chunk in (None, 5):
+        trainer = PolicyTrainer(model, TrainerConfig(logprob_chunk_tokens=chunk,
+                                                     gradient_checkpointing=checkpointing))
+        saved: list[tuple[int, ...]] = []
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            logp, ent = trainer.logprobs(batch)
+        grads = torch.autograd.grad((logp * batch.loss_mask).sum(), trainer.params)
+        # what backward keeps over the vocabulary (logits, log_softmax), by size
+        wide = [math.prod(shape) for shape in saved if shape and shape[-1] == vocab]
+        results[chunk] = (logp.detach(), ent, grads, max(wide, default=0))
+    (lp, ent, grads, whole), (clp, cent, cgrads, chunked) = results[None], results[5]
+    assert n > 5
+    torch.testing.assert_close(clp, lp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cent, ent, rtol=0, atol=1e-5)
+    for a, b in zip(cgrads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # summation order
+    assert whole >= n * vocab        # the whole path keeps [N, V]
+    assert chunked == 0              # chunks keep only their [C, H] input
+
+
+def test_chunked_logprobs_bound_peak_memory():
+    """A long sequence through a wide vocabulary: the peak of live allocations during
+    forward and backward (the profiler's allocation events, in order) stays below one
+    [N, V] float32 logits tensor, which the whole head holds several of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_model("llama", vocab=8192, max_pos=2048, seed=0)
+    ids = torch.randint(3, 8192, (1, 512))
+    batch = TokenBatch(ids, torch.ones_like(ids), torch.ones(1, 512), torch.zeros(1, 512),
+                       torch.ones(1))
+    batch.loss_mask[0, 0] = 0
+    peaks = {}
+    for chunk in (None, 64):
+        trainer = PolicyTrainer(model, TrainerConfig(logprob_chunk_tokens=chunk))
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            logp, _ = trainer.logprobs(batch)
+            logp.sum().backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        peak, live = 0, 0
+        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
+        peaks[chunk] = peak
+    logits_bytes = 511 * 8192 * 4
+    assert peaks[None] > 2 * logits_bytes
+    assert peaks[64] < logits_bytes

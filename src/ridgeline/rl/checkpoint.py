@@ -10,6 +10,13 @@ never stopped.
       state.json     step, policy identity, task sampler position (draws handed out but
                      not trained on are handed out again), written last
 
+A sharded trainer (`sharded.ShardedTrainer`, `--nproc N`) writes its model and AdamW state
+with `torch.distributed.checkpoint` instead, every rank its shards:
+
+      trainer/       .metadata and one file per rank (read at any world size: by N
+                     ranks, or by one process's `PolicyTrainer`, `restore_trainer`)
+      trainer.pt     the version and steps taken, the buffer and the RNG states (rank 0)
+
 A checkpoint is written to `checkpoint.tmp` and swapped in by renames, so a run killed at
 any moment leaves the previous checkpoint (or `checkpoint.old` during the swap) intact;
 `load` picks whichever is complete and deletes a torn `checkpoint.tmp`. A checkpoint of
@@ -27,7 +34,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, TypedDict, TypeGuard
 
 import numpy as np
 import torch
@@ -36,6 +43,7 @@ from ridgeline.errors import ConfigError
 
 if TYPE_CHECKING:
     from ridgeline.rl.buffer import BufferState
+    from ridgeline.rl.sharded import ShardedTrainer
     from ridgeline.rl.conflicts import ConflictState
     from ridgeline.rl.policy import PolicyIdentity
     from ridgeline.rl.protocols import CheckpointPolicy, ResumableTrainer
@@ -78,9 +86,10 @@ class Checkpoint:
     step: int                   # the last train step it includes
     path: Path
     state: CheckpointState
-    trainer: TrainerState
+    trainer: TrainerState           # sharded: only its version and num_steps
     buffer: BufferState[EpisodeGroup]
     rng: RngState
+    sharded: Path | None = None     # the trainer's torch.distributed.checkpoint directory
 
 
 def rng_state() -> RngState:
@@ -102,11 +111,19 @@ def save(run_dir: Path, step: int, *, policy: CheckpointPolicy | None,
     `extra`: more JSON-able run state (e.g. the conflict monitor's)."""
     final, tmp, old = run_dir / NAME, run_dir / f"{NAME}.tmp", run_dir / f"{NAME}.old"
     shutil.rmtree(tmp, ignore_errors=True)
-    if policy is not None:
-        policy.save_pretrained(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save({"trainer": trainer.state_dict(), "buffer": buffer_state,
-                "rng": rng_state()}, tmp / "trainer.pt")
+    if _is_sharded(trainer):
+        tmp.mkdir(parents=True, exist_ok=True)
+        trainer.save_sharded(tmp, policy)       # every rank writes its shards
+        trainer_state: object = {"version": trainer.version, "num_steps": trainer.num_steps}
+        mesh: dict[str, object] = {"world_size": trainer.env.world_size,
+                                   "mesh": list(trainer.env.mesh.shape)}
+    else:
+        if policy is not None:
+            policy.save_pretrained(tmp)
+        tmp.mkdir(parents=True, exist_ok=True)
+        trainer_state, mesh = trainer.state_dict(), {}
+    torch.save({"trainer": trainer_state, "buffer": buffer_state, "rng": rng_state(),
+                "sharded": "trainer" if mesh else None, "mesh": mesh}, tmp / "trainer.pt")
     state: CheckpointState = {"format": FORMAT, "step": step, "version": trainer.version,
                               "identity": identity, "sampler": sampler_state,
                               "extra": extra or {}, "time": time.time()}
@@ -151,8 +168,40 @@ def load(run_dir: Path, identity: PolicyIdentity | None = None) -> Checkpoint:
             f"than the config's ({_describe(identity)})",
             hint="resume with the config the run was started with, or start a new run dir")
     blob = torch.load(path / "trainer.pt", weights_only=False, pickle_module=_PICKLE)
+    sharded = path / blob["sharded"] if blob.get("sharded") else None
+    if sharded is not None and not (sharded / ".metadata").is_file():
+        raise ConfigError(f"{path} is a sharded checkpoint without its shards ({sharded})",
+                          hint="resume from a complete run directory (every rank's files)")
     return Checkpoint(int(state["step"]), path, state, blob["trainer"], blob["buffer"],
-                      blob["rng"])
+                      blob["rng"], sharded)
+
+
+def restore_trainer(ckpt: Checkpoint, trainer: ResumableTrainer) -> None:
+    """Load the checkpoint's trainer state into `trainer`, whichever wrote it and at
+    whatever world size: a whole state (one process) into a sharded trainer shards it; a
+    sharded one is read by the ranks of a sharded trainer or by one in-process trainer."""
+    if ckpt.sharded is None:
+        trainer.load_state_dict(ckpt.trainer)
+        return
+    version, steps = int(ckpt.trainer["version"]), int(ckpt.trainer["num_steps"])
+    if _is_sharded(trainer):
+        trainer.load_sharded(ckpt.sharded, version, steps)
+        return
+    from ridgeline.rl.sharded import load_trainer
+    from ridgeline.rl.trainer import PolicyTrainer
+
+    if not isinstance(trainer, PolicyTrainer):
+        raise ConfigError(f"{ckpt.path} was written by a sharded trainer, which only an "
+                          "in-process or sharded trainer reads",
+                          hint="resume with distributed.nproc (or --nproc) instead of Ray")
+    load_trainer(trainer, ckpt.sharded)
+    trainer.version, trainer.num_steps = version, steps
+
+
+def _is_sharded(trainer: object) -> TypeGuard[ShardedTrainer]:
+    from ridgeline.rl.sharded import ShardedTrainer
+
+    return isinstance(trainer, ShardedTrainer)
 
 
 def same_model(a: object, b: PolicyIdentity) -> bool:

@@ -22,6 +22,7 @@ from ridgeline.engine.config import EngineConfig
 from ridgeline.rl.loop import LoopConfig
 from ridgeline.rl.policy import PolicyConfig
 from ridgeline.rl.scheduler import SchedulerConfig
+from ridgeline.rl.sharded import DistributedConfig
 from ridgeline.rl.trainer import TrainerConfig
 
 #: The `EngineConfig` fields `engine:` sets for an in-process engine.
@@ -151,12 +152,27 @@ class TrainConfig(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     ray: RaySettings = Field(default_factory=RaySettings)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="the trainer over N processes "
+                                           "(FSDP2; `--nproc` sets nproc)")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig,
                                        description="domains, shares, caps and curriculum "
                                        "of terminal tasks")
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     engine: EngineSettings = Field(default_factory=EngineSettings)
     plots: bool = True
+
+    @model_validator(mode="after")
+    def _one_trainer_kind(self) -> "TrainConfig":
+        if self.distributed.nproc > 1 and self.ray.enabled:
+            raise ValueError("distributed.nproc > 1 and ray.enabled: the sharded trainer "
+                             "runs in the ranks `ridgeline train --nproc` starts, not in "
+                             "a Ray actor; set one of them")
+        if self.distributed.nproc > 1 and self.loop.conflicts.every:
+            raise ValueError("loop.conflicts measures per-domain gradients, which the "
+                             "sharded trainer (distributed.nproc > 1) does not compute "
+                             "yet; set loop.conflicts.every: 0")
+        return self
 
     @model_validator(mode="after")
     def _one_temperature(self) -> "TrainConfig":

@@ -13,6 +13,18 @@ standard PPO. Without the correction, naive PPO on stale samples collapses (ARea
 23 AIME24 at staleness 4; the decoupled objective kept 42). `eps_high > eps_low` is DAPO's
 clip-higher, which lets rare tokens grow and keeps entropy from collapsing.
 
+w is also the *rollout correction* between the sampler and the trainer (slime, verl and
+NeMo-RL's TIS/MIS): the sampler's logprobs come from another numeric path (a bf16 or int8
+engine, other kernels) and, asynchronously, older weights, so pi_behav != pi_prox even on
+fresh tokens. `rollout_correction` says how w enters the loss: "tis" truncates it at
+`max_behaviour_weight` (None: plain importance sampling), "mis" zeroes the tokens whose w
+lies outside [`min_behaviour_weight`, `max_behaviour_weight`] (a masked token still counts
+in the mean's denominator, so the loss scale does not move with the share masked), "none"
+uses w = 1 (the mismatch ignored). `correction_level`: "token" (w per token), "sequence"
+(prod_t w_t, one weight for all of a sequence's tokens) or "geometric" (its geometric
+mean, exp(mean_t log w_t): comparable across lengths, where the product of a long agent
+episode is almost always far from 1).
+
 Tokens are aggregated by "token-mean" (every unmasked token in the batch weighs the same:
 Dr.GRPO, DAPO; long answers are not down-weighted per token) or "seq-mean-token-mean"
 (original GRPO: mean over each sequence's tokens, then over sequences).
@@ -24,14 +36,21 @@ Values at positions where `loss_mask` is 0 are ignored, even NaN or -inf.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, overload
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ridgeline.errors import ConfigError
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k3")
+CORRECTIONS = ("none", "tis", "mis")
+CORRECTION_LEVELS = ("token", "sequence", "geometric")
+#: metrics that are means over sequences, not tokens (a trainer accumulating micro-batches
+#: weighs them by sequences)
+SEQUENCE_METRICS = ("mismatch/log_ppl_ratio",)
 
 
 def policy_loss(
@@ -44,6 +63,9 @@ def policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     max_behaviour_weight: float | None = None,
+    min_behaviour_weight: float | None = None,
+    rollout_correction: str = "tis",
+    correction_level: str = "token",
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
@@ -55,21 +77,26 @@ def policy_loss(
     new_logprobs [B, T]: the current policy's, with grad. behaviour_logprobs [B, T]: what
     the sampler recorded. proximal_logprobs [B, T] or None (= behaviour): the policy the
     update is anchored to. advantages [B] (one per sequence) or [B, T]. loss_mask [B, T]:
-    1 on policy tokens only. max_behaviour_weight caps w = pi_prox / pi_behav (truncated
-    importance sampling; None: no cap). ref_logprobs [B, T] with kl_coef > 0 adds
-    kl_coef * KL(new || ref) per token ("k1": log ratio, unbiased; "k3": Schulman's
+    1 on policy tokens only. rows are sequences (the sequence levels need it).
+    rollout_correction / correction_level / max_behaviour_weight / min_behaviour_weight:
+    how w = pi_prox / pi_behav weighs each token (the module docstring; "tis" with
+    max_behaviour_weight None is uncapped importance sampling). ref_logprobs [B, T] with
+    kl_coef > 0 adds kl_coef * KL(new || ref) per token ("k1": log ratio, unbiased; "k3": Schulman's
     exp(-x) + x - 1, unbiased and never negative); with kl_coef = 0 it is only measured.
     entropy [B, T] (per-token entropies of the new policy) is only measured.
 
     Metrics (floats, token-means over unmasked tokens): clip_fraction (the clipped term
     was the active one), clip_low_fraction / clip_high_fraction (of all tokens),
-    importance_ratio (pi_new / pi_prox), behaviour_weight (after the cap),
-    behaviour_weight_capped (share of tokens at the cap), kl (k3 estimate of
+    importance_ratio (pi_new / pi_prox), behaviour_weight (after the correction),
+    behaviour_weight_capped (share of tokens truncated at the cap, "tis"),
+    behaviour_weight_masked (share of tokens zeroed, "mis"), kl (k3 estimate of
     KL(new || behaviour): 0 exactly when they agree; the step-0 invariant), entropy and
-    kl_to_ref when given, and num_tokens.
+    kl_to_ref when given, num_tokens, and the sampler/trainer mismatch on the recorded
+    tokens (`mismatch_metrics`: mismatch/kl_k3, mismatch/kl_k1, mismatch/log_ppl_ratio).
     """
     _check_options(aggregation, kl_estimator, eps_low, eps_high, max_behaviour_weight,
-                   kl_coef, ref_logprobs)
+                   kl_coef, ref_logprobs, rollout_correction, correction_level,
+                   min_behaviour_weight)
     shape = _check_shapes(new_logprobs, behaviour_logprobs, advantages, loss_mask,
                           proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs,
                           entropy=entropy)
@@ -83,11 +110,9 @@ def policy_loss(
 
     log_ratio = _masked(new_logprobs - prox, mask)
     ratio = torch.exp(log_ratio)
-    weight = torch.exp(_masked(prox - behav, mask))
-    capped = torch.zeros_like(mask)
-    if max_behaviour_weight is not None:
-        capped = mask & (weight > max_behaviour_weight)
-        weight = weight.clamp(max=max_behaviour_weight)
+    weight, capped, dropped = behaviour_weights(
+        prox, behav, mask, rollout_correction, correction_level, max_behaviour_weight,
+        min_behaviour_weight)
     surrogate, clipped_low, clipped_high = _clipped_surrogate(ratio, adv, eps_low, eps_high)
     per_token = -weight * surrogate
 
@@ -107,14 +132,66 @@ def policy_loss(
             "importance_ratio": _token_mean(ratio, mask),
             "behaviour_weight": _token_mean(weight, mask),
             "behaviour_weight_capped": _token_mean(capped, mask),
+            "behaviour_weight_masked": _token_mean(dropped, mask),
             "kl": _token_mean(behav_kl, mask),
             "num_tokens": float(mask.sum()),
+            **mismatch_metrics(new_logprobs.detach(), behav, mask),
         }
         if entropy is not None:
             metrics["entropy"] = _token_mean(_masked(entropy.detach(), mask), mask)
         if kl_ref is not None:
             metrics["kl_to_ref"] = _token_mean(kl_ref.detach(), mask)
     return loss, metrics
+
+
+def behaviour_weights(prox: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor,
+                      correction: str = "tis", level: str = "token",
+                      max_weight: float | None = None, min_weight: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token weights [B, T] of the rollout correction (detached; 0 off the mask),
+    and where they were truncated ("tis") and masked ("mis"), as bool [B, T].
+
+    log w_t = log pi_prox - log pi_behav; "sequence" sums it over each row's tokens,
+    "geometric" averages it, and every token of the row gets that weight. Weights are
+    compared in log space and exponentiated only below the cap, so a sequence product
+    far beyond float range is truncated or masked, never inf."""
+    log_w = _masked(prox - behav, mask)
+    if level != "token":
+        per_seq = log_w.sum(dim=1, keepdim=True)
+        if level == "geometric":
+            per_seq = per_seq / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        log_w = torch.where(mask, per_seq.expand_as(log_w), torch.zeros_like(log_w))
+    none = torch.zeros_like(mask)
+    if correction == "none":
+        return mask.to(prox.dtype), none, none
+    upper = math.inf if max_weight is None else math.log(max_weight)
+    if correction == "tis":
+        capped = mask & (log_w > upper)
+        return torch.exp(log_w.clamp(max=upper)) * mask, capped, none
+    lower = -math.inf if min_weight is None else math.log(min_weight)
+    dropped = mask & ((log_w > upper) | (log_w < lower))
+    weight = torch.exp(log_w.clamp(max=upper))
+    return torch.where(dropped | ~mask, torch.zeros_like(weight), weight), none, dropped
+
+
+def mismatch_metrics(trainer_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's recorded logprobs are from the trainer's on the recorded
+    tokens (sampled from the behaviour policy mu, scored by the trainer's pi):
+    mismatch/kl_k3 and mismatch/kl_k1 estimate KL(mu || pi) from these samples, k3 =
+    r - 1 - log r with r = pi / mu (unbiased, >= 0) and k1 = log mu - log pi (unbiased,
+    noisier, can be negative); mismatch/log_ppl_ratio = log(PPL_pi / PPL_mu) per sequence
+    (the mean over its tokens of log mu - log pi), averaged over the sequences (> 0: the
+    trainer finds the sampled text less likely than the sampler did). All 0 when the two
+    agree; with stale rollouts they include the staleness, not only numerics."""
+    log_r = _masked(trainer_logprobs - behaviour_logprobs, mask).float()
+    k3 = torch.expm1(log_r) - log_r
+    counts = mask.sum(dim=1)
+    per_seq = -(log_r * mask).sum(dim=1) / counts.clamp(min=1)
+    seqs = int((counts > 0).sum())
+    return {"mismatch/kl_k3": _token_mean(k3, mask),
+            "mismatch/kl_k1": _token_mean(-log_r, mask),
+            "mismatch/log_ppl_ratio": float(per_seq[counts > 0].sum()) / seqs if seqs else 0.0}
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
@@ -205,6 +282,53 @@ def token_logprobs(
         return out, torch.nn.functional.pad(ent, (1, 0))
 
 
+def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, *,
+                  temperature: float = 1.0, chunk_tokens: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob [N] (float32, with grad) of `targets` [N] and entropy [N] (no grad) under
+    log_softmax(head(hidden) / temperature), hidden [N, H]: the LM head on the positions
+    that predict a trained token, `chunk_tokens` positions at a time.
+
+    A whole [N, V] logits tensor (V = 49K for SmolLM2, 152K for Qwen) is several GB for a
+    long agent trajectory, and backward would keep it and its log_softmax. Each chunk runs
+    under non-reentrant activation checkpointing: only its [C, H] input is kept, and
+    backward recomputes its head and log_softmax one chunk at a time, so the peak is about
+    a few [C, V] tensors whatever N is. The gradient is the unchunked one (same ops, same
+    autocast: checkpointing replays the forward's autocast state). None: one chunk."""
+    n = hidden.shape[0]
+    size = n if chunk_tokens is None else max(1, int(chunk_tokens))
+    grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+    picked, entropy = [], []
+    for start in range(0, n, size):
+        h, t = hidden[start:start + size], targets[start:start + size]
+        if grad and size < n:
+            lp, ent = checkpoint(_chunk_logprobs, h, t, head, temperature,
+                                 use_reentrant=False)
+        else:  # one chunk, or no backward: nothing to keep
+            lp, ent = _chunk_logprobs(h, t, head, temperature)
+        picked.append(lp)
+        entropy.append(ent)
+    if not picked:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return empty, empty
+    return torch.cat(picked), torch.cat(entropy)
+
+
+def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden)  # under the caller's autocast
+    with torch.autocast(hidden.device.type, enabled=False):
+        scaled = logits.float()
+        if temperature != 1.0:
+            scaled = scaled / temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        picked = logp.gather(-1, targets[:, None].long()).squeeze(-1)
+        with torch.no_grad():  # a metric: nothing kept for backward
+            entropy = -(logp.exp() * logp).sum(-1)
+    return picked, entropy
+
+
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float,
                        eps_high: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's pessimistic surrogate min(r A, clip(r) A) per token, and where the clipped
@@ -232,8 +356,10 @@ def _token_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def _check_options(aggregation: str, kl_estimator: str, eps_low: float, eps_high: float,
                    max_behaviour_weight: float | None, kl_coef: float,
-                   ref_logprobs: torch.Tensor | None) -> None:
+                   ref_logprobs: torch.Tensor | None, correction: str = "tis",
+                   level: str = "token", min_behaviour_weight: float | None = None) -> None:
     """Every bad option named, with what to pass instead."""
+    check_correction(correction, level, max_behaviour_weight, min_behaviour_weight)
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"unknown aggregation {aggregation!r}: use one of {AGGREGATIONS}")
     if kl_estimator not in KL_ESTIMATORS:
@@ -241,13 +367,40 @@ def _check_options(aggregation: str, kl_estimator: str, eps_low: float, eps_high
     if not 0 <= eps_low < 1 or eps_high < 0:
         raise ConfigError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0; got "
                           f"eps_low={eps_low}, eps_high={eps_high} (PPO: 0.2, DAPO: 0.2/0.28)")
-    if max_behaviour_weight is not None and max_behaviour_weight <= 0:
-        raise ConfigError(f"max_behaviour_weight must be > 0 or None, got {max_behaviour_weight}")
     if kl_coef < 0:
         raise ConfigError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
         raise ConfigError(f"kl_coef={kl_coef} needs ref_logprobs: pass the reference "
                           "policy's logprobs, or set kl_coef to 0")
+
+
+def check_correction(correction: str, level: str, max_weight: float | None,
+                     min_weight: float | None) -> None:
+    """A rollout correction that can be applied as configured, or a ConfigError."""
+    if correction not in CORRECTIONS:
+        raise ConfigError(f"unknown rollout correction {correction!r}: use one of "
+                          f"{CORRECTIONS}", hint="tis truncates, mis masks, none ignores")
+    if level not in CORRECTION_LEVELS:
+        raise ConfigError(f"unknown rollout correction level {level!r}: use one of "
+                          f"{CORRECTION_LEVELS}")
+    if max_weight is not None and max_weight <= 0:
+        raise ConfigError(f"max_behaviour_weight must be > 0 or None, got {max_weight}")
+    if min_weight is not None and min_weight <= 0:
+        raise ConfigError(f"min_behaviour_weight must be > 0 or None, got {min_weight}")
+    if min_weight is not None and correction != "mis":
+        raise ConfigError(f"min_behaviour_weight={min_weight} only applies to the 'mis' "
+                          f"correction, not {correction!r}",
+                          hint="set rollout_correction: mis, or drop min_behaviour_weight")
+    if correction == "mis" and max_weight is None:
+        raise ConfigError("the 'mis' correction needs max_behaviour_weight: tokens whose "
+                          "weight exceeds it are masked", hint="e.g. max_behaviour_weight: 2")
+    if correction == "tis" and level != "token" and max_weight is None:
+        raise ConfigError(f"'{level}'-level importance weights without a cap: a product "
+                          "over a sequence's tokens is unbounded",
+                          hint="set max_behaviour_weight (e.g. 2), or use level token")
+    if min_weight is not None and max_weight is not None and min_weight >= max_weight:
+        raise ConfigError(f"min_behaviour_weight {min_weight} must be below "
+                          f"max_behaviour_weight {max_weight}")
 
 
 def _check_shapes(new: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,

@@ -200,9 +200,16 @@ def make_sampler(cfg: TrainConfig, tasks: list[Task] | None) -> TaskSource[RLTas
 
 
 def make_trainer(cfg: TrainConfig, policy: Policy) -> PolicyTrainer:
+    """The policy's trainer: sharded over the ranks when this process is one of them
+    (`ridgeline train --nproc N`, `sharded.launch`), else one process's."""
+    from ridgeline.rl import sharded
+
     # the trainer's logprobs are of the distribution the rollouts sample from
-    return PolicyTrainer(policy, cfg.trainer.model_copy(
-        update={"temperature": cfg.rollout.temperature}))
+    config = cfg.trainer.model_copy(update={"temperature": cfg.rollout.temperature})
+    env = sharded.current()
+    if env is not None:
+        return sharded.ShardedTrainer(policy, config, env=env)
+    return PolicyTrainer(policy, config)
 
 
 def rollout_agent_config(r: RolloutSettings) -> AgentConfig:

@@ -39,11 +39,15 @@ from ridgeline.rl import checkpoint
 from ridgeline.rl.config import TrainConfig, load_train_config
 from ridgeline.rl.distributed import ray_parts
 from ridgeline.rl.loop import AsyncRLLoop
-from ridgeline.rl.parts import RunParts, RunTasks, local_parts, remote_parts, select_tasks
+from ridgeline.rl.parts import (
+    RunParts, RunTasks, local_parts, make_trainer, remote_parts, select_tasks,
+)
+from ridgeline.rl.policy import load_policy
 from ridgeline.rl.protocols import EpisodeRollout, GroupRollout, RLTask, StepMetrics
 from ridgeline.rl.run_log import RunLog
 from ridgeline.rl.run_plots import plot_run
 from ridgeline.rl.sampler import episode_seed
+from ridgeline.rl.sharded import ShardedTrainer
 from ridgeline.tasks.verifier import Verdict, VerdictStatus
 
 if TYPE_CHECKING:
@@ -92,7 +96,36 @@ def build_parts(cfg: TrainConfig) -> RunParts:
             raise ConfigError("ray.enabled and engine.url both set",
                               hint="with Ray, each rollout worker runs its own engine replica")
         return ray_parts(cfg)
-    return remote_parts(cfg) if cfg.engine.url else local_parts(cfg)
+    parts = remote_parts(cfg) if cfg.engine.url else local_parts(cfg)
+    if isinstance(parts.trainer, ShardedTrainer):
+        # the last thing the run does: the other ranks' `follow` returns
+        parts.closers.append(parts.trainer.close)
+    return parts
+
+
+def follow(cfg: TrainConfig) -> None:
+    """A rank other than 0 of `ridgeline train --nproc N`: the policy and its shard of
+    the trainer, which runs the trainer calls rank 0's run makes until it ends."""
+    trainer = make_trainer(cfg, load_policy(cfg.policy))
+    assert isinstance(trainer, ShardedTrainer), "follow() runs in a rank of sharded.launch"
+    trainer.follow()
+
+
+def export(run_dir: Path, out_dir: Path) -> Path:
+    """`ridgeline train export RUN_DIR OUT_DIR`: the policy of the run's newest checkpoint
+    (whole or sharded, written at any world size) as a Hugging Face directory that
+    transformers and the engine load."""
+    config = run_dir / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{run_dir} holds no training run (no config.json)",
+                          hint="pass the run directory of `ridgeline train` (its --out)")
+    cfg = TrainConfig.model_validate_json(config.read_text())
+    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(
+        update={"nproc": 1})})
+    policy = load_policy(cfg.policy)
+    ckpt = checkpoint.load(run_dir, policy.identity)
+    checkpoint.restore_trainer(ckpt, make_trainer(cfg, policy))
+    return policy.save_pretrained(out_dir)
 
 
 def evaluate(cfg: TrainConfig, rollout: GroupRollout[Task], tasks: list[Task], step: int,
@@ -238,7 +271,7 @@ def _start(cfg: TrainConfig, tasks: RunTasks, parts: RunParts, loop: AsyncRLLoop
         (run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
         return 0, runlog
     ckpt = checkpoint.load(run_dir, parts.policy.identity)
-    parts.trainer.load_state_dict(ckpt.trainer)
+    checkpoint.restore_trainer(ckpt, parts.trainer)    # whole or sharded, any world size
     parts.trainer.version -= 1      # sync() makes it the checkpoint's version again
     parts.trainer.sync(parts.weights)
     loop.buffer.load_state_dict(ckpt.buffer)

@@ -4,7 +4,7 @@
       metrics.jsonl   one JSON object per training step: {"step", "time", **metrics}
       tensorboard/    tensorboardX event files (`tensorboard --logdir run_dir/tensorboard`)
       plots/          PNGs drawn from metrics.jsonl by `run_plots.plot_run` (reward, pass rates,
-                      staleness, time split, throughput, held-out eval)
+                      staleness, time split, throughput, sampler/trainer mismatch, held-out eval)
       checkpoint/     written by the checkpointing module, not by this one
 
     with RunLog(run_dir) as run:               # a new run (refuses a used directory)
@@ -38,7 +38,10 @@ finite int/float (not bool) as a scalar under its key as given (`reward_mean`,
 Metric keys `plot_run` and `format_progress` understand: reward_mean, pass_rate,
 pass_rate/<domain>, staleness_mean, staleness_hist, rollout_wait_seconds (or
 wait_seconds), train_seconds, sync_seconds, step_seconds, rollout_tokens_per_s,
-train_tokens_per_s, eval/pass_rate and eval/pass_rate/<domain>.
+train_tokens_per_s, eval/pass_rate and eval/pass_rate/<domain>; the trainer's sampler/
+trainer mismatch (every step: mismatch/kl_k3, mismatch/kl_k1, mismatch/log_ppl_ratio) and
+the share of tokens its rollout correction truncated or masked (behaviour_weight_capped,
+behaviour_weight_masked), plotted together as `mismatch`.
 """
 
 from __future__ import annotations

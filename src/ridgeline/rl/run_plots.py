@@ -2,7 +2,8 @@
 
     plot_run(run_dir)      # -> {name: path} under run_dir/plots/
 
-reward, pass_rate_by_domain, staleness, time_split, throughput and eval; a plot whose
+reward, pass_rate_by_domain, staleness, time_split, throughput, mismatch (sampler vs
+trainer logprobs, and the share of tokens the rollout correction cut) and eval; a plot whose
 metrics are absent (or never finite) is skipped. The metric keys are listed in
 `run_log`'s docstring. matplotlib (Agg) is imported only when a plot is drawn.
 """
@@ -252,6 +253,37 @@ def _plot_throughput(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
                    "throughput", paths)
 
 
+def _plot_mismatch(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
+    """The sampler/trainer mismatch on the trained tokens (left) and the share of tokens the
+    rollout correction truncated or masked (right)."""
+    lines = [(label, color, s) for key, label, color in
+             (("mismatch/kl_k3", "KL(behaviour || trainer), k3", _BLUE),
+              ("mismatch/log_ppl_ratio", "log(PPL trainer / PPL behaviour)", _GREEN))
+             if (s := _series(flat, key)) is not None]
+    shares = [(label, color, s) for key, label, color in
+              (("behaviour_weight_capped", "truncated (tis)", _ORANGE),
+               ("behaviour_weight_masked", "masked (mis)", _RED))
+              if (s := _series(flat, key)) is not None and any(v > 0 for v in s[1])]
+    if not lines:
+        return
+    fig, ax = _figure()
+    for label, color, (steps, values) in lines:
+        ax.plot(steps, values, color=color, linewidth=1.5, label=label, **_marker(len(steps)))
+    ax.axhline(0.0, color=_GREY, linewidth=0.8)
+    handles = ax.get_legend_handles_labels()[0]
+    if shares:
+        right = ax.twinx()
+        for label, color, (steps, values) in shares:
+            right.plot(steps, [100 * v for v in values], color=color, linewidth=1,
+                       linestyle="--", label=label)
+        right.set_ylabel("tokens truncated / masked (%)")
+        right.set_ylim(bottom=0)
+        handles += right.get_legend_handles_labels()[0]   # one legend for both axes
+    _save_per_step(fig, ax, "Sampler / trainer mismatch on the recorded tokens",
+                   "nats per token", out_dir, "mismatch", paths, loc="upper left",
+                   handles=handles)
+
+
 def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
     overall = _series(flat, "eval/pass_rate")
     domains = sorted({k[len("eval/pass_rate/"):] for _, rec in flat for k in rec
@@ -280,7 +312,7 @@ def _plot_eval(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
 def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path]:
     """Draw a run's PNGs (default into run_dir/plots/) from its metrics.jsonl; returns
     {name: path} for those drawn: reward, sft_loss, pass_rate_by_domain, staleness, time_split,
-    throughput, eval. A plot whose metrics are absent (or never finite) is skipped."""
+    throughput, mismatch, eval. A plot whose metrics are absent (or never finite) is skipped."""
     run_dir = Path(run_dir)
     flat = _flat_all(read_metrics(run_dir))
     out_dir = Path(out_dir) if out_dir is not None else run_dir / PLOTS_DIR
@@ -289,6 +321,6 @@ def plot_run(run_dir: Path | str, out_dir: Path | None = None) -> dict[str, Path
         return paths
     out_dir.mkdir(parents=True, exist_ok=True)
     for plot in (_plot_reward, _plot_sft, _plot_domains, _plot_staleness, _plot_time_split,
-                 _plot_throughput, _plot_eval):
+                 _plot_throughput, _plot_mismatch, _plot_eval):
         plot(flat, out_dir, paths)
     return paths

@@ -4,12 +4,19 @@ updated from token batches and synced back to the engine after each step.
 `step(batch)` computes the current policy's logprobs on exactly the recorded token ids,
 the decoupled PPO loss (AReaL's: the clip is anchored to the proximal policy, the weights
 before this update, and the behaviour logprobs the sampler recorded only weigh each token
-by pi_prox / pi_behav, truncated at `max_behaviour_weight`; `losses.policy_loss`), and
-takes one AdamW step (gradient accumulation over
-micro-batches, gradient-norm clipping, bfloat16 autocast where the CPU computes bf16
-natively: `dtype="auto"`, resolved once into `autocast_dtype`). `sync(worker)` copies the weights into the engine between two of its
+by pi_prox / pi_behav, truncated at `max_behaviour_weight` or masked outside the
+thresholds, per token or per sequence: `rollout_correction`, `losses.policy_loss`; the
+sampler/trainer mismatch is measured every step, `mismatch/*`), and takes one AdamW step
+(gradient accumulation over micro-batches, gradient-norm clipping, bfloat16 autocast
+where the CPU computes bf16 natively: `dtype="auto"`, resolved once into
+`autocast_dtype`). `sync(worker)` copies the weights into the engine between two of its
 steps (`EngineWorker.update_weights`, which drops the prefix cache and stamps new tokens
 with the new version; any `protocols.WeightsSink`) and times it.
+
+Long trajectories: the LM head runs on policy positions only and in chunks
+(`logprob_chunk_tokens`, recomputed in backward), the layers under activation
+checkpointing, and with `pack` the episodes of a micro-batch run as one unpadded row of
+at most `micro_batch_tokens` tokens, attention confined to each episode.
 
 The model is a `policy.Policy` (`load_policy`: the engine's own weights, optionally with
 LoRA adapters; sync sends `Policy.engine_weights()`, the merged adapted tensors only with
@@ -31,7 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ridgeline.cpu import has_native_bf16
 from ridgeline.errors import ConfigError
-from ridgeline.rl.losses import policy_loss, token_logprobs
+from ridgeline.rl.losses import (
+    SEQUENCE_METRICS,
+    check_correction,
+    head_logprobs,
+    policy_loss,
+    token_logprobs,
+)
 from ridgeline.rl.memory import memory_metrics, release_freed_memory
 from ridgeline.rl.policy import Policy, named_tensor_bytes
 from ridgeline.rl.protocols import WeightsSink
@@ -70,15 +83,36 @@ class TrainerConfig(BaseModel):
                             "pi_prox / pi_behav; False: PPO-clip against the behaviour "
                             "logprobs, which zeroes the gradient of stale tokens")
     max_behaviour_weight: float | None = Field(5.0, gt=0, description="cap of the behaviour "
-                                               "weight pi_prox / pi_behav (truncated "
-                                               "importance sampling; None: no cap); only "
-                                               "with decoupled")
+                                               "weight pi_prox / pi_behav (tis: truncated "
+                                               "above it, mis: masked above it; None: no "
+                                               "cap); only with decoupled")
+    rollout_correction: Literal["none", "tis", "mis"] = Field(
+        "tis", description="how the behaviour weight w = pi_prox / pi_behav between the "
+        "trainer and the sampler's recorded logprobs (another numeric path: bf16/int8 "
+        "engine; older weights) enters the loss: tis: truncated at max_behaviour_weight; "
+        "mis: tokens outside [min_behaviour_weight, max_behaviour_weight] get weight 0; "
+        "none: w = 1 (mismatch ignored; still measured, mismatch/*). Only with decoupled")
+    rollout_correction_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="w per token, per sequence (the product over its tokens) or "
+        "the per-sequence geometric mean; the thresholds apply to that weight")
+    min_behaviour_weight: float | None = Field(None, gt=0, description="mis only: tokens "
+                                               "(sequences) with a weight below this are "
+                                               "masked too (None: no lower bound)")
     temperature: float = Field(1.0, gt=0, description="the rollouts' sampling temperature: "
                                "logprobs are of log_softmax(logits / temperature), matching "
                                "behaviour logprobs recorded with logprobs_mode='tempered'")
     release_memory: bool = Field(True, description="after each step, hand the heap's freed "
                                  "pages back to the OS (glibc malloc_trim): activations of "
                                  "varying shapes otherwise ratchet the RSS up step by step")
+    logprob_chunk_tokens: int | None = Field(
+        512, ge=1, description="the LM head and log_softmax run on this many policy "
+        "positions at a time, each recomputed in backward: memory for logprobs is a few "
+        "[chunk, vocab] tensors (512 x 49K float32: 100 MB each) instead of [policy tokens, "
+        "vocab]. None: all at once")
+    pack: bool = Field(False, description="pack episodes into one row of at most "
+                       "micro_batch_tokens tokens per forward/backward (no padding; "
+                       "position ids restart per episode and attention stays inside each "
+                       "episode); micro_batch_size is then not used")
     gradient_checkpointing: bool | None = Field(
         None, description="recompute each layer's activations in the backward pass instead "
         "of keeping them (SmolLM2-135M, 4 episodes of ~1,100 tokens: peak 4.0 GB instead of "
@@ -139,6 +173,7 @@ class PolicyTrainer:
         self.num_steps = 0
         _set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
         self.device_type = params[0].device.type
+        _check_options(cfg, self.model)
         # what cfg.dtype ("auto") means on this machine, once
         self.autocast_dtype: AutocastDtype = resolve_dtype(cfg.dtype, self.device_type)
         log.info("trainer autocast dtype: %s (configured %s)", self.autocast_dtype, cfg.dtype)
@@ -167,7 +202,10 @@ class PolicyTrainer:
         The LM head and the softmax over the vocabulary run only on the positions that
         predict a policy token: in agent episodes most tokens are prompt and
         observations, and [B, T, V] logits (V = 49K for SmolLM2) would cost more time and
-        memory than the rest of the forward pass."""
+        memory than the rest of the forward pass; it runs `logprob_chunk_tokens` positions
+        at a time (`losses.head_logprobs`). With `pack` the episodes run as one row
+        (`_packed`) and come back in the batch's [B, T] layout, so masks and per-sequence
+        aggregation see the same tensors as unpacked."""
         model = model or self.model
         parts = _decoder_and_head(model)
         if parts is None:  # a model without the split: the full logits
@@ -179,17 +217,24 @@ class PolicyTrainer:
         decoder, head = parts
         want = batch.loss_mask[:, 1:] > 0               # token t+1 is predicted at t
         rows, cols = want.nonzero(as_tuple=True)
+        targets = batch.token_ids[rows, cols + 1]
         with self._autocast():
             # no KV cache to build: a training forward (and checkpointing refuses one)
-            hidden = decoder(input_ids=batch.token_ids, attention_mask=batch.attention_mask,
-                             use_cache=False).last_hidden_state
-            logits = head(hidden[rows, cols])           # [N, V]
-        with torch.autocast("cpu", enabled=False):
-            logp = torch.log_softmax(logits.float() / self.config.temperature, dim=-1)
-            targets = batch.token_ids[rows, cols + 1]
-            picked = logp.gather(-1, targets[:, None]).squeeze(-1)
-            with torch.no_grad():
-                entropy = -(logp.exp() * logp).sum(-1)
+            if self.config.pack:
+                ids, positions, offsets = _packed(batch)
+                # no attention mask: transformers confines attention to each episode from
+                # the restarting position ids (checked at start: _check_packing_isolates)
+                hidden = decoder(input_ids=ids, position_ids=positions,
+                                 use_cache=False).last_hidden_state[0]
+                at = hidden[offsets[rows] + cols]
+            else:
+                hidden = decoder(input_ids=batch.token_ids,
+                                 attention_mask=batch.attention_mask,
+                                 use_cache=False).last_hidden_state
+                at = hidden[rows, cols]                  # [N, H]
+            picked, entropy = head_logprobs(at, head, targets,
+                                            temperature=self.config.temperature,
+                                            chunk_tokens=self.config.logprob_chunk_tokens)
         shape = batch.token_ids.shape
         out = torch.zeros(shape, dtype=torch.float32).index_put((rows, cols + 1), picked)
         ent = torch.zeros(shape, dtype=torch.float32).index_put((rows, cols + 1), entropy)
@@ -217,9 +262,17 @@ class PolicyTrainer:
         micro-batch cut to its longest (`TokenBatch.rows`): activations grow with the
         padded tokens, so long agent episodes must not share a forward pass with many
         others. The loss is a sum over micro-batches, so their makeup does not change
-        the gradient."""
+        the gradient.
+
+        With `pack`, episodes are binned first-fit by decreasing length into micro-batches
+        of at most `micro_batch_tokens` real tokens (a longer episode goes alone), which
+        `logprobs` runs as one row each: no padding at all."""
         cfg = self.config
         lengths = [int(n) for n in batch.attention_mask.sum(dim=1)]
+        if cfg.pack:
+            yield from (batch.rows(sorted(b)) for b in
+                        _first_fit(lengths, cfg.micro_batch_tokens or max(lengths, default=1)))
+            return
         order = sorted(range(len(batch)), key=lambda i: lengths[i])
         group: list[int] = []
         for i in order:   # ascending: the newest member is the longest
@@ -279,14 +332,20 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return torch.cat(grads)
 
+    def global_counts(self, tokens: float, sequences: float) -> tuple[float, float]:
+        """The batch's policy tokens and sequences the loss is normalised by: this
+        batch's in one process; over all ranks in `sharded.ShardedTrainer`."""
+        return tokens, sequences
+
     def _backward(self, batch: TokenBatch) -> tuple[dict[str, float], float]:
         """Zero the gradients, then accumulate the batch's loss gradient (micro-batched);
         token-weighted metric sums and the number of policy tokens."""
         cfg = self.config
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = float(batch.loss_mask.sum())
-        total_seqs = float((batch.loss_mask.sum(dim=1) > 0).sum())
+        # the whole batch's counts (sharded: over every rank's share, `sharded.py`)
+        total_tokens, total_seqs = self.global_counts(
+            float(batch.loss_mask.sum()), float((batch.loss_mask.sum(dim=1) > 0).sum()))
         sums: dict[str, float] = {}
         for mb in self._micro_batches(batch):
             tokens = float(mb.loss_mask.sum())
@@ -305,18 +364,27 @@ class PolicyTrainer:
                 new, mb.behaviour_logprobs, mb.advantages, mb.loss_mask,
                 proximal_logprobs=prox,
                 max_behaviour_weight=cfg.max_behaviour_weight if cfg.decoupled else None,
+                min_behaviour_weight=cfg.min_behaviour_weight if cfg.decoupled else None,
+                rollout_correction=cfg.rollout_correction if cfg.decoupled else "none",
+                correction_level=cfg.rollout_correction_level,
                 eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logprobs=ref,
                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                 aggregation=cfg.aggregation, entropy=entropy)
             # the batch's mean, accumulated: each micro-batch weighs by its share of the
             # batch's tokens (token-mean) or of its sequences (seq-mean-token-mean)
+            seqs = float((mb.loss_mask.sum(dim=1) > 0).sum())
             if cfg.aggregation == "token-mean":
                 share = tokens / max(total_tokens, 1.0)
             else:
-                share = float((mb.loss_mask.sum(dim=1) > 0).sum()) / max(total_seqs, 1.0)
+                share = seqs / max(total_seqs, 1.0)
             (loss * share).backward()
+            # the batch's loss, kept as a token-weighted sum like the metrics below
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * share * total_tokens
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * tokens
+                # a sequence mean weighs by sequences, scaled to the tokens' normaliser
+                weight = seqs * total_tokens / max(total_seqs, 1.0) \
+                    if k in SEQUENCE_METRICS else tokens
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
         return sums, total_tokens
 
     def sync(self, sink: WeightsSink) -> dict[str, float]:
@@ -401,6 +469,91 @@ def _set_gradient_checkpointing(model: torch.nn.Module, want: bool | None) -> No
     elif want:
         raise ConfigError(f"{type(model).__name__} cannot checkpoint its activations",
                           hint="set trainer.gradient_checkpointing: false (or leave it unset)")
+
+
+def _check_options(cfg: TrainerConfig, model: torch.nn.Module) -> None:
+    """The rollout correction and packing options this model can use, or a ConfigError
+    at start (not at the first step)."""
+    check_correction(cfg.rollout_correction, cfg.rollout_correction_level,
+                     cfg.max_behaviour_weight, cfg.min_behaviour_weight)
+    explicit = {"rollout_correction", "rollout_correction_level", "min_behaviour_weight"}
+    if not cfg.decoupled and explicit & cfg.model_fields_set:
+        raise ConfigError("rollout_correction applies to the decoupled loss (the weight "
+                          "pi_prox / pi_behav); with decoupled: false the PPO ratio is "
+                          "taken against the behaviour logprobs directly",
+                          hint="set decoupled: true, or drop the rollout_correction options")
+    if not cfg.pack:
+        return
+    if cfg.micro_batch_tokens is None:
+        raise ConfigError("pack needs a token budget per micro-batch",
+                          hint="set trainer.micro_batch_tokens (e.g. 4096)")
+    parts = _decoder_and_head(model)
+    if parts is None:
+        raise ConfigError(f"{type(model).__name__} cannot be packed: it does not expose a "
+                          "decoder (get_decoder) taking position_ids and an LM head",
+                          hint="set trainer.pack: false")
+    _check_packing_isolates(parts[0])
+
+
+def _first_fit(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of total length <= budget (first fit, longest first:
+    few bins, so little per-forward overhead); one longer than budget is a bin alone."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= budget:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return bins
+
+
+def _packed(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The episodes of a right-padded batch as one row: token ids [1, L] and position ids
+    [1, L] (0.. again at each episode's start, which is how transformers' attention
+    finds the episodes: no attention across them), and each row's offset in it [B]."""
+    lengths = batch.attention_mask.sum(dim=1)
+    present = batch.attention_mask.bool()
+    device = present.device
+    width = batch.attention_mask.shape[1]
+    if not torch.equal(present, torch.arange(width, device=device)[None, :] < lengths[:, None]):
+        raise ConfigError("pack needs right-padded episodes (attention_mask 1 then 0)",
+                          hint="build the batch with TokenBatch.of")
+    ids = batch.token_ids[present]                     # row-major: episode after episode
+    offsets = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(ids.shape[0], device=device) - offsets.repeat_interleave(lengths)
+    return ids[None], positions[None], offsets
+
+
+def _check_packing_isolates(decoder: torch.nn.Module) -> None:
+    """Refuse to pack with a model whose attention does not confine each packed episode
+    to itself (one that ignores position_ids or gets no mask from them would let
+    episodes attend to each other, silently): an episode packed after another must give
+    the hidden states it gives alone."""
+    first, second = torch.arange(1, 6), torch.arange(2, 5)
+    device = next(decoder.parameters()).device
+    was_training = decoder.training
+    decoder.eval()
+    try:
+        with torch.no_grad():
+            alone = decoder(input_ids=second[None].to(device),
+                            use_cache=False).last_hidden_state[0].float()
+            ids = torch.cat([first, second])[None].to(device)
+            positions = torch.cat([torch.arange(5), torch.arange(3)])[None].to(device)
+            packed = decoder(input_ids=ids, position_ids=positions,
+                             use_cache=False).last_hidden_state[0, 5:].float()
+    finally:
+        decoder.train(was_training)
+    scale = float(alone.abs().max()) or 1.0
+    if not torch.allclose(packed, alone, rtol=1e-2, atol=1e-2 * scale):
+        raise ConfigError(f"{type(decoder).__name__} does not keep packed episodes apart "
+                          "(an episode packed after another attends to it)",
+                          hint="set trainer.pack: false, or use an attention implementation "
+                               "that builds the mask from position_ids (sdpa, eager, flash)")
 
 
 def _decoder_and_head(model: torch.nn.Module

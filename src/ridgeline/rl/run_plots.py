@@ -277,7 +277,7 @@ def _plot_mismatch(flat: Flat, out_dir: Path, paths: dict[str, Path]) -> None:
             right.plot(steps, [100 * v for v in values], color=color, linewidth=1,
                        linestyle="--", label=label)
         right.set_ylabel("tokens truncated / masked (%)")
-        right.set_ylim(bottom=0)
+        right.set_ylim(0, 100)   # shares: the whole range, never clipped
         handles += right.get_legend_handles_labels()[0]   # one legend for both axes
     _save_per_step(fig, ax, "Sampler / trainer mismatch on the recorded tokens",
                    "nats per token", out_dir, "mismatch", paths, loc="upper left",

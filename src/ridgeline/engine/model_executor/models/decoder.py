@@ -119,6 +119,8 @@ class DecoderForCausalLM(nn.Module):
     #: and names that carry nothing we need: a family with other layer names sets these
     layer_params: dict[str, tuple[str, str | None]] = _LAYER_PARAMS
     ignored_weights: re.Pattern[str] = _IGNORED
+    #: the layer a family with the decoder's embedding, final norm, head and RoPE builds
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
                  device: str = "cpu") -> None:
@@ -127,7 +129,7 @@ class DecoderForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                               device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, dtype, device)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(

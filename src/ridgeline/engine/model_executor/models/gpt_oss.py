@@ -11,7 +11,8 @@ decode and prefill kernels (`cpu_kernels`, the online softmax's final sum gains
 exp(sink - max)), and the PyTorch paths for fresh prompts, chunks over cached context and
 batched decode groups (the fused CPU attention op's logsumexp rescales its output by
 sigmoid(lse - sink)). The C decode stack (`kernels/decode_stack`) computes the shared
-dense layer only and is never used for this model (its forward is the plain layer loop).
+dense layer only and skips this model (`decode_stack.applies`: attention sinks), so the
+decoder's forward runs the plain layer loop over `GptOssDecoderLayer` (`layer_class`).
 
 Checkpoint layout (transformers 5, also what `save_pretrained` writes): the experts fused,
 `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved and
@@ -30,19 +31,17 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ridgeline.engine.kernels import decode_ops
 from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_attention
 from ridgeline.engine.model_executor.kv_cache import KVCache
-from ridgeline.engine.model_executor.models.config import ModelConfig, rope_inv_freq
+from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.engine.model_executor.models.decoder import _LAYER_PARAMS as DECODER_LAYER_PARAMS
 from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
 from ridgeline.engine.model_executor.models.layers import (
     Linear,
     RMSNorm,
-    RotaryEmbedding,
     apply_rotary,
 )
 from ridgeline.engine.model_executor.models.moe import GptOssMoeBlock
@@ -102,35 +101,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
     family = "gpt_oss"
     layer_params = _LAYER_PARAMS
     ignored_weights = _IGNORED
-
-    def __init__(self, cfg: ModelConfig, *, max_len: int, dtype: torch.dtype = torch.float32,
-                 device: str = "cpu") -> None:
-        # nn.Module's init, not DecoderForCausalLM's (which would allocate its own
-        # layers); the attributes the inherited methods use are set here
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                              device=device), requires_grad=False)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, dtype, device)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device),
-            requires_grad=False)
-        inv_freq, scaling = rope_inv_freq(cfg)  # YaRN: transformers' own initialisation
-        self.rotary = RotaryEmbedding(inv_freq, scaling, max_len, dtype, device)
-        self.register_buffer("head_q", None, persistent=False)   # int8 LM head (quantized)
-        self.register_buffer("head_scales", None, persistent=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden], for a flat batch of tokens."""
-        x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            x = layer(x, cos, sin, cache, meta)
-        return self.norm(x)
+    # the decoder's model around this layer (the C decode stack skips models with sinks)
+    layer_class = GptOssDecoderLayer
 
     def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
         if shard == "T":  # the checkpoint's [E, in, out] experts are ours [E, out, in]

@@ -36,6 +36,10 @@ from ridgeline.errors import ConfigError, ModelLoadError
 
 
 class DecoderLayer(nn.Module):
+    #: the sparse MLP of the layers in `cfg.moe_layers` (a family with another router or
+    #: experts sets its own)
+    moe_class: type[SparseMoeBlock] = SparseMoeBlock
+
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str) -> None:
         super().__init__()
         self.index = index
@@ -46,9 +50,13 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(h * d, cfg.hidden_size, cfg.o_bias, dtype, device)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        # attention sinks (gpt-oss): a learned logit per query head in the softmax's
+        # denominator; float32 whatever the model dtype (the kernels read float32)
+        self.sinks = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device),
+                                  requires_grad=False) if cfg.attention_sinks else None
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp: DenseMLP | SparseMoeBlock = (
-            SparseMoeBlock(cfg, dtype, device) if index in cfg.moe_layers
+            self.moe_class(cfg, dtype, device) if index in cfg.moe_layers
             else DenseMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, dtype, device))
 
     # a dense layer's projections, where `decode_stack` (dense models only) reads them
@@ -78,7 +86,8 @@ class DecoderLayer(nn.Module):
         else:  # rotate queries and keys in one go
             qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
             q, k = qk[:, :h], qk[:, h:]
-        attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta))
+        attn = self.o_proj(paged_attention(q, k, v, cache, self.index, meta,
+                                           sinks=self.sinks))
         return x.add_(self.mlp(self.post_norm(x, attn)))  # x += attn, then norm
 
 

@@ -10,9 +10,10 @@ passes them to `attention.paged_attention`, and every path there honours them: t
 decode and prefill kernels (`cpu_kernels`, the online softmax's final sum gains
 exp(sink - max)), and the PyTorch paths for fresh prompts, chunks over cached context and
 batched decode groups (the fused CPU attention op's logsumexp rescales its output by
-sigmoid(lse - sink)). The C decode stack (`kernels/decode_stack`) computes the shared
-dense layer only and skips this model (`decode_stack.applies`: attention sinks), so the
-decoder's forward runs the plain layer loop over `GptOssDecoderLayer` (`layer_class`).
+sigmoid(lse - sink)). The layer is the shared `DecoderLayer` (which has sinks where
+`cfg.attention_sinks`) with gpt-oss's sparse MLP (`moe_class`); the C decode stack
+(`kernels/decode_stack`) skips models with sinks, so the decoder's forward runs the plain
+layer loop.
 
 Checkpoint layout (transformers 5, also what `save_pretrained` writes): the experts fused,
 `mlp.experts.gate_up_proj` [E, H, 2I] with gate and up columns interleaved and
@@ -23,7 +24,7 @@ Checkpoint layout (transformers 5, also what `save_pretrained` writes): the expe
 
 The model reuses `DecoderForCausalLM` for the LM head, int8 weights (attention and expert
 projections int8; router, biases and sinks stay float) and weight loading, with its own
-layer class and checkpoint names (as gemma3).
+layer's MLP and checkpoint names.
 """
 
 from __future__ import annotations
@@ -33,51 +34,16 @@ import re
 import torch
 from torch import nn
 
-from ridgeline.engine.kernels import decode_ops
-from ridgeline.engine.model_executor.attention import AttentionMetadata, paged_attention
-from ridgeline.engine.model_executor.kv_cache import KVCache
-from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.engine.model_executor.models.decoder import _LAYER_PARAMS as DECODER_LAYER_PARAMS
-from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM
-from ridgeline.engine.model_executor.models.layers import (
-    Linear,
-    RMSNorm,
-    apply_rotary,
-)
+from ridgeline.engine.model_executor.models.decoder import DecoderForCausalLM, DecoderLayer
 from ridgeline.engine.model_executor.models.moe import GptOssMoeBlock
 from ridgeline.errors import ModelLoadError
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device: str) -> None:
-        super().__init__()
-        self.index = index
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = Linear(cfg.hidden_size, (h + 2 * kvh) * d, cfg.qkv_bias, dtype, device)
-        self.o_proj = Linear(h * d, cfg.hidden_size, cfg.o_bias, dtype, device)
-        # float32 whatever the model dtype: the kernels read float32, and a bfloat16
-        # checkpoint's values convert exactly
-        self.sinks = nn.Parameter(torch.empty(h, dtype=torch.float32, device=device),
-                                  requires_grad=False)
-        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = GptOssMoeBlock(cfg, dtype, device)
+class GptOssDecoderLayer(DecoderLayer):
+    """The shared layer (its sinks from `cfg.attention_sinks`) with gpt-oss's sparse MLP."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """x [T, hidden] -> the layer's output; x itself is updated in place."""
-        t = x.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(self.input_norm(x))
-        v = qkv[:, (h + kvh) * d:].view(t, kvh, d)
-        if decode_ops.usable(x) and d <= decode_ops.MAX_HEAD_DIM:  # in place, one C call
-            qk = decode_ops.rotary_(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
-        else:
-            qk = apply_rotary(qkv[:, :(h + kvh) * d].view(t, h + kvh, d), cos, sin)
-        attn = paged_attention(qk[:, :h], qk[:, h:], v, cache, self.index, meta,
-                               sinks=self.sinks)
-        return x.add_(self.mlp(self.post_norm(x, self.o_proj(attn))))  # x += attn, norm
+    moe_class = GptOssMoeBlock
 
 
 # checkpoint names under model.layers.N.: the decoder's attention and norms, the sinks,

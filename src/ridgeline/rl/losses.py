@@ -268,18 +268,13 @@ def token_logprobs(
     if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
         raise ConfigError(f"token ids must lie in [0, {vocab}); pad with a real id (e.g. 0) "
                           "and mask the padding in the loss mask")
-    with torch.autocast(device_type=logits.device.type, enabled=False):
-        scaled = logits[:, :-1].float()
-        if temperature != 1.0:
-            scaled = scaled / temperature
-        logp = torch.log_softmax(scaled, dim=-1)
-        chosen = logp.gather(-1, token_ids[:, 1:, None].long()).squeeze(-1)
-        out = torch.nn.functional.pad(chosen, (1, 0))
-        if not with_entropy:
-            return out
-        with torch.no_grad():  # a metric: no [B, T, V] tensors kept for backward
-            ent = -(logp.exp() * logp).sum(dim=-1)
-        return out, torch.nn.functional.pad(ent, (1, 0))
+    chosen, ent = _picked_logprobs(logits[:, :-1], token_ids[:, 1:], temperature,
+                                   with_entropy)
+    out = torch.nn.functional.pad(chosen, (1, 0))
+    if not with_entropy:
+        return out
+    assert ent is not None
+    return out, torch.nn.functional.pad(ent, (1, 0))
 
 
 def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, *,
@@ -317,15 +312,27 @@ def head_logprobs(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
 
 def _chunk_logprobs(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module,
                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(hidden)  # under the caller's autocast
-    with torch.autocast(hidden.device.type, enabled=False):
+    # the head under the caller's autocast
+    picked, entropy = _picked_logprobs(head(hidden), targets, temperature, True)
+    assert entropy is not None
+    return picked, entropy
+
+
+def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature) [..., V] at `targets` [...] in float32 with
+    autocast off (bf16 logits lose nothing beyond their own rounding), and the entropy
+    of each distribution without grad (a metric: no [..., V] tensor kept for backward)."""
+    with torch.autocast(device_type=logits.device.type, enabled=False):
         scaled = logits.float()
         if temperature != 1.0:
             scaled = scaled / temperature
         logp = torch.log_softmax(scaled, dim=-1)
-        picked = logp.gather(-1, targets[:, None].long()).squeeze(-1)
-        with torch.no_grad():  # a metric: nothing kept for backward
-            entropy = -(logp.exp() * logp).sum(-1)
+        picked = logp.gather(-1, targets[..., None].long()).squeeze(-1)
+        if not with_entropy:
+            return picked, None
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(dim=-1)
     return picked, entropy
 
 

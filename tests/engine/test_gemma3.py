@@ -15,10 +15,15 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from ridgeline.engine import LLM, SamplingParams
-from ridgeline.engine.kernels import cpu_kernels
 from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.errors import ConfigError
-from tests.helpers.engine_fixtures import hf_greedy, random_prompts
+from tests.helpers.engine_fixtures import (
+    ATTENTION_SCENARIOS,
+    assert_same_greedy,
+    hf_greedy,
+    random_prompts,
+    scenario_llm,
+)
 
 VOCAB = 256
 PROMPTS = random_prompts(8, VOCAB, seed=5, min_len=4, max_len=40, shared_prefix=20)
@@ -65,13 +70,6 @@ def reference(name: str) -> tuple:
     return tuple(hf_greedy(model(name), p, MAX_NEW) for p in PROMPTS)
 
 
-def _check(outs, ref) -> None:
-    for i, (out, (ids, lps)) in enumerate(zip(outs, ref)):
-        got = out.outputs[0]
-        assert got.token_ids == ids, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
-        assert max(abs(a - b) for a, b in zip(got.logprobs, lps)) < 1e-4
-
-
 def test_config_fields() -> None:
     cfg = ModelConfig.from_hf(config("w8-5to1"))
     assert cfg.family == "gemma3_text" and cfg.qk_norm  # q/k norms: no C decode stack
@@ -91,22 +89,11 @@ def test_unsupported_settings_are_refused(field: str, value: object) -> None:
         ModelConfig.from_hf(config("w8-5to1", **{field: value}))
 
 
-SCENARIOS = {
-    "kernel-chunked-prefix": dict(attention_backend="kernel", block_size=4,
-                                  max_num_batched_tokens=16),
-    "torch-chunked": dict(attention_backend="torch", block_size=8, max_num_batched_tokens=20),
-    "torch-bs1": dict(attention_backend="torch", max_num_seqs=1, block_size=16),
-}
-
-
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", list(ATTENTION_SCENARIOS))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_equals_transformers(name: str, scenario: str) -> None:
-    overrides = SCENARIOS[scenario]
-    if overrides["attention_backend"] == "kernel" and not cpu_kernels.available():
-        pytest.skip("no C compiler to build the kernel")
-    llm = LLM.from_hf_model(model(name), num_kv_blocks=300, **overrides)
-    _check(llm.generate(PROMPTS, GREEDY), reference(name))
+    llm = scenario_llm(model(name), scenario)
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference(name), PROMPTS)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0
     assert stats.num_free_blocks == stats.num_blocks - 1
@@ -115,7 +102,7 @@ def test_greedy_equals_transformers(name: str, scenario: str) -> None:
 def test_saved_directory_and_preemption(tmp_path: Path) -> None:
     model("w5-custom").save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), num_kv_blocks=40, block_size=4, max_num_batched_tokens=16)
-    _check(llm.generate(PROMPTS, GREEDY), reference("w5-custom"))
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference("w5-custom"), PROMPTS)
     assert llm.engine.num_preemptions > 0  # the pool forced recomputation
 
 

@@ -23,11 +23,14 @@ from ridgeline.engine.model_executor import attention
 from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.errors import ConfigError
 from tests.helpers.engine_fixtures import (
+    ATTENTION_SCENARIOS,
     KERNEL_BUILDS,
     agreement,
+    assert_same_greedy,
     hf_greedy,
     kernel_build,
     random_prompts,
+    scenario_llm,
 )
 
 VOCAB = 256
@@ -75,13 +78,6 @@ def model(name: str, seed: int = 0) -> GptOssForCausalLM:
 @cache
 def reference(name: str) -> tuple:
     return tuple(hf_greedy(model(name), p, MAX_NEW) for p in PROMPTS)
-
-
-def _check(outs, ref) -> None:
-    for i, (out, (ids, lps)) in enumerate(zip(outs, ref)):
-        got = out.outputs[0]
-        assert got.token_ids == ids, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
-        assert max(abs(a - b) for a, b in zip(got.logprobs, lps)) < 1e-4
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -220,25 +216,12 @@ def test_pytorch_paths_with_sinks_agree() -> None:
 
 # ---- the engine against transformers ---------------------------------------------------
 
-SCENARIOS = {
-    # C kernels (prefill and decode), prompts in chunks of 16 over blocks of 4, prefix cache
-    "kernel-chunked": dict(attention_backend="kernel", block_size=4,
-                           max_num_batched_tokens=16),
-    # PyTorch attention: fresh prompts, chunks over cached context, batched decode groups
-    "torch-chunked": dict(attention_backend="torch", block_size=8, max_num_batched_tokens=20),
-    # whole prompts in one step, one sequence at a time
-    "torch-bs1": dict(attention_backend="torch", max_num_seqs=1, block_size=16),
-}
 
-
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", list(ATTENTION_SCENARIOS))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_equals_transformers(name: str, scenario: str) -> None:
-    overrides = SCENARIOS[scenario]
-    if overrides["attention_backend"] == "kernel" and not cpu_kernels.available():
-        pytest.skip("no C compiler to build the kernel")
-    llm = LLM.from_hf_model(model(name), num_kv_blocks=300, **overrides)
-    _check(llm.generate(PROMPTS, GREEDY), reference(name))
+    llm = scenario_llm(model(name), scenario)
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference(name), PROMPTS)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0
     assert stats.num_free_blocks == stats.num_blocks - 1
@@ -258,12 +241,12 @@ def test_ignoring_sinks_changes_the_output() -> None:
 def test_saved_directory_preemption_and_speculation(tmp_path: Path) -> None:
     model("e8k3-w5").save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), num_kv_blocks=40, block_size=4, max_num_batched_tokens=16)
-    _check(llm.generate(PROMPTS, GREEDY), reference("e8k3-w5"))
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference("e8k3-w5"), PROMPTS)
     assert llm.engine.num_preemptions > 0  # the pool forced recomputation
     spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
             "ngram_min": 1, "ngram_max": 4}
     llm = LLM(str(tmp_path), num_kv_blocks=300, max_num_seqs=8, speculative=spec)
-    _check(llm.generate(PROMPTS, GREEDY), reference("e8k3-w5"))
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference("e8k3-w5"), PROMPTS)
     assert llm.engine.stats().spec_proposed_tokens > 0
 
 
@@ -278,7 +261,7 @@ def test_update_weights_in_checkpoint_shapes() -> None:
     other = model("e4k2-w8", seed=1)
     llm.engine.update_weights(other.state_dict().items())
     outs = llm.generate(PROMPTS[:3], GREEDY)
-    _check(outs, [hf_greedy(other, p, MAX_NEW) for p in PROMPTS[:3]])
+    assert_same_greedy(outs, [hf_greedy(other, p, MAX_NEW) for p in PROMPTS[:3]], PROMPTS)
 
 
 def test_bf16_int8_weights_and_int8_cache_stay_close_to_float32() -> None:

@@ -19,7 +19,15 @@ from ridgeline.engine import LLM, SamplingParams
 from ridgeline.engine.kernels import cpu_kernels
 from ridgeline.engine.model_executor.models.config import ModelConfig
 from ridgeline.errors import ConfigError
-from tests.helpers.engine_fixtures import KERNEL_BUILDS, hf_greedy, kernel_build, random_prompts
+from tests.helpers.engine_fixtures import (
+    ATTENTION_SCENARIOS,
+    KERNEL_BUILDS,
+    assert_same_greedy,
+    hf_greedy,
+    kernel_build,
+    random_prompts,
+    scenario_llm,
+)
 
 VOCAB = 256
 # 8 prompts, most longer than either window, every other one with a shared 24-token prefix
@@ -47,13 +55,6 @@ def model(kind: str) -> torch.nn.Module:
 @cache
 def reference(kind: str) -> tuple:
     return tuple(hf_greedy(model(kind), p, MAX_NEW) for p in PROMPTS)
-
-
-def _check(outs, ref) -> None:
-    for i, (out, (ids, lps)) in enumerate(zip(outs, ref)):
-        got = out.outputs[0]
-        assert got.token_ids == ids, f"prompt {i} (len {len(PROMPTS[i])}) diverged"
-        assert max(abs(a - b) for a, b in zip(got.logprobs, lps)) < 1e-4
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -146,25 +147,12 @@ def test_kernels_match_windowed_attention(build: str, prefill: bool) -> None:
 
 # ---- the engine against transformers ---------------------------------------------------
 
-SCENARIOS = {
-    # C kernels, prompts in chunks of 16 tokens over blocks of 4, prefix caching on
-    "kernel-chunked-prefix": dict(attention_backend="kernel", block_size=4,
-                                  max_num_batched_tokens=16),
-    # PyTorch attention (fresh prompts, batched decode, chunks over cached context)
-    "torch-chunked": dict(attention_backend="torch", block_size=8, max_num_batched_tokens=20),
-    # whole prompts in one step, batch size 1 (the fresh-prompt paths)
-    "torch-bs1": dict(attention_backend="torch", max_num_seqs=1, block_size=16),
-}
 
-
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", list(ATTENTION_SCENARIOS))
 @pytest.mark.parametrize("kind", ["mistral-w8", "qwen2-w12-hybrid"])
 def test_greedy_equals_transformers(kind: str, scenario: str) -> None:
-    overrides = SCENARIOS[scenario]
-    if overrides["attention_backend"] == "kernel" and not cpu_kernels.available():
-        pytest.skip("no C compiler to build the kernel")
-    llm = LLM.from_hf_model(model(kind), num_kv_blocks=300, **overrides)
-    _check(llm.generate(PROMPTS, GREEDY), reference(kind))
+    llm = scenario_llm(model(kind), scenario)
+    assert_same_greedy(llm.generate(PROMPTS, GREEDY), reference(kind), PROMPTS)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0  # the shared prefix was found
     assert stats.num_free_blocks == stats.num_blocks - 1  # every block came back
@@ -176,7 +164,7 @@ def test_saved_checkpoint_under_preemption(tmp_path: Path) -> None:
     model("mistral-w8").save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, GREEDY)
-    _check(outs, reference("mistral-w8"))
+    assert_same_greedy(outs, reference("mistral-w8"), PROMPTS)
     assert llm.engine.stats().num_free_blocks == 23
 
 

@@ -83,6 +83,41 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int],
     return ids, lps
 
 
+#: the engine set-ups a family's greedy test runs in: the C kernels (prefill and decode)
+#: with prompts in chunks of 16 over blocks of 4 and prefix caching; the PyTorch attention
+#: paths (fresh prompts, chunks over cached context, batched decode groups); whole prompts
+#: in one step, one sequence at a time
+ATTENTION_SCENARIOS = {
+    "kernel-chunked-prefix": dict(attention_backend="kernel", block_size=4,
+                                  max_num_batched_tokens=16),
+    "torch-chunked": dict(attention_backend="torch", block_size=8, max_num_batched_tokens=20),
+    "torch-bs1": dict(attention_backend="torch", max_num_seqs=1, block_size=16),
+}
+
+
+def scenario_llm(hf_model: torch.nn.Module, scenario: str):
+    """An engine over `hf_model` in `ATTENTION_SCENARIOS[scenario]` (skipped where the C
+    kernel cannot be built)."""
+    import pytest
+
+    from ridgeline.engine import LLM
+    from ridgeline.engine.kernels import cpu_kernels
+
+    overrides = ATTENTION_SCENARIOS[scenario]
+    if overrides["attention_backend"] == "kernel" and not cpu_kernels.available():
+        pytest.skip("no C compiler to build the kernel")
+    return LLM.from_hf_model(hf_model, num_kv_blocks=300, **overrides)
+
+
+def assert_same_greedy(outs, ref, prompts, tol: float = 1e-4) -> None:
+    """The engine's outputs have transformers' greedy tokens (`hf_greedy`) and their
+    logprobs within `tol`."""
+    for i, (out, (ids, lps)) in enumerate(zip(outs, ref)):
+        got = out.outputs[0]
+        assert got.token_ids == ids, f"prompt {i} (len {len(prompts[i])}) diverged"
+        assert max(abs(a - b) for a, b in zip(got.logprobs, lps)) < tol
+
+
 @cache
 def cached_model(kind: str, **kw) -> torch.nn.Module:
     return tiny_model(kind, **kw)

@@ -20,7 +20,7 @@ from collections import Counter
 
 from ridgeline.tasks.families.base import Instance, family
 from ridgeline.tasks.families.catalog.archives import _targz, _tree
-from ridgeline.tasks.families.catalog.checks import sha256, tree_unchanged_test
+from ridgeline.tasks.families.catalog.checks import sha256, tree_unchanged_test, untouched_test
 from ridgeline.tasks.families.catalog.git import _GIT_TEST, _build_repo, _history
 from ridgeline.tasks.families.catalog.sorting import _NUMERIC_COLUMNS, _people
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
@@ -36,16 +36,6 @@ from pathlib import Path
 
 def lines(path):
     return [ln.strip() for ln in Path(path).read_text().splitlines() if ln.strip()]
-'''
-
-
-def _untouched(path: str, content: str | bytes) -> str:
-    """A test that the input file `path` (relative to /app) still has `content`."""
-    return f'''
-
-def test_input_is_untouched():
-    data = Path("/app/{path}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == "{sha256(content)}", "/app/{path} was changed"
 '''
 
 
@@ -133,7 +123,7 @@ def test_long_lines():
     got = [ln.rstrip() for ln in Path("/app/{out}").read_text().splitlines() if ln.strip()]
     assert got == {keep!r}
 '''
-    tests = f'"""line-lengths ({kind}) of {src}."""\n' + _HEAD + check + _untouched(src, content)
+    tests = f'"""line-lengths ({kind}) of {src}."""\n' + _HEAD + check + untouched_test(src, content)
     return Instance(instruction, {src: content}, solution, tests,
                     difficulty="easy" if kind != "shortest" else "medium",
                     tags=("awk", "length"))
@@ -204,7 +194,7 @@ def count_words_in_text(rng: random.Random) -> Instance:
         solution = (f"tr 'A-Z' 'a-z' < {src} | tr -cs 'a-z' '\\n' | grep -v '^$' | sort -u "
                     f"| wc -l > {out}\n")
     tests = (f'"""count-words-in-text ({kind}): {expected} in {src}."""\n' + _HEAD
-             + _value_test(out, expected) + _untouched(src, text))
+             + _value_test(out, expected) + untouched_test(src, text))
     return Instance(instruction, {src: text}, solution, tests, difficulty="medium",
                     tags=("tr", "words", "count"))
 
@@ -272,7 +262,7 @@ def extract_pattern_matches(rng: random.Random) -> Instance:
 
 def test_matches_in_order():
     assert lines("/app/{out}") == {expected!r}
-''' + _untouched(src, text))
+''' + untouched_test(src, text))
     solution = f"grep -oE '{pattern}' {src} > {out}\n"
     return Instance(instruction, {src: text}, solution, tests,
                     tags=("grep", "regex", "extract"))
@@ -328,7 +318,7 @@ def most_frequent_log_value(rng: random.Random) -> Instance:
         f"{what} with the highest count (only the value, not the count).",
     ))
     tests = (f'"""most-frequent-log-value: {field} {top} x{counts[top]} in {src}."""\n' + _HEAD
-             + _value_test(out, top) + _untouched(src, content))
+             + _value_test(out, top) + untouched_test(src, content))
     solution = (f"awk '{{ print ${col} }}' {src} | sort | uniq -c | sort -rn | head -n 1 "
                 f"| awk '{{ print $2 }}' > {out}\n")
     return Instance(instruction, {src: content}, solution, tests, difficulty="medium",
@@ -394,7 +384,7 @@ def test_values():
         solution = (f"tail -n +2 {src} | sort -t, -k{col},{col}n | "
                     f"{'tail' if big else 'head'} -n 1 | cut -d, -f1 > {out}\n")
     tests = f'"""numeric-extremes ({kind}) of {key} in {src}."""\n' + _HEAD + check + \
-        _untouched(src, content)
+        untouched_test(src, content)
     return Instance(instruction, {src: content}, solution, tests,
                     difficulty="medium" if kind.startswith("who") else "easy",
                     tags=("sort", "head", "csv"))
@@ -441,7 +431,7 @@ def count_archive_files(rng: random.Random) -> Instance:
 
 def test_not_unpacked():
     assert not Path("/app/{top}").exists()
-''' + _untouched(archive, blob))
+''' + untouched_test(archive, blob))
     return Instance(instruction, {archive: blob}, solution.format(a=archive, o=out), tests,
                     tags=("archives", "tar", "count"))
 
@@ -483,7 +473,7 @@ def test_unpacked():
             p = Path(dirpath) / n
             found[str(p.relative_to("/app"))] = hashlib.sha256(p.read_bytes()).hexdigest()
     assert found == EXPECTED
-''' + _untouched(archive, blob)
+''' + untouched_test(archive, blob)
     return Instance(instruction, {archive: blob}, f"mkdir -p {dest}\ntar -xzf {archive} -C {dest}\n",
                     tests, tags=("archives", "tar", "extract"))
 
@@ -793,7 +783,7 @@ def test_answer():
     assert sorted(Path(x).name for x in lines("/app/{out}")) == {expected!r}
 
 
-{tree_unchanged_test("test_folder_untouched", d)}''' + _untouched(ref, base)
+{tree_unchanged_test("test_folder_untouched", d)}''' + untouched_test(ref, base)
     solution = (f"h=$(md5sum < {ref} | cut -d' ' -f1)\n"
                 f"md5sum {d}/* | awk -v h=\"$h\" '{awk} {{ print $2 }}' > {out}\n")
     return Instance(instruction, files, solution, tests, difficulty="medium",
@@ -998,7 +988,7 @@ def distinct_column_values(rng: random.Random) -> Instance:
 
 def test_values():
     assert lines("/app/{out}") == {expected!r}
-''' + _untouched(src, content))
+''' + untouched_test(src, content))
     if status:
         solution = (f"awk -F, '$5 == \"{status}\" {{ print ${k + 1} }}' {src} | sort -u "
                     f"> {out}\n")
@@ -1073,7 +1063,7 @@ def json_lookup(rng: random.Random) -> Instance:
         expr = "sum(r['stock'] for r in d)"
     content = json.dumps(data, indent=2) + "\n"
     tests = (f'"""json-lookup ({kind}) in {src}."""\n' + _HEAD
-             + _value_test(out, expected) + _untouched(src, content))
+             + _value_test(out, expected) + untouched_test(src, content))
     solution = f"python3 -c \"import json; {load}; print({expr})\" > {out}\n"
     return Instance(instruction, {src: content}, solution, tests,
                     difficulty="easy" if kind == "total" else "medium", tags=("json", "python"))

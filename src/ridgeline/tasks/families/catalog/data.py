@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 
 from ridgeline.tasks.families.base import Instance, family
+from ridgeline.tasks.families.catalog.checks import untouched_test
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
 
 REGIONS = ("north", "south", "east", "west", "central")
 CITIES = ("lisbon", "oslo", "quito", "lagos", "kyoto", "perth", "denver", "tunis")
 STATUSES = ("pending", "shipped", "delivered", "cancelled", "returned")
-
-
-def _untouched(path: str, content: str) -> str:
-    """A test that the input file `path` (relative to /app) still has `content`."""
-    digest = hashlib.sha256(content.encode()).hexdigest()
-    return f'''
-
-def test_input_is_untouched():
-    data = Path("/app/{path}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == "{digest}", "/app/{path} was changed"
-'''
 
 
 def _sales(rng: random.Random, n: int) -> tuple[list[str], list[list[str]]]:
@@ -76,7 +65,7 @@ from pathlib import Path
 def test_value():
     got = float(Path("/app/{out}").read_text().strip())
     {check}
-''' + _untouched(src, _csv(header, rows))
+''' + untouched_test(src, _csv(header, rows))
     cond = f' && $2 == "{region}"' if region else ""
     if op == "sum":
         end = 'printf "%.2f\\n", s' if cents else "print s"
@@ -123,7 +112,7 @@ def test_totals():
     with open("/app/{out}", newline="") as f:
         rows = [[c.strip() for c in r] for r in csv.reader(f) if r]
     assert rows == EXPECTED
-''' + _untouched(src, _csv(header, rows))
+''' + untouched_test(src, _csv(header, rows))
     solution = (f"{{ echo '{group},total_units'; tail -n +2 {src} | awk -F, "
                 f"'{{ t[${g + 1}] += ${k + 1} }} END {{ for (x in t) print x \",\" t[x] }}' "
                 f"| sort; }} > {out}\n")
@@ -203,7 +192,7 @@ from pathlib import Path
 
 def test_output():
     {check}
-''' + _untouched(src, content)
+''' + untouched_test(src, content)
     solution = (f"python3 - <<'PY'\nimport csv, json\nFIELDS = {fields!r}\n{load}"
                 f"keep = [r for r in records if {test_cond}]\n{solution_out}PY\n")
     return Instance(instruction, {src: content}, solution, tests, difficulty="medium",
@@ -254,7 +243,7 @@ from pathlib import Path
 
 def test_count():
     assert Path("/app/{out}").read_text().strip() == "{len(match)}"
-''' + _untouched(src, content)
+''' + untouched_test(src, content)
     solution = (f"python3 - <<'PY' > {out}\nimport json\norders = json.load(open({src!r}))\n"
                 f"print(sum(1 for o in orders if {expr}))\nPY\n")
     return Instance(instruction, {src: content}, solution, tests,
@@ -293,7 +282,7 @@ from pathlib import Path
 
 def test_count():
     assert Path("/app/{out}").read_text().strip() == "{distinct}"
-''' + _untouched(src, _csv(header, rows))
+''' + untouched_test(src, _csv(header, rows))
     solution = f"tail -n +2 {src} | cut -d, -f{k + 1} | sort -u | wc -l > {out}\n"
     return Instance(instruction, {src: _csv(header, rows)}, solution, tests,
                     tags=("csv", "uniq", "count"))

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from collections import Counter
 
 from ridgeline.tasks.families.base import Instance, family
+from ridgeline.tasks.families.catalog.checks import untouched_test
 from ridgeline.tasks.families.catalog.words import NAMES, NOUNS, SERVICES
-
-
-def _untouched(path: str, content: str) -> str:
-    """A test that the input file `path` (relative to /app) still has `content`."""
-    digest = hashlib.sha256(content.encode()).hexdigest()
-    return f'''
-
-def test_input_is_untouched():
-    data = Path("/app/{path}").read_bytes()
-    assert hashlib.sha256(data).hexdigest() == "{digest}", "/app/{path} was changed"
-'''
 
 
 @family("sort-numbers", skill="sorting", split="train")
@@ -58,7 +47,7 @@ EXPECTED = {[str(v) for v in expected]!r}
 def test_numbers_are_sorted():
     lines = [ln.strip() for ln in Path("/app/{out}").read_text().splitlines() if ln.strip()]
     assert lines == EXPECTED
-''' + _untouched(src, content)
+''' + untouched_test(src, content)
     flags = "-nr" if descending else "-n"
     return Instance(instruction, {src: content}, f"sort {flags} {src} > {out}\n", tests,
                     tags=("sort", "numbers"))
@@ -120,7 +109,7 @@ def test_rows_are_ordered():
         rows = [r for r in csv.reader(f) if r]
     assert rows[0] == EXPECTED[0], "the header must be the first line"
     assert rows == EXPECTED
-''' + _untouched(src, content)
+''' + untouched_test(src, content)
     flags = f"-t, -k{k + 1},{k + 1}n" + ("r" if descending else "")
     solution = f"{{ head -n 1 {src}; tail -n +2 {src} | sort {flags}; }} > {out}\n"
     return Instance(instruction, {src: content}, solution, tests, difficulty="medium",
@@ -179,7 +168,7 @@ def test_top_three():
     lines = [" ".join(ln.split()) for ln in Path("/app/{out}").read_text().splitlines()
              if ln.strip()]
     assert lines == EXPECTED
-''' + _untouched(src, text)
+''' + untouched_test(src, text)
     solution = (f"tr 'A-Z' 'a-z' < {src} | tr -cs 'a-z' '\\n' | grep -v '^$' | sort | uniq -c "
                 f"| sort -k1,1nr | head -n 3 | awk '{{print $2, $1}}' > {out}\n")
     return Instance(instruction, {src: text}, solution, tests, difficulty="medium",
@@ -219,7 +208,7 @@ from pathlib import Path
 
 def test_median():
     assert float(Path("/app/{out}").read_text().strip()) == {median}
-''' + _untouched(src, content)
+''' + untouched_test(src, content)
     solution = (f"tail -n +2 {src} | cut -d, -f{k + 1} | sort -n "
                 f"| awk '{{v[NR] = $1}} END {{print v[(NR + 1) / 2]}}' > {out}\n")
     return Instance(instruction, {src: content}, solution, tests, difficulty="medium",
